@@ -1,0 +1,600 @@
+"""Block attention for DFlash draft models.
+
+Every draft block ``b`` of a row has ``W = block_size`` slots. A slot of block ``b`` attends to
+
+* the target context of its row at sequence indices ``context_start[b] <= j < anchor[b]``
+  (strictly before the anchor, inside the anchor's document), optionally restricted to a sliding
+  window, and
+* the slots of its own block (all of them, or only the earlier ones when ``causal``), never another block.
+
+The reference formulation concatenates context keys and all block keys and applies an additive mask of
+shape ``[B, 1, N*W, S + N*W]``. That mask (and the score tensor behind it) grows with ``N * W * (S + N*W)``
+although almost all of it is masked out, so three backends are provided:
+
+* ``"dense"``: the reference with the dense mask, written to be obviously right. It is the test oracle.
+* ``"chunked"``: exact and without the dense mask. The context part (queries of a chunk of blocks against
+  the context keys) and the in-block part (``[W, W]`` per block) are computed separately, each returning its
+  output and log-sum-exp, and merged exactly through the log-sum-exp. Blocks are processed in chunks, each
+  chunk under activation checkpointing, so forward+backward memory is bounded by one chunk.
+* ``"flex"``: ``torch.nn.attention.flex_attention`` with a ``BlockMask`` built from the same visibility
+  rule as the dense mask (compiled on CUDA, eager elsewhere).
+
+Shapes: B = batch, S = context length, N = blocks per row, W = block size, Hq = query heads,
+Hkv = key/value heads (Hq % Hkv == 0, grouped-query attention), D = head dim.
+RoPE and q/k norms are applied by the caller; this module sees plain tensors.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+__all__ = [
+    "BlockVisibility",
+    "block_attention",
+    "dense_block_attention_mask",
+]
+
+_BACKENDS = ("auto", "dense", "chunked", "flex")
+
+# Target size of the fp32 context-score tensor of one chunk of blocks in the "chunked" backend. Forward and
+# backward keep a small multiple of it alive (scores, their exponentials, and their gradients).
+_CHUNK_SCORE_BYTES = 128 * 2**20
+
+
+@dataclass(frozen=True)
+class BlockVisibility:
+    """What each draft block may attend to.
+
+    Attributes:
+        anchor_positions: ``[B, N]`` int64, sequence index of slot 0 of each block.
+        context_start: ``[B, N]`` int64, first context index the block may see (its document start; 0
+            unpacked). Visible context keys are ``context_start <= j < anchor``.
+        block_valid: ``[B, N]`` bool. Invalid blocks see no context and their attention output is zero.
+        causal: in-block direction. ``False``: a slot sees every slot of its block; ``True``: slot ``q``
+            sees slot ``k`` iff ``k <= q``.
+        sliding_window: ``None`` for full attention. Otherwise a query at sequence position ``a + q``
+            (anchor ``a``, slot ``q``) sees context key ``j`` iff ``(a + q) - j < sliding_window``, and
+            in-block slot ``k`` iff ``|q - k| < sliding_window`` (and ``k <= q`` when causal).
+
+    Values are not checked against the sequence length here (that would need a host sync); the batch plan
+    validates them when it is built.
+    """
+
+    anchor_positions: torch.Tensor
+    context_start: torch.Tensor
+    block_valid: torch.Tensor
+    causal: bool = False
+    sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        shape = tuple(self.anchor_positions.shape)
+        if len(shape) != 2:
+            raise ValueError(f"anchor_positions must have shape [B, N], got {shape}.")
+        for name in ("context_start", "block_valid"):
+            other = tuple(getattr(self, name).shape)
+            if other != shape:
+                raise ValueError(
+                    f"{name} must have the same shape as anchor_positions {shape}, got {other}."
+                )
+        for name in ("anchor_positions", "context_start"):
+            tensor = getattr(self, name)
+            if tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool:
+                raise ValueError(f"{name} must be an integer tensor, got dtype {tensor.dtype}.")
+        if self.block_valid.dtype != torch.bool:
+            raise ValueError(f"block_valid must be a bool tensor, got dtype {self.block_valid.dtype}.")
+        devices = {t.device for t in (self.anchor_positions, self.context_start, self.block_valid)}
+        if len(devices) != 1:
+            raise ValueError(f"visibility tensors must live on one device, got {sorted(map(str, devices))}.")
+        if self.sliding_window is not None and (
+            isinstance(self.sliding_window, bool)
+            or not isinstance(self.sliding_window, int)
+            or self.sliding_window < 1
+        ):
+            raise ValueError(
+                f"sliding_window must be None or a positive int, got {self.sliding_window!r}."
+            )
+
+    @classmethod
+    def from_plan(cls, plan, *, causal: bool = False, sliding_window: int | None = None) -> "BlockVisibility":
+        """Build from any object with ``anchor_positions``, ``context_start`` and ``block_valid`` ([B, N])."""
+        missing = [
+            name for name in ("anchor_positions", "context_start", "block_valid") if not hasattr(plan, name)
+        ]
+        if missing:
+            raise TypeError(
+                f"from_plan needs a batch plan with anchor_positions, context_start and block_valid; "
+                f"{type(plan).__name__} lacks {missing}."
+            )
+        return cls(
+            anchor_positions=plan.anchor_positions,
+            context_start=plan.context_start,
+            block_valid=plan.block_valid,
+            causal=causal,
+            sliding_window=sliding_window,
+        )
+
+    @property
+    def batch_size(self) -> int:
+        return self.anchor_positions.shape[0]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.anchor_positions.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.anchor_positions.device
+
+    def to(self, device: torch.device | str) -> "BlockVisibility":
+        return BlockVisibility(
+            anchor_positions=self.anchor_positions.to(device),
+            context_start=self.context_start.to(device),
+            block_valid=self.block_valid.to(device),
+            causal=self.causal,
+            sliding_window=self.sliding_window,
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The visibility rule on the flattened ("dense") layout, shared by the dense oracle and the flex backend.
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _flat_mask_mod(visibility: BlockVisibility, seq_length: int, block_size: int) -> Callable:
+    """Return ``mask_mod(b, h, q_idx, kv_idx) -> bool`` on the flattened layout.
+
+    Queries are flattened to ``q_idx in [0, N*W)`` (block ``q_idx // W``, slot ``q_idx % W``); keys are the
+    ``S`` context keys followed by the ``N*W`` block keys. Works both on broadcastable index tensors (dense
+    mask) and on the scalar tensors that flex_attention passes.
+    """
+    anchors = visibility.anchor_positions
+    starts = visibility.context_start
+    valid = visibility.block_valid
+    causal = visibility.causal
+    window = visibility.sliding_window
+    S, W = seq_length, block_size
+    last_block = visibility.num_blocks - 1
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        # flex may evaluate padded query indices past N*W: clamp so the gathers stay in range (those rows are
+        # discarded anyway).
+        block = torch.clamp(q_idx // W, max=last_block)
+        q_slot = q_idx - (q_idx // W) * W
+        anchor = anchors[b, block]
+        is_context = kv_idx < S
+        context_ok = valid[b, block] & (kv_idx >= starts[b, block]) & (kv_idx < anchor)
+        key = kv_idx - S
+        key_block = key // W
+        k_slot = key - key_block * W
+        block_ok = key_block == q_idx // W
+        if causal:
+            block_ok = block_ok & (k_slot <= q_slot)
+        if window is not None:
+            context_ok = context_ok & (anchor + q_slot - kv_idx < window)
+            block_ok = block_ok & ((q_slot - k_slot).abs() < window)
+        return (is_context & context_ok) | (~is_context & block_ok)
+
+    return mask_mod
+
+
+def dense_block_attention_mask(
+    visibility: BlockVisibility,
+    seq_length: int,
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Additive mask of the reference formulation.
+
+    Returns ``[B, 1, N*W, S + N*W]`` in ``dtype``: 0 where visible, ``-inf`` where masked. Keys are the ``S``
+    context keys followed by the ``N*W`` block keys. An invalid block sees its own slots only (and no
+    context), so no row is fully masked.
+    """
+    if seq_length < 0 or block_size < 1:
+        raise ValueError(f"need seq_length >= 0 and block_size >= 1, got {seq_length} and {block_size}.")
+    B, N = visibility.batch_size, visibility.num_blocks
+    device = visibility.device
+    mask_mod = _flat_mask_mod(visibility, seq_length, block_size)
+    b = torch.arange(B, device=device).view(B, 1, 1)
+    q_idx = torch.arange(N * block_size, device=device).view(1, -1, 1)
+    kv_idx = torch.arange(seq_length + N * block_size, device=device).view(1, 1, -1)
+    visible = mask_mod(b, None, q_idx, kv_idx)  # [B, N*W, S + N*W]
+    mask = torch.zeros(visible.shape, dtype=dtype, device=device)
+    mask.masked_fill_(~visible, float("-inf"))
+    return mask.unsqueeze(1)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Input checks
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _check_inputs(query, context_key, context_value, block_key, block_value, visibility) -> None:
+    if not isinstance(visibility, BlockVisibility):
+        raise TypeError(
+            "visibility must be a BlockVisibility (see BlockVisibility.from_plan), got "
+            f"{type(visibility).__name__}."
+        )
+    if query.dim() != 5:
+        raise ValueError(f"query must have shape [B, N, W, Hq, D], got {tuple(query.shape)}.")
+    B, N, W, Hq, D = query.shape
+    if context_key.dim() != 4 or context_value.shape != context_key.shape:
+        raise ValueError(
+            "context_key and context_value must both have shape [B, S, Hkv, D], got "
+            f"{tuple(context_key.shape)} and {tuple(context_value.shape)}."
+        )
+    if block_key.dim() != 5 or block_value.shape != block_key.shape:
+        raise ValueError(
+            "block_key and block_value must both have shape [B, N, W, Hkv, D], got "
+            f"{tuple(block_key.shape)} and {tuple(block_value.shape)}."
+        )
+    Bc, S, Hkv, Dk = context_key.shape
+    if Bc != B or block_key.shape[0] != B:
+        raise ValueError(
+            f"batch size mismatch: query has {B}, context_key {Bc}, block_key {block_key.shape[0]}."
+        )
+    if tuple(block_key.shape[1:3]) != (N, W):
+        raise ValueError(
+            f"block_key must have [B, N, W] = {(B, N, W)} leading dims like query, got "
+            f"{tuple(block_key.shape[:3])}."
+        )
+    if block_key.shape[3] != Hkv:
+        raise ValueError(
+            "context and block keys must have the same number of KV heads, got "
+            f"{Hkv} and {block_key.shape[3]}."
+        )
+    if Dk != D or block_key.shape[4] != D:
+        raise ValueError(
+            f"head dim mismatch: query has {D}, context_key {Dk}, block_key {block_key.shape[4]}."
+        )
+    if Hkv < 1 or Hq % Hkv != 0:
+        raise ValueError(
+            f"query heads ({Hq}) must be a positive multiple of key/value heads ({Hkv}) for grouped-query "
+            "attention."
+        )
+    tensors = (query, context_key, context_value, block_key, block_value)
+    if len({t.dtype for t in tensors}) != 1:
+        raise ValueError(f"query/key/value dtypes differ: {[t.dtype for t in tensors]}.")
+    if not query.dtype.is_floating_point:
+        raise ValueError(f"attention inputs must be floating point, got {query.dtype}.")
+    if len({t.device for t in tensors} | {visibility.device}) != 1:
+        raise ValueError("query, keys, values and visibility tensors must be on the same device.")
+    if tuple(visibility.anchor_positions.shape) != (B, N):
+        raise ValueError(
+            f"visibility is for [B, N] = {tuple(visibility.anchor_positions.shape)} but query has {(B, N)}."
+        )
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Scores and softmax run in fp32 for half-precision inputs (fp64 inputs stay fp64)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Dense reference
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _dense_attention(query, context_key, context_value, block_key, block_value, visibility, scale):
+    """Reference: one softmax over [context keys, all block keys] with the dense additive mask (>= fp32)."""
+    B, N, W, Hq, D = query.shape
+    S, Hkv = context_key.shape[1], context_key.shape[2]
+    group = Hq // Hkv
+    dtype = _compute_dtype(query.dtype)
+    q = query.to(dtype).reshape(B, N * W, Hq, D).transpose(1, 2)  # [B, Hq, N*W, D]
+    k = torch.cat([context_key.to(dtype), block_key.to(dtype).reshape(B, N * W, Hkv, D)], dim=1)
+    v = torch.cat([context_value.to(dtype), block_value.to(dtype).reshape(B, N * W, Hkv, D)], dim=1)
+    # Query head h uses KV head h // group.
+    k = k.transpose(1, 2).repeat_interleave(group, dim=1)  # [B, Hq, S + N*W, D]
+    v = v.transpose(1, 2).repeat_interleave(group, dim=1)
+    mask = dense_block_attention_mask(visibility, S, W, dtype)  # [B, 1, N*W, S + N*W]
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale + mask
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, v)  # [B, Hq, N*W, D]
+    out = out.transpose(1, 2).reshape(B, N, W, Hq, D)
+    out = out * visibility.block_valid.view(B, N, 1, 1, 1).to(out.dtype)
+    return out.to(query.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Chunked exact path
+# ---------------------------------------------------------------------------------------------------------
+
+
+class _GroupedMaskedAttention(torch.autograd.Function):
+    """Softmax attention with a boolean mask that returns the output and the log-sum-exp.
+
+    Inputs:
+        query: ``[*, G*R, D]``, already scaled; its rows are ``G`` query heads that share one KV head, each
+            with ``R`` rows (the mask is shared by the ``G`` heads, so it never has to be repeated).
+        key, value: ``[*, K, D]``.
+        visible: bool, broadcastable to ``[*, G, R, K]``.
+        groups: ``G``.
+    Outputs:
+        out ``[*, G*R, D]`` and lse ``[*, G*R]`` (fp32 or wider); a row that sees no key gets out = 0 and
+        lse = -inf, and no gradient flows through it (no NaN in forward or backward).
+
+    The backward is written by hand (as in flash attention) so that forward and backward each hold only one
+    score-sized tensor and touch it as few times as possible: the scores become unnormalised probabilities
+    ``E = exp(S - rowmax)`` in place and the normaliser ``1 / rowsum(E)`` is applied to the small
+    ``[*, G*R, D]`` tensors instead; the backward turns ``dP`` into ``dS`` in place using
+    ``rowsum(dP * P) = rowsum(dO * O)``.
+    """
+
+    @staticmethod
+    def forward(ctx, query, key, value, visible, groups):
+        scores = torch.matmul(query, key.transpose(-1, -2))  # [*, G*R, K]
+        grouped = scores.view(*scores.shape[:-2], groups, -1, scores.shape[-1])  # [*, G, R, K]
+        grouped.masked_fill_(~visible, float("-inf"))
+        row_max = scores.amax(dim=-1, keepdim=True)  # [*, G*R, 1]; -inf exactly on rows that see nothing
+        empty = row_max == float("-inf")
+        # Shift empty rows by 0 instead of -inf so that their weights are exp(-inf) = 0 rather than NaN.
+        row_max.masked_fill_(empty, 0.0)
+        weights = scores.sub_(row_max).exp_()  # E, in place: the scores are not needed any more
+        row_sum = weights.sum(dim=-1, keepdim=True).masked_fill_(empty, 1.0)  # >= 1 on non-empty rows
+        inv_sum = row_sum.reciprocal()
+        out = torch.matmul(weights, value).mul_(inv_sum)  # [*, G*R, D]; exactly 0 on empty rows
+        lse = (row_sum.log_() + row_max).masked_fill_(empty, float("-inf")).squeeze(-1)  # [*, G*R]
+        ctx.save_for_backward(query, key, value, weights, inv_sum, out)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        query, key, value, weights, inv_sum, out = ctx.saved_tensors
+        # With P = E / rowsum(E): dV = P^T dO and dS = P * (dP - rowsum(dP * P) + dLSE), dP = dO V^T,
+        # rowsum(dP * P) = rowsum(dO * O). The 1 / rowsum(E) factor is folded into the small dO and row term.
+        # Masked entries and empty rows have E = 0, so they get exactly zero gradient.
+        grad_out_scaled = grad_out * inv_sum
+        grad_value = torch.matmul(weights.transpose(-1, -2), grad_out_scaled)
+        grad_scores = torch.matmul(grad_out_scaled, value.transpose(-1, -2))
+        row_term = ((grad_out * out).sum(dim=-1, keepdim=True) - grad_lse.unsqueeze(-1)) * inv_sum
+        grad_scores.sub_(row_term).mul_(weights)
+        grad_query = torch.matmul(grad_scores, key)
+        grad_key = torch.matmul(grad_scores.transpose(-1, -2), query)
+        return grad_query, grad_key, grad_value, None, None
+
+
+def _in_block_visibility(block_size: int, causal: bool, window: int | None, device) -> torch.Tensor:
+    """``[W, W]`` bool, entry [q, k]: slot q sees slot k of its own block (the diagonal is always visible)."""
+    slots = torch.arange(block_size, device=device)
+    q, k = slots.view(-1, 1), slots.view(1, -1)
+    visible = torch.ones(block_size, block_size, dtype=torch.bool, device=device)
+    if causal:
+        visible = visible & (k <= q)
+    if window is not None:
+        visible = visible & ((q - k).abs() < window)
+    return visible
+
+
+def _chunk_attention(
+    query: torch.Tensor,
+    context_key: torch.Tensor,
+    context_value: torch.Tensor,
+    block_key: torch.Tensor,
+    block_value: torch.Tensor,
+    anchors: torch.Tensor,
+    starts: torch.Tensor,
+    valid: torch.Tensor,
+    scale: float,
+    causal: bool,
+    window: int | None,
+) -> torch.Tensor:
+    """Exact attention for a chunk of ``C`` blocks.
+
+    query ``[B, C, W, Hq, D]``, context_key/value ``[B, S, Hkv, D]``, block_key/value ``[B, C, W, Hkv, D]``,
+    anchors/starts/valid ``[B, C]`` -> ``[B, C, W, Hq, D]`` in query's dtype.
+    """
+    B, C, W, Hq, D = query.shape
+    S, Hkv = context_key.shape[1], context_key.shape[2]
+    G = Hq // Hkv
+    device = query.device
+    dtype = _compute_dtype(query.dtype)
+    # GQA without repeating K/V: query heads are split as [Hkv, G] (head h -> KV head h // G) and the G heads
+    # of a KV head are stacked as rows of one matmul. Scaling the small queries saves a pass over the scores.
+    q = (query.to(dtype) * scale).view(B, C, W, Hkv, G, D)
+
+    # In-block part: [W, W] per block. Never empty (a slot always sees itself), so its lse is finite.
+    qb = q.permute(0, 1, 3, 4, 2, 5).reshape(B, C, Hkv, G * W, D)
+    kb = block_key.to(dtype).transpose(2, 3)  # [B, C, Hkv, W, D]
+    vb = block_value.to(dtype).transpose(2, 3)
+    in_block = _in_block_visibility(W, causal, window, device)  # broadcasts to [B, C, Hkv, G, W, W]
+    out_b, lse_b = _GroupedMaskedAttention.apply(qb, kb, vb, in_block, G)
+    out_b = out_b.view(B, C, Hkv, G, W, D).permute(0, 1, 4, 2, 3, 5)  # [B, C, W, Hkv, G, D]
+    lse_b = lse_b.view(B, C, Hkv, G, W).permute(0, 1, 4, 2, 3)  # [B, C, W, Hkv, G]
+
+    if S == 0:
+        out = out_b
+    else:
+        # Context part: the chunk's queries against all S context keys. The mask is built for this chunk only,
+        # as [B, C, W, S] bool without heads.
+        qc = q.permute(0, 3, 4, 1, 2, 5).reshape(B, Hkv, G * C * W, D)
+        kc = context_key.to(dtype).transpose(1, 2)  # [B, Hkv, S, D]
+        vc = context_value.to(dtype).transpose(1, 2)
+        positions = torch.arange(S, device=device)
+        anchor = anchors.view(B, C, 1, 1)
+        lowest = starts.view(B, C, 1, 1)
+        if window is not None:
+            # (anchor + slot) - j < window  <=>  j >= anchor + slot - window + 1
+            slot = torch.arange(W, device=device).view(1, 1, W, 1)
+            lowest = torch.maximum(lowest, anchor + slot - (window - 1))
+        visible = (positions >= lowest) & (positions < anchor) & valid.view(B, C, 1, 1)  # [B, C, W|1, S]
+        visible = visible.expand(B, C, W, S).reshape(B, 1, 1, C * W, S)  # broadcasts to [B, Hkv, G, C*W, S]
+        out_c, lse_c = _GroupedMaskedAttention.apply(qc, kc, vc, visible, G)
+        out_c = out_c.view(B, Hkv, G, C, W, D).permute(0, 3, 4, 1, 2, 5)  # [B, C, W, Hkv, G, D]
+        lse_c = lse_c.view(B, Hkv, G, C, W).permute(0, 3, 4, 1, 2)  # [B, C, W, Hkv, G]
+
+        # Exact merge of the two partial softmaxes through their log-sum-exp. lse_b is finite, so the
+        # reference point is finite and an empty context (lse_c = -inf) simply gets weight 0. The reference
+        # point only stabilises exp and cancels out, hence detached.
+        ref = torch.maximum(lse_c, lse_b).detach()
+        w_c = torch.exp(lse_c - ref).unsqueeze(-1)
+        w_b = torch.exp(lse_b - ref).unsqueeze(-1)
+        out = (w_c * out_c + w_b * out_b) / (w_c + w_b)
+
+    out = out * valid.view(B, C, 1, 1, 1, 1).to(out.dtype)
+    return out.reshape(B, C, W, Hq, D).to(query.dtype)
+
+
+def _default_chunk_blocks(batch: int, heads: int, block_size: int, seq_length: int, num_blocks: int) -> int:
+    """Blocks per chunk so that one chunk's fp32 context-score tensor is about ``_CHUNK_SCORE_BYTES``."""
+    bytes_per_block = 4 * batch * heads * block_size * max(seq_length, 1)
+    return max(1, min(num_blocks, _CHUNK_SCORE_BYTES // max(bytes_per_block, 1)))
+
+
+def _chunked_attention(
+    query, context_key, context_value, block_key, block_value, visibility, scale, chunk_blocks
+):
+    B, N, W, Hq, _ = query.shape
+    S = context_key.shape[1]
+    if chunk_blocks is None:
+        chunk_blocks = _default_chunk_blocks(B, Hq, W, S, N)
+    if N == 0:
+        return query.new_zeros(query.shape)
+    tensors = (query, context_key, context_value, block_key, block_value)
+    use_checkpoint = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    outputs = []
+    for first in range(0, N, chunk_blocks):
+        blocks = slice(first, min(first + chunk_blocks, N))
+        args = (
+            query[:, blocks],
+            context_key,
+            context_value,
+            block_key[:, blocks],
+            block_value[:, blocks],
+            visibility.anchor_positions[:, blocks],
+            visibility.context_start[:, blocks],
+            visibility.block_valid[:, blocks],
+            scale,
+            visibility.causal,
+            visibility.sliding_window,
+        )
+        if use_checkpoint:
+            # Keep only the chunk's inputs for backward and recompute its scores there, so forward+backward
+            # never hold more than one chunk's score tensors.
+            outputs.append(checkpoint(_chunk_attention, *args, use_reentrant=False, preserve_rng_state=False))
+        else:
+            outputs.append(_chunk_attention(*args))
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# FlexAttention
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _flex_available() -> bool:
+    try:
+        from torch.nn.attention import flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_flex_attention() -> Callable:
+    """flex_attention compiled once per process (eager flex materialises the full score matrix)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _flex_attention(query, context_key, context_value, block_key, block_value, visibility, scale):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    B, N, W, Hq, D = query.shape
+    S, Hkv = context_key.shape[1], context_key.shape[2]
+    q = query.reshape(B, N * W, Hq, D).transpose(1, 2)  # [B, Hq, N*W, D]
+    k = torch.cat([context_key, block_key.reshape(B, N * W, Hkv, D)], dim=1).transpose(1, 2)
+    v = torch.cat([context_value, block_value.reshape(B, N * W, Hkv, D)], dim=1).transpose(1, 2)
+    if not torch.is_grad_enabled():
+        # Nothing to differentiate; flex refuses inputs that require grad on devices without a flex backward
+        # (CPU) even under no_grad.
+        q, k, v = q.detach(), k.detach(), v.detach()
+    elif not query.is_cuda and any(t.requires_grad for t in (q, k, v)):
+        raise NotImplementedError(
+            f"backend='flex' has no backward on {query.device.type}; "
+            "use backend='chunked' for training there."
+        )
+    compiled = query.is_cuda
+    block_mask = create_block_mask(
+        _flat_mask_mod(visibility, S, W),
+        B,
+        None,
+        N * W,
+        S + N * W,
+        device=query.device,
+        _compile=compiled,
+    )
+    attend = _compiled_flex_attention() if compiled else flex_attention
+    with warnings.catch_warnings():
+        # Off CUDA we run flex eagerly on purpose (unfused reference kernel); do not warn about it.
+        warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+        out = attend(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=Hq != Hkv)
+    out = out.transpose(1, 2).reshape(B, N, W, Hq, D)
+    return out * visibility.block_valid.view(B, N, 1, 1, 1).to(out.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Public entry point
+# ---------------------------------------------------------------------------------------------------------
+
+
+def block_attention(
+    query: torch.Tensor,
+    context_key: torch.Tensor,
+    context_value: torch.Tensor,
+    block_key: torch.Tensor,
+    block_value: torch.Tensor,
+    visibility: BlockVisibility,
+    *,
+    scale: float,
+    backend: str = "auto",
+    chunk_blocks: int | None = None,
+) -> torch.Tensor:
+    """Attention of every draft slot over its visible context and its own block.
+
+    Args:
+        query: ``[B, N, W, Hq, D]``.
+        context_key, context_value: ``[B, S, Hkv, D]``.
+        block_key, block_value: ``[B, N, W, Hkv, D]``.
+        visibility: what each block sees (see :class:`BlockVisibility`).
+        scale: softmax scale (usually ``D ** -0.5``).
+        backend: ``"dense"`` (reference with the dense mask), ``"chunked"`` (exact, bounded memory),
+            ``"flex"`` (FlexAttention) or ``"auto"`` (flex on CUDA when available, else chunked).
+        chunk_blocks: blocks per chunk for ``"chunked"``; default sizes one chunk's fp32 score tensor to
+            about 128 MiB.
+
+    Returns:
+        ``[B, N, W, Hq, D]`` in the dtype of ``query``; exactly zero for invalid blocks and never NaN
+        (also for blocks with an empty context and rows without a valid block). Scores and softmax run in
+        fp32 (fp64 for fp64 inputs) for the dense and chunked backends.
+    """
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}.")
+    if chunk_blocks is not None and (
+        isinstance(chunk_blocks, bool) or not isinstance(chunk_blocks, int) or chunk_blocks < 1
+    ):
+        raise ValueError(f"chunk_blocks must be None or a positive int, got {chunk_blocks!r}.")
+    if not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite number, got {scale!r}.")
+    _check_inputs(query, context_key, context_value, block_key, block_value, visibility)
+
+    if backend == "auto":
+        backend = "flex" if query.is_cuda and _flex_available() else "chunked"
+    args = (query, context_key, context_value, block_key, block_value, visibility, float(scale))
+    if backend == "dense":
+        return _dense_attention(*args)
+    if backend == "flex":
+        if not _flex_available():
+            raise RuntimeError(
+                "backend='flex' needs torch.nn.attention.flex_attention (torch >= 2.5); "
+                "use backend='chunked'."
+            )
+        return _flex_attention(*args)
+    return _chunked_attention(*args, chunk_blocks)

@@ -1,0 +1,164 @@
+"""`DFlashBody`: the draft's decoder stack over the target context and the draft blocks.
+
+The body turns the concatenated target taps into one context feature
+`c = hidden_norm(fc(concat_i tap_i))`, shared by every layer, and updates all slots of
+every block at once. Each block sees the target prefix strictly before its anchor (its
+own document, its own window) and the slots of its own block, never another block. The
+body returns hidden states; the caller turns them into logits with the target's output
+layer. It owns no embedding and no LM head.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from megatron.core.model_parallel_config import ModelParallelConfig
+from torch import nn
+
+from .attention import BlockVisibility
+from .config import DFlashConfig
+from .layers import DFlashDecoderLayer
+from .norm import RMSNorm
+from .parallel import agree_or_raise, check_parallel_layout, tensor_parallel_group
+from .plan import DFlashBatchPlan
+from .rope import rope_cos_sin, rope_inv_freq
+
+
+def default_parallel_config(**overrides) -> ModelParallelConfig:
+    """A megatron `ModelParallelConfig` for the body built outside a Megatron launch.
+
+    `use_cpu_initialization=True` initialises each full weight on the CPU with one RNG
+    stream and then slices it, so the weights do not depend on the TP size.
+    """
+    kwargs = dict(use_cpu_initialization=True, perform_initialization=True, params_dtype=torch.float32)
+    kwargs.update(overrides)
+    return ModelParallelConfig(**kwargs)
+
+
+class DFlashBody(nn.Module):
+    """DFlash draft body: `forward(target_hidden, block_embeddings, plan) -> hidden states`.
+
+    Args:
+        config: the draft's `DFlashConfig`.
+        parallel_config: megatron `ModelParallelConfig` used to build the parallel linears
+            (`default_parallel_config()` when None). `sequence_parallel=True` and
+            `context_parallel_size > 1` are refused.
+        tp_group: tensor-parallel group; megatron's `parallel_state` group when None and
+            initialised, a single rank otherwise.
+        attention_backend: "auto" (FlexAttention on CUDA, exact chunked kernel elsewhere),
+            "chunked", "flex" or "dense" (the reference, for tests).
+    """
+
+    def __init__(
+        self,
+        config: DFlashConfig,
+        parallel_config: Optional[ModelParallelConfig] = None,
+        tp_group=None,
+        attention_backend: str = "auto",
+    ):
+        super().__init__()
+        parallel_config = parallel_config or default_parallel_config()
+        check_parallel_layout(parallel_config.sequence_parallel, parallel_config.context_parallel_size)
+        self.tp_group = tensor_parallel_group(tp_group)
+        config.validate_tensor_parallel(self.tp_group.size())
+        self.config = config
+        self.attention_backend = attention_backend
+        dtype = parallel_config.params_dtype
+        H = config.hidden_size
+        # fc and the norms are replicated: every rank needs the full context feature.
+        self.fc = nn.Linear(config.num_taps * H, H, bias=False, dtype=dtype)
+        nn.init.normal_(self.fc.weight, mean=0.0, std=config.initializer_range)
+        self.hidden_norm = RMSNorm(H, config.rms_norm_eps, dtype=dtype)
+        self.layers = nn.ModuleList(
+            DFlashDecoderLayer(config, i, parallel_config, self.tp_group)
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(H, config.rms_norm_eps, dtype=dtype)
+
+    # ------------------------------------------------------------------ validation
+    def _input_error(self, target_hidden, block_embeddings, plan) -> Optional[str]:
+        cfg = self.config
+        if not isinstance(plan, DFlashBatchPlan):
+            return f"plan must be a DFlashBatchPlan, got {type(plan).__name__}"
+        if target_hidden.dim() != 3:
+            return f"target_hidden must be [batch, seq, taps*hidden], got shape {tuple(target_hidden.shape)}"
+        if block_embeddings.dim() != 4:
+            return (
+                "block_embeddings must be [batch, blocks, block_size, hidden], got shape "
+                f"{tuple(block_embeddings.shape)}"
+            )
+        B, S, F = target_hidden.shape
+        if F != cfg.num_taps * cfg.hidden_size:
+            return (
+                f"target_hidden has {F} features but the draft expects {cfg.num_taps} taps x "
+                f"{cfg.hidden_size} = {cfg.num_taps * cfg.hidden_size} (target_layer_ids="
+                f"{cfg.target_layer_ids})"
+            )
+        expected = (B, plan.num_blocks, cfg.block_size, cfg.hidden_size)
+        if tuple(block_embeddings.shape) != expected:
+            return f"block_embeddings has shape {tuple(block_embeddings.shape)}, expected {expected} from the plan and config"
+        if plan.block_size != cfg.block_size:
+            return f"plan.block_size={plan.block_size} but config.block_size={cfg.block_size}"
+        if tuple(plan.anchor_positions.shape[:1]) != (B,) or plan.seq_length != S:
+            return (
+                f"plan is for batch {plan.batch_size} x seq {plan.seq_length} but target_hidden is "
+                f"[{B}, {S}, ...]"
+            )
+        return None
+
+    def _validate(self, target_hidden, block_embeddings, plan) -> None:
+        error = self._input_error(target_hidden, block_embeddings, plan)
+        signature = [target_hidden.dim(), *target_hidden.shape, block_embeddings.dim(), *block_embeddings.shape]
+        agree_or_raise(error, signature, self.tp_group, target_hidden.device)
+
+    # ------------------------------------------------------------------ checkpointing
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None) -> dict:
+        """Megatron `dist_checkpointing` view of the weights, keyed by the HF names.
+
+        Load the result of `dist_checkpointing.load` with
+        `checkpoint.load_sharded_state_dict_into(body, loaded, prefix)`.
+        """
+        if sharded_offsets:
+            raise ValueError("DFlashBody is not a pipeline-sharded module: sharded_offsets must be empty.")
+        from .checkpoint import sharded_state_dict  # checkpoint.py builds bodies: import lazily
+
+        return sharded_state_dict(self, prefix)
+
+    # ------------------------------------------------------------------ forward
+    def rope(self, plan: DFlashBatchPlan, device) -> tuple[torch.Tensor, ...]:
+        """fp32 (cos_block, sin_block `[B, N, W, D]`, cos_context, sin_context `[B, S, D]`)."""
+        cfg = self.config
+        inv_freq, scale = rope_inv_freq(
+            cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings, device
+        )
+        cos_b, sin_b = rope_cos_sin(plan.position_ids.to(device), inv_freq, scale)
+        cos_c, sin_c = rope_cos_sin(plan.context_position_ids.to(device), inv_freq, scale)
+        return cos_b, sin_b, cos_c, sin_c
+
+    def forward(
+        self, target_hidden: torch.Tensor, block_embeddings: torch.Tensor, plan: DFlashBatchPlan
+    ) -> torch.Tensor:
+        """Draft hidden states for every block slot.
+
+        Args:
+            target_hidden: `[B, S, taps * H]`, the target's chosen layer outputs
+                concatenated in `target_layer_ids` order.
+            block_embeddings: `[B, N, W, H]`, the target's input embedding of
+                `[anchor, MASK, ...]` per block (times `input_embedding_scale`).
+            plan: the `DFlashBatchPlan` of this batch.
+
+        Returns:
+            `[B, N, W, H]` after the final norm; exactly zero at invalid blocks.
+        """
+        self._validate(target_hidden, block_embeddings, plan)
+        plan = plan.to(target_hidden.device)
+        context = self.hidden_norm(self.fc(target_hidden.to(self.fc.weight.dtype)))
+        rope = self.rope(plan, target_hidden.device)
+        hidden = block_embeddings.to(self.fc.weight.dtype)
+        for layer in self.layers:
+            causal, window = self.config.layer_attention(layer.self_attn.layer_idx)
+            visibility = BlockVisibility.from_plan(plan, causal=causal, sliding_window=window)
+            hidden = layer(hidden, context, rope, visibility, self.attention_backend)
+        valid = plan.block_valid[:, :, None, None]
+        return torch.where(valid, self.norm(hidden), torch.zeros((), dtype=hidden.dtype, device=hidden.device))

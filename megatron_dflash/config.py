@@ -1,0 +1,405 @@
+"""`DFlashConfig`: every field of a DFlash draft, its validation, and HF `config.json` in/out.
+
+The draft is a small Qwen3-style decoder stack. Its `config.json` is a Qwen3 config
+(`model_type: qwen3`) with the DFlash fields that the published drafters and the
+serving runtimes read (DESIGN section 7)::
+
+    {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": ...,
+     "num_target_layers": 36,
+     "dflash_config": {"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33],
+                       "block_size": 16}}
+
+Older files keep `block_size` at the top level, and RoPE is written either as
+`rope_theta`/`rope_scaling` (transformers 4) or as `rope_parameters` (transformers 5);
+all of these are read. We write the published layout: `dflash_config.block_size`,
+`rope_theta` and `rope_scaling`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+DFLASH_ARCHITECTURE = "DFlashDraftModel"
+LAYER_TYPES = ("full_attention", "sliding_attention")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+# Keys of `dflash_config` in config.json (besides block_size) that map 1:1 to fields.
+_DFLASH_CONFIG_KEYS = (
+    "mask_token_id",
+    "target_layer_ids",
+    "input_embedding_scale",
+    "output_multiplier",
+    "final_logit_softcapping",
+)
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """Target layers to tap, spread over the target's depth (the published formula).
+
+    One draft layer taps the middle layer `N // 2`; otherwise layer `i` of `D` taps
+    `round(1 + i * (N - 4) / (D - 1))`, i.e. from layer 1 up to layer `N - 3`, which
+    keeps clear of the last layer (its pre-final-norm output is something serving
+    engines cannot provide).
+
+    Raises:
+        ValueError: if the target is too shallow to give `num_draft_layers` distinct
+            layers that are not its last one.
+    """
+    if num_target_layers < 2:
+        raise ValueError(
+            f"num_target_layers={num_target_layers}: the target needs at least 2 layers to be "
+            "tapped (its last layer is never tapped)."
+        )
+    if num_draft_layers < 1:
+        raise ValueError(f"num_draft_layers={num_draft_layers} must be >= 1.")
+    if num_draft_layers == 1:
+        ids = [num_target_layers // 2]
+    else:
+        span = num_target_layers - 4
+        ids = [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+    try:
+        _check_target_layer_ids(ids, num_target_layers)
+    except ValueError as err:
+        raise ValueError(
+            f"the default target layers for a {num_target_layers}-layer target and "
+            f"{num_draft_layers} draft layers would be {ids}: {err} Pass target_layer_ids "
+            "explicitly or use fewer draft layers."
+        ) from None
+    return ids
+
+
+def _check_target_layer_ids(ids: list[int], num_target_layers: int) -> None:
+    if len(ids) == 0:
+        raise ValueError("target_layer_ids is empty; at least one target layer must be tapped.")
+    if any(not isinstance(i, int) or isinstance(i, bool) for i in ids):
+        raise ValueError(f"target_layer_ids={ids} must be integers.")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"target_layer_ids={ids} has duplicates; each layer may be tapped once.")
+    last = num_target_layers - 1
+    bad = [i for i in ids if i < 0 or i > last]
+    if bad:
+        raise ValueError(
+            f"target_layer_ids={ids}: {bad} outside the target's layers 0..{last} "
+            f"(num_target_layers={num_target_layers})."
+        )
+    if last in ids:
+        raise ValueError(
+            f"target_layer_ids={ids} includes the target's last layer {last}: its output is the "
+            "pre-final-norm state that serving engines cannot provide. Tap an earlier layer."
+        )
+
+
+@dataclass
+class DFlashConfig:
+    """All fields of a DFlash draft body.
+
+    Sizes follow HF Qwen3 names. `block_size` is `gamma + 1`: slot 0 holds the anchor
+    token, slots `1..gamma` the MASK token. `target_layer_ids` are 0-based target decoder
+    layers whose outputs (HF `hidden_states[i + 1]`) are concatenated into the context
+    feature, so `fc` maps `len(target_layer_ids) * hidden_size -> hidden_size`.
+
+    In-block direction: `causal=None` follows the published drafters (a layer is causal
+    in-block iff it is a sliding-window layer); `True`/`False` forces every layer
+    (JetSpec trains causal, DFlash 2 writes `is_causal: false`). `layer_attention(i)`
+    is the single resolver used by training masks and decoding alike.
+    """
+
+    hidden_size: int = 1024
+    intermediate_size: int = 3072
+    num_hidden_layers: int = 5
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 8
+    head_dim: int = 128
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    rope_scaling: Optional[dict] = None
+    max_position_embeddings: int = 40960
+    vocab_size: int = 151936
+    block_size: int = 16
+    mask_token_id: Optional[int] = None
+    target_layer_ids: Optional[list[int]] = None
+    num_target_layers: int = 28
+    layer_types: Optional[list[str]] = None
+    sliding_window: Optional[int] = None
+    causal: Optional[bool] = None
+    attention_bias: bool = False
+    hidden_act: str = "silu"
+    initializer_range: float = 0.02
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: Optional[float] = None
+    # Fields of the target config that serving runtimes read from the draft's config.json
+    # (token ids, dtype); kept verbatim, never interpreted here.
+    extra_hf_fields: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.target_layer_ids is None:
+            self.target_layer_ids = default_target_layer_ids(
+                self.num_target_layers, self.num_hidden_layers
+            )
+        else:
+            self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        if self.layer_types is None:
+            self.layer_types = ["full_attention"] * self.num_hidden_layers
+        else:
+            self.layer_types = list(self.layer_types)
+        self.validate()
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        """Raise `ValueError` naming the first inconsistent field and how to fix it."""
+        for name in (
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+            "vocab_size",
+            "num_target_layers",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer.")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} must be a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads} (grouped-query attention)."
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings.")
+        if not (self.rms_norm_eps > 0):
+            raise ValueError(f"rms_norm_eps={self.rms_norm_eps} must be > 0.")
+        if not (self.rope_theta > 0):
+            raise ValueError(f"rope_theta={self.rope_theta} must be > 0.")
+        _validate_rope_scaling(self.rope_scaling)
+        if not isinstance(self.block_size, int) or self.block_size < 2:
+            raise ValueError(
+                f"block_size={self.block_size!r} must be an integer >= 2 (one anchor slot plus at "
+                "least one predicted slot)."
+            )
+        if self.mask_token_id is None:
+            raise ValueError(
+                "mask_token_id is required: pass the id of an existing row of the target's input "
+                "embedding to use as the MASK token (it is never guessed)."
+            )
+        if not (0 <= int(self.mask_token_id) < self.vocab_size):
+            raise ValueError(
+                f"mask_token_id={self.mask_token_id} is not a row of the target embedding "
+                f"(vocab_size={self.vocab_size})."
+            )
+        self.mask_token_id = int(self.mask_token_id)
+        _check_target_layer_ids(self.target_layer_ids, self.num_target_layers)
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries but num_hidden_layers="
+                f"{self.num_hidden_layers}; give one type per draft layer."
+            )
+        unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        if unknown:
+            raise ValueError(f"layer_types contains {unknown}; allowed: {list(LAYER_TYPES)}.")
+        if "sliding_attention" in self.layer_types:
+            if not isinstance(self.sliding_window, int) or self.sliding_window < 1:
+                raise ValueError(
+                    f"sliding_window={self.sliding_window!r}: a positive window is required when "
+                    "layer_types contains 'sliding_attention'."
+                )
+        if self.causal is not None and not isinstance(self.causal, bool):
+            raise ValueError(f"causal={self.causal!r} must be True, False or None.")
+        if self.hidden_act != "silu":
+            raise ValueError(f"hidden_act={self.hidden_act!r}: only 'silu' (SwiGLU) is supported.")
+        if not (self.input_embedding_scale > 0):
+            raise ValueError(f"input_embedding_scale={self.input_embedding_scale} must be > 0.")
+        if not math.isfinite(self.output_multiplier) or self.output_multiplier == 0:
+            raise ValueError(f"output_multiplier={self.output_multiplier} must be finite and non-zero.")
+        if self.final_logit_softcapping is not None and not (self.final_logit_softcapping > 0):
+            raise ValueError(
+                f"final_logit_softcapping={self.final_logit_softcapping} must be > 0 or None."
+            )
+
+    def validate_tensor_parallel(self, tp_size: int) -> None:
+        """Check that `tp_size` splits heads, KV heads and the MLP evenly."""
+        if tp_size < 1:
+            raise ValueError(f"tensor_model_parallel_size={tp_size} must be >= 1.")
+        if self.num_key_value_heads % tp_size:
+            divisors = [d for d in range(1, self.num_key_value_heads + 1) if self.num_key_value_heads % d == 0]
+            raise ValueError(
+                f"tensor_model_parallel_size={tp_size} must divide num_key_value_heads="
+                f"{self.num_key_value_heads}: this draft supports TP in {divisors} "
+                f"(at most {self.num_key_value_heads})."
+            )
+        if self.num_attention_heads % tp_size:
+            raise ValueError(
+                f"tensor_model_parallel_size={tp_size} must divide num_attention_heads="
+                f"{self.num_attention_heads}."
+            )
+        if self.intermediate_size % tp_size:
+            raise ValueError(
+                f"tensor_model_parallel_size={tp_size} must divide intermediate_size="
+                f"{self.intermediate_size}."
+            )
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def gamma(self) -> int:
+        """Number of predicted slots per block (`block_size - 1`)."""
+        return self.block_size - 1
+
+    @property
+    def num_taps(self) -> int:
+        return len(self.target_layer_ids)
+
+    def layer_attention(self, layer_idx: int) -> tuple[bool, Optional[int]]:
+        """`(causal_in_block, sliding_window)` of draft layer `layer_idx`.
+
+        The one resolver of in-block direction: training masks and decoding both call it.
+        Matches the published drafters: unless `causal` forces a direction, sliding-window
+        layers are causal in-block and full-attention layers bidirectional.
+        """
+        is_sliding = self.layer_types[layer_idx] == "sliding_attention"
+        causal = is_sliding if self.causal is None else self.causal
+        return causal, (self.sliding_window if is_sliding else None)
+
+    # ------------------------------------------------------------------ HF format
+    def to_hf_dict(self, architecture: str = DFLASH_ARCHITECTURE) -> dict[str, Any]:
+        """The published `config.json` layout (DESIGN section 7)."""
+        dflash_config: dict[str, Any] = {
+            "mask_token_id": self.mask_token_id,
+            "target_layer_ids": list(self.target_layer_ids),
+            "block_size": self.block_size,
+        }
+        if self.input_embedding_scale != 1.0:
+            dflash_config["input_embedding_scale"] = self.input_embedding_scale
+        if self.output_multiplier != 1.0:
+            dflash_config["output_multiplier"] = self.output_multiplier
+        if self.final_logit_softcapping is not None:
+            dflash_config["final_logit_softcapping"] = self.final_logit_softcapping
+        out: dict[str, Any] = dict(self.extra_hf_fields)
+        out.update(
+            {
+                "architectures": [architecture],
+                "model_type": "qwen3",
+                "hidden_size": self.hidden_size,
+                "intermediate_size": self.intermediate_size,
+                "num_hidden_layers": self.num_hidden_layers,
+                "num_attention_heads": self.num_attention_heads,
+                "num_key_value_heads": self.num_key_value_heads,
+                "head_dim": self.head_dim,
+                "hidden_act": self.hidden_act,
+                "rms_norm_eps": self.rms_norm_eps,
+                "rope_theta": self.rope_theta,
+                "rope_scaling": self.rope_scaling,
+                "max_position_embeddings": self.max_position_embeddings,
+                "vocab_size": self.vocab_size,
+                "attention_bias": self.attention_bias,
+                "attention_dropout": 0.0,
+                "initializer_range": self.initializer_range,
+                "tie_word_embeddings": False,
+                "layer_types": list(self.layer_types),
+                "sliding_window": self.sliding_window,
+                "use_sliding_window": "sliding_attention" in self.layer_types,
+                "max_window_layers": self.num_hidden_layers,
+                "num_target_layers": self.num_target_layers,
+                "dflash_config": dflash_config,
+            }
+        )
+        if self.causal is not None:
+            out["is_causal"] = self.causal
+        return out
+
+    @classmethod
+    def from_hf_dict(cls, data: dict[str, Any], **overrides: Any) -> "DFlashConfig":
+        """Read a published `config.json` (either RoPE layout, either `block_size` place)."""
+        data = dict(data)
+        dflash = dict(data.pop("dflash_config", None) or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for name in known - {"extra_hf_fields", "rope_theta", "rope_scaling", "causal"}:
+            if name in data:
+                kwargs[name] = data.pop(name)
+        for name in _DFLASH_CONFIG_KEYS:
+            if name in dflash:
+                kwargs[name] = dflash.pop(name)
+        if "block_size" in dflash:
+            kwargs["block_size"] = dflash.pop("block_size")
+        if "num_target_layers" not in kwargs and "num_target_layers" in dflash:
+            kwargs["num_target_layers"] = dflash.pop("num_target_layers")
+        if "num_target_layers" not in kwargs:
+            raise ValueError("config.json has no num_target_layers; the draft cannot know its target's depth.")
+        # In-block causality: `is_causal` (what the reference reads) or `causal`.
+        for key in ("is_causal", "causal"):
+            for source in (data, dflash):
+                if key in source and source[key] is not None:
+                    kwargs.setdefault("causal", bool(source[key]))
+                source.pop(key, None)
+        kwargs["rope_theta"], kwargs["rope_scaling"] = _read_rope(data)
+        if kwargs.get("head_dim") is None:  # Qwen3 files may omit it: hidden / heads
+            kwargs["head_dim"] = int(kwargs.get("hidden_size", 1024)) // int(kwargs.get("num_attention_heads", 16))
+        data.pop("use_sliding_window", None)
+        # The DFlash 2 / variant fields are read by their own configs; keep the rest verbatim.
+        for key in ("architectures", "model_type", "attention_dropout", "tie_word_embeddings",
+                    "max_window_layers", "rope_parameters", "transformers_version", "auto_map",
+                    "use_cache"):
+            data.pop(key, None)
+        kwargs["extra_hf_fields"] = {k: v for k, v in data.items() if k in _PASSTHROUGH_HF_FIELDS}
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+    def save_pretrained(self, directory: str, architecture: str = DFLASH_ARCHITECTURE) -> None:
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, "config.json"), "w") as f:
+            json.dump(self.to_hf_dict(architecture), f, indent=2, sort_keys=True)
+            f.write("\n")
+
+    @classmethod
+    def from_pretrained(cls, directory: str, **overrides: Any) -> "DFlashConfig":
+        path = os.path.join(directory, "config.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path} does not exist: not a HF draft directory.")
+        with open(path) as f:
+            return cls.from_hf_dict(json.load(f), **overrides)
+
+
+# Target-derived fields that serving runtimes read from the draft's config.json.
+_PASSTHROUGH_HF_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype", "dtype")
+
+
+def _read_rope(data: dict[str, Any]) -> tuple[float, Optional[dict]]:
+    """(rope_theta, rope_scaling) from either `rope_theta`/`rope_scaling` or `rope_parameters`."""
+    params = data.pop("rope_parameters", None)
+    theta = data.pop("rope_theta", None)
+    scaling = data.pop("rope_scaling", None)
+    if params:
+        params = dict(params)
+        theta = params.pop("rope_theta", theta)
+        if params.get("rope_type", params.get("type", "default")) != "default":
+            scaling = params
+    if scaling is not None:
+        scaling = dict(scaling)
+        if "type" in scaling and "rope_type" not in scaling:
+            scaling["rope_type"] = scaling.pop("type")
+        if scaling.get("rope_type", "default") == "default":
+            scaling = None
+    return float(theta if theta is not None else 10000.0), scaling
+
+
+def _validate_rope_scaling(scaling: Optional[dict]) -> None:
+    if scaling is None:
+        return
+    if not isinstance(scaling, dict):
+        raise ValueError(f"rope_scaling={scaling!r} must be a dict or None.")
+    rope_type = scaling.get("rope_type", scaling.get("type"))
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"rope_scaling type {rope_type!r} is not supported; supported: {list(ROPE_TYPES)}.")
+    if rope_type != "default" and not (float(scaling.get("factor", 0)) > 0):
+        raise ValueError(f"rope_scaling={scaling}: a positive 'factor' is required for {rope_type!r}.")
+    if rope_type == "llama3":
+        for key in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+            if key not in scaling:
+                raise ValueError(f"rope_scaling={scaling}: llama3 scaling needs {key!r}.")

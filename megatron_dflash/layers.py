@@ -1,0 +1,241 @@
+"""Tensor-parallel DFlash decoder layer: attention over [target prefix | own block], SwiGLU MLP.
+
+Projections are megatron-core layers: q/k/v and gate/up are `ColumnParallelLinear`
+(each rank holds `heads / TP` heads and `intermediate / TP` channels), o and down are
+`RowParallelLinear` (their partial sums are all-reduced). Everything between the two is
+local to a rank, so a layer costs two all-reduces in forward and two in backward.
+
+Shapes: B batch, S context length, N blocks, W block size, H hidden, D head_dim,
+Hq / Hkv the rank-local query / KV heads.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    set_tensor_model_parallel_attributes,
+)
+from torch import nn
+
+from .attention import BlockVisibility, block_attention
+from .config import DFlashConfig
+from .norm import RMSNorm
+from .rope import apply_rope
+
+
+class _ReduceGradOverGroup(torch.autograd.Function):
+    """Identity forward; all-reduce of the gradient over the TP group in backward.
+
+    For replicated parameters that only see the rank's local heads (the per-head q/k
+    norms): each rank's gradient is a partial sum over its heads, the true gradient is
+    the sum over ranks.
+    """
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        if ctx.group.size() > 1:
+            grad = grad.contiguous()
+            dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def _init_method(std: float):
+    def init_(weight: torch.Tensor) -> torch.Tensor:
+        return nn.init.normal_(weight, mean=0.0, std=std)
+
+    return init_
+
+
+class _SingleRankSafe:
+    """Mixin: a one-rank group runs the plain linear.
+
+    Megatron's region helpers look the group up again through
+    `get_tensor_model_parallel_group_if_none`, which returns None whenever
+    `torch.distributed` is not initialised, and then assert in forward/backward; with one
+    rank there is nothing to communicate, so the layer is just `F.linear`.
+    """
+
+    def forward(self, input_, *args, **kwargs):
+        if self.tp_group.size() == 1:
+            return F.linear(input_, self.weight, self.bias), None
+        # Megatron's weight-gradient path only flattens 3-D inputs; ours are
+        # [B, N, W, H] blocks, so fold the leading dimensions into one.
+        leading = input_.shape[:-1]
+        output, bias = super().forward(input_.reshape(1, -1, input_.shape[-1]), *args, **kwargs)
+        return output.reshape(*leading, output.shape[-1]), bias
+
+
+class _ColumnParallelLinear(_SingleRankSafe, ColumnParallelLinear):
+    pass
+
+
+class _RowParallelLinear(_SingleRankSafe, RowParallelLinear):
+    pass
+
+
+def column_parallel(in_features, out_features, *, bias, parallel_config, tp_group, std):
+    layer = _ColumnParallelLinear(
+        in_features,
+        out_features,
+        config=parallel_config,
+        init_method=_init_method(std),
+        bias=bias,
+        gather_output=False,
+        tp_group=tp_group,
+    )
+    layer.tp_group = tp_group  # megatron drops a group it cannot see in parallel_state
+    _mark_partitioned(layer, weight_dim=0, bias_partitioned=True)
+    return layer
+
+
+def row_parallel(in_features, out_features, *, bias, parallel_config, tp_group, std):
+    layer = _RowParallelLinear(
+        in_features,
+        out_features,
+        config=parallel_config,
+        init_method=_init_method(std),
+        bias=bias,
+        input_is_parallel=True,
+        skip_bias_add=False,
+        tp_group=tp_group,
+    )
+    layer.tp_group = tp_group
+    _mark_partitioned(layer, weight_dim=1, bias_partitioned=False)
+    return layer
+
+
+def _mark_partitioned(layer: nn.Module, *, weight_dim: int, bias_partitioned: bool) -> None:
+    """Mark split parameters the way megatron's optimizer and grad-norm code expect.
+
+    Megatron sets these attributes only when it initialises the weights itself; a body
+    built with `perform_initialization=False` (to load a checkpoint) would otherwise look
+    replicated, and its grad norm would drop the shards of ranks > 0.
+    """
+    marked = [(layer.weight, weight_dim)]
+    if layer.bias is not None and bias_partitioned:
+        marked.append((layer.bias, 0))
+    for param, dim in marked:
+        if not hasattr(param, "tensor_model_parallel"):
+            set_tensor_model_parallel_attributes(param, True, dim, 1)
+
+
+class DFlashAttention(nn.Module):
+    """Queries from the block slots; keys/values from the context feature and the block.
+
+    Context keys use the same `k_proj`/`v_proj` as block keys (as in the published
+    drafters); q/k get a per-head RMSNorm, then RoPE at their own positions.
+    """
+
+    def __init__(self, config: DFlashConfig, layer_idx: int, parallel_config: ModelParallelConfig, tp_group):
+        super().__init__()
+        tp = tp_group.size()
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads // tp
+        self.num_kv_heads = config.num_key_value_heads // tp
+        self.causal, self.sliding_window = config.layer_attention(layer_idx)
+        self.tp_group = tp_group
+        H, D, std = config.hidden_size, config.head_dim, config.initializer_range
+        common = dict(bias=config.attention_bias, parallel_config=parallel_config, tp_group=tp_group, std=std)
+        self.q_proj = column_parallel(H, config.num_attention_heads * D, **common)
+        self.k_proj = column_parallel(H, config.num_key_value_heads * D, **common)
+        self.v_proj = column_parallel(H, config.num_key_value_heads * D, **common)
+        self.o_proj = row_parallel(config.num_attention_heads * D, H, **common)
+        self.q_norm = RMSNorm(D, config.rms_norm_eps, dtype=parallel_config.params_dtype)
+        self.k_norm = RMSNorm(D, config.rms_norm_eps, dtype=parallel_config.params_dtype)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        context: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+        visibility: BlockVisibility,
+        attention_backend: str = "auto",
+    ) -> torch.Tensor:
+        """`hidden [B, N, W, H]`, `context [B, S, H]` -> `[B, N, W, H]`.
+
+        `rope` = (cos_block, sin_block `[B, N, W, D]`, cos_context, sin_context `[B, S, D]`).
+        """
+        B, N, W, _ = hidden.shape
+        S = context.shape[1]
+        D = self.head_dim
+        cos_block, sin_block, cos_ctx, sin_ctx = rope
+        q_norm_w = _ReduceGradOverGroup.apply(self.q_norm.weight, self.tp_group)
+        k_norm_w = _ReduceGradOverGroup.apply(self.k_norm.weight, self.tp_group)
+
+        q = self.q_proj(hidden)[0].view(B, N, W, self.num_heads, D)
+        q = apply_rope(self.q_norm(q, q_norm_w), cos_block, sin_block)
+        k_blk = self.k_proj(hidden)[0].view(B, N, W, self.num_kv_heads, D)
+        k_blk = apply_rope(self.k_norm(k_blk, k_norm_w), cos_block, sin_block)
+        v_blk = self.v_proj(hidden)[0].view(B, N, W, self.num_kv_heads, D)
+        k_ctx = self.k_proj(context)[0].view(B, S, self.num_kv_heads, D)
+        k_ctx = apply_rope(self.k_norm(k_ctx, k_norm_w), cos_ctx, sin_ctx)
+        v_ctx = self.v_proj(context)[0].view(B, S, self.num_kv_heads, D)
+
+        out = block_attention(
+            q, k_ctx, v_ctx, k_blk, v_blk, visibility, scale=D**-0.5, backend=attention_backend
+        )
+        return self.o_proj(out.reshape(B, N, W, self.num_heads * D))[0]
+
+
+class DFlashMLP(nn.Module):
+    """SwiGLU: `down(silu(gate(x)) * up(x))`, gate/up column-parallel, down row-parallel."""
+
+    def __init__(self, config: DFlashConfig, parallel_config: ModelParallelConfig, tp_group):
+        super().__init__()
+        H, I, std = config.hidden_size, config.intermediate_size, config.initializer_range
+        common = dict(bias=False, parallel_config=parallel_config, tp_group=tp_group, std=std)
+        self.gate_proj = column_parallel(H, I, **common)
+        self.up_proj = column_parallel(H, I, **common)
+        self.down_proj = row_parallel(I, H, **common)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)[0]) * self.up_proj(x)[0])[0]
+
+
+class DFlashDecoderLayer(nn.Module):
+    """Pre-norm residual layer. The context feature is not normed here: it is shared by
+    every layer and was normed once by the body's `hidden_norm`."""
+
+    def __init__(self, config: DFlashConfig, layer_idx: int, parallel_config: ModelParallelConfig, tp_group):
+        super().__init__()
+        dtype = parallel_config.params_dtype
+        self.self_attn = DFlashAttention(config, layer_idx, parallel_config, tp_group)
+        self.mlp = DFlashMLP(config, parallel_config, tp_group)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+
+        # Optional in-block convolutions around each sublayer (DFlash 2). Each has
+        # `prepare(x [B, N, W, H]) -> (x', coefficients)` before the sublayer and
+        # `finish(y, coefficients) -> y'` after it; None for plain DFlash.
+        self.attention_conv: Optional[nn.Module] = None
+        self.mlp_conv: Optional[nn.Module] = None
+
+    def forward(self, hidden, context, rope, visibility: BlockVisibility, attention_backend: str = "auto"):
+        """`hidden [B, N, W, H]`, `context [B, S, H]` -> `[B, N, W, H]`."""
+        hidden = hidden + _around(
+            self.attention_conv,
+            lambda x: self.self_attn(x, context, rope, visibility, attention_backend),
+            self.input_layernorm(hidden),
+        )
+        return hidden + _around(self.mlp_conv, self.mlp, self.post_attention_layernorm(hidden))
+
+
+def _around(conv: Optional[nn.Module], sublayer, x: torch.Tensor) -> torch.Tensor:
+    """`sublayer(x)`, wrapped in `conv`'s prepare/finish when the layer has one."""
+    if conv is None:
+        return sublayer(x)
+    x, coefficients = conv.prepare(x)
+    return conv.finish(sublayer(x), coefficients)

@@ -1,0 +1,101 @@
+"""Tensor-parallel plumbing for the draft body: which group, what is refused, agreement.
+
+The tensor-parallel group comes from megatron's `parallel_state` when it is initialised
+and is a single-rank stand-in otherwise, so a body built in a plain Python process (a
+notebook, a HF export) is the TP=1 case of the same code. Sequence parallelism and
+context parallelism > 1 are refused: every rank of a TP group holds the whole sequence.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+
+_SIGNATURE_SLOTS = 32
+
+
+class SingleRankGroup:
+    """What megatron's tensor-parallel layers need of a group when there is only one rank.
+
+    Megatron's layers only ask a group for `size()` and `rank()` before skipping the
+    collective of a one-rank group; this lets them run without `torch.distributed`.
+    """
+
+    def size(self) -> int:
+        return 1
+
+    def rank(self) -> int:
+        return 0
+
+
+def tensor_parallel_group(group=None):
+    """The TP group to use: `group` if given, megatron's if initialised, else a single rank."""
+    if group is not None:
+        return group
+    if dist.is_available() and dist.is_initialized() and parallel_state.model_parallel_is_initialized():
+        return parallel_state.get_tensor_model_parallel_group()
+    return SingleRankGroup()
+
+
+def is_distributed_group(group) -> bool:
+    return not isinstance(group, SingleRankGroup) and group.size() > 1
+
+
+def check_parallel_layout(sequence_parallel: bool, context_parallel_size: Optional[int] = None) -> None:
+    """Refuse sequence parallelism and context parallelism > 1 with errors that say why."""
+    if sequence_parallel:
+        raise ValueError(
+            "sequence_parallel=True is not supported by the DFlash draft body: every block attends "
+            "to the whole target prefix, so each tensor-parallel rank needs the full sequence. "
+            "Set sequence_parallel=False for the draft (the target may still use it)."
+        )
+    if context_parallel_size is None and dist.is_available() and dist.is_initialized():
+        if parallel_state.model_parallel_is_initialized():
+            context_parallel_size = parallel_state.get_context_parallel_world_size()
+    if context_parallel_size is not None and context_parallel_size > 1:
+        raise ValueError(
+            f"context_parallel_size={context_parallel_size} is not supported by the DFlash draft "
+            "body; use context_parallel_size=1 and scale with data or tensor parallelism."
+        )
+
+
+def agree_or_raise(local_error: Optional[str], signature: Sequence[int], group, device) -> None:
+    """Make every rank of `group` raise the same error if any rank's input is bad.
+
+    `local_error` is this rank's own validation message (None when fine) and `signature`
+    a few integers that must be equal on all ranks (shapes). One small all-reduce decides;
+    only when something is wrong are the messages gathered, so that a single bad rank
+    turns into one identical `ValueError` everywhere instead of a hang in the next
+    collective.
+    """
+    if not is_distributed_group(group):
+        if local_error is not None:
+            raise ValueError(local_error)
+        return
+    # Fixed length on every rank: a rank whose tensors have another number of
+    # dimensions must still take part in the same collective.
+    values = [len(signature)] + [int(v) for v in signature][: _SIGNATURE_SLOTS - 1]
+    values += [-1] * (_SIGNATURE_SLOTS - len(values))
+    sig = torch.tensor(values, dtype=torch.int64, device=device)
+    flag = torch.tensor([0 if local_error is None else 1], dtype=torch.int64, device=device)
+    summary = torch.cat([flag, sig, -sig])
+    dist.all_reduce(summary, op=dist.ReduceOp.MAX, group=group)
+    n = sig.numel()
+    any_error = bool(summary[0].item())
+    mismatch = not torch.equal(summary[1 : 1 + n], -summary[1 + n :])
+    if not any_error and not mismatch:
+        return
+    messages: list = [None] * group.size()
+    dist.all_gather_object(messages, (local_error, list(signature)), group=group)
+    lines = [f"rank {r}: {err}" for r, (err, _) in enumerate(messages) if err is not None]
+    if mismatch:
+        shapes = ", ".join(f"rank {r}: {sig_r}" for r, (_, sig_r) in enumerate(messages))
+        lines.append(f"ranks of the tensor-parallel group disagree on input shapes ({shapes})")
+    raise ValueError(
+        "DFlash body input rejected on every tensor-parallel rank: " + "; ".join(lines)
+        + ". Every TP rank must receive the same batch."
+    )

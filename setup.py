@@ -1,0 +1,30 @@
+"""megatron-dflash: train DFlash block-diffusion draft models on megatron-core."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-dflash",
+    version="0.1.0",
+    description="Megatron-Core extension that trains DFlash block-diffusion draft models for speculative decoding",
+    long_description=open("README.md").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["megatron_dflash", "megatron_dflash.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        # Pinned: a bare `torch` lets pip pull a multi-GB CUDA build onto CPU machines.
+        "torch==2.13.0",
+        "megatron-core>=0.16,<0.17",
+        "transformers>=4.57",
+        "safetensors>=0.4",
+        "numpy",
+        "psutil",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "hypothesis>=6"],
+        # GPU only. Never install on CPU machines: its meta package breaks megatron imports.
+        "te": ["transformer-engine[pytorch]"],
+        # The reference modeling code of the published drafters, for parity checks. It
+        # only needs torch and transformers: CI installs it with `pip install --no-deps`.
+        "interop": ["dflash==0.1.0"],
+    },
+)
