@@ -63,7 +63,7 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
         span = num_target_layers - 4
         ids = [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
     try:
-        _check_target_layer_ids(ids, num_target_layers)
+        check_target_layer_ids(ids, num_target_layers)
     except ValueError as err:
         raise ValueError(
             f"the default target layers for a {num_target_layers}-layer target and "
@@ -73,7 +73,7 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
     return ids
 
 
-def _check_target_layer_ids(ids: list[int], num_target_layers: int) -> None:
+def check_target_layer_ids(ids: list[int], num_target_layers: int) -> None:
     if len(ids) == 0:
         raise ValueError("target_layer_ids is empty; at least one target layer must be tapped.")
     if any(not isinstance(i, int) or isinstance(i, bool) for i in ids):
@@ -195,7 +195,7 @@ class DFlashConfig:
                 f"(vocab_size={self.vocab_size})."
             )
         self.mask_token_id = int(self.mask_token_id)
-        _check_target_layer_ids(self.target_layer_ids, self.num_target_layers)
+        check_target_layer_ids(self.target_layer_ids, self.num_target_layers)
         if len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(
                 f"layer_types has {len(self.layer_types)} entries but num_hidden_layers="
@@ -338,7 +338,7 @@ class DFlashConfig:
                 if key in source and source[key] is not None:
                     kwargs.setdefault("causal", bool(source[key]))
                 source.pop(key, None)
-        kwargs["rope_theta"], kwargs["rope_scaling"] = _read_rope(data)
+        kwargs["rope_theta"], kwargs["rope_scaling"] = read_rope_parameters(data)
         if kwargs.get("head_dim") is None:  # Qwen3 files may omit it: hidden / heads
             kwargs["head_dim"] = int(kwargs.get("hidden_size", 1024)) // int(kwargs.get("num_attention_heads", 16))
         data.pop("use_sliding_window", None)
@@ -370,7 +370,7 @@ class DFlashConfig:
 _PASSTHROUGH_HF_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype", "dtype")
 
 
-def _read_rope(data: dict[str, Any]) -> tuple[float, Optional[dict]]:
+def read_rope_parameters(data: dict[str, Any]) -> tuple[float, Optional[dict]]:
     """(rope_theta, rope_scaling) from either `rope_theta`/`rope_scaling` or `rope_parameters`."""
     params = data.pop("rope_parameters", None)
     theta = data.pop("rope_theta", None)

@@ -42,78 +42,25 @@ from typing import Optional, Union
 
 import torch
 
+from .hashing import M32 as _M32
+from .hashing import absorb, mix32, seed_step_hash
+
 __all__ = ["DFlashBatchPlan", "build_dflash_batch_plan"]
 
-_M32 = 0xFFFFFFFF
-_TWO32 = 1 << 32
 _MAX_SEQ_LENGTH = (1 << 31) - 1  # positions live in the low 31 bits of a key
 
 # Per-stage constants (arbitrary odd 32-bit values) so that absorbing the same value at different
 # stages (e.g. seed == step) does not cancel out.
-_STAGE_SEED_LO = 0x9E3779B9
-_STAGE_SEED_HI = 0x85EBCA77
-_STAGE_STEP_LO = 0xC2B2AE3D
-_STAGE_STEP_HI = 0x27D4EB2F
 _STAGE_SAMPLE_LO = 0x165667B1
 _STAGE_SAMPLE_HI = 0xD3A2646C
 _STAGE_SECOND = 0xFD7046C5
-
-IntOrTensor = Union[int, torch.Tensor]
-
-
-# --------------------------------------------------------------------------------------------------
-# Integer hashing on 32-bit lanes (works on Python ints and int64 tensors alike)
-# --------------------------------------------------------------------------------------------------
-
-
-def _mul32(x: IntOrTensor, c: int) -> IntOrTensor:
-    """``(x * c) mod 2**32`` for ``0 <= x < 2**32`` without ever forming a product >= 2**63.
-
-    Constants >= 2**31 are applied as ``-(x * (2**32 - c))``: ``2**32 - c`` is below 2**31, the product
-    stays below 2**63, and masking the negated value with 0xFFFFFFFF yields the same residue.
-    """
-    if c < (1 << 31):
-        return (x * c) & _M32
-    return (-(x * (_TWO32 - c))) & _M32
-
-
-def _mix32(x: IntOrTensor) -> IntOrTensor:
-    """A bijective 32-bit avalanche mixer (xorshift-multiply, "lowbias32" constants)."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    x = x ^ (x >> 16)
-    return x
-
-
-def _absorb(h: IntOrTensor, value: IntOrTensor, stage: int) -> IntOrTensor:
-    """Fold one 32-bit ``value`` into the running 32-bit hash ``h``."""
-    return _mix32(((h + stage) & _M32) ^ value)
-
-
-def _split64(value: int) -> tuple[int, int]:
-    """Low and high 32-bit halves of a Python int taken modulo 2**64."""
-    value &= (1 << 64) - 1
-    return value & _M32, value >> 32
-
-
-def _scalar_base(seed: int, optimizer_step: int) -> int:
-    """32-bit hash of (seed, step), computed on the host from Python ints (no device work)."""
-    seed_lo, seed_hi = _split64(seed)
-    step_lo, step_hi = _split64(optimizer_step)
-    h = _absorb(0, seed_lo, _STAGE_SEED_LO)
-    h = _absorb(h, seed_hi, _STAGE_SEED_HI)
-    h = _absorb(h, step_lo, _STAGE_STEP_LO)
-    h = _absorb(h, step_hi, _STAGE_STEP_HI)
-    return h
 
 
 def _position_hashes(base: int, sample_ids: torch.Tensor, seq_length: int) -> torch.Tensor:
     """32-bit hash of (seed, step, sample_id, p) for every row and position.
 
     Args:
-        base: ``_scalar_base(seed, step)``.
+        base: ``seed_step_hash(seed, step)``.
         sample_ids: [B] int64.
     Returns:
         [B, S] int64 with values in ``[0, 2**32)``.
@@ -121,13 +68,13 @@ def _position_hashes(base: int, sample_ids: torch.Tensor, seq_length: int) -> to
     # Both halves of the int64 sample ID; & 0xFFFFFFFF takes the two's complement bits of negative IDs.
     lo = sample_ids & _M32
     hi = (sample_ids >> 32) & _M32
-    row = _absorb(_absorb(base, lo, _STAGE_SAMPLE_LO), hi, _STAGE_SAMPLE_HI)  # [B]
+    row = absorb(absorb(base, lo, _STAGE_SAMPLE_LO), hi, _STAGE_SAMPLE_HI)  # [B]
     # A second, independent row hash keyed in after the position: with one round only, two rows would
     # order positions by the same function of ``row ^ p``.
-    row2 = _absorb(row, 0, _STAGE_SECOND)  # [B]
+    row2 = absorb(row, 0, _STAGE_SECOND)  # [B]
     positions = torch.arange(seq_length, dtype=torch.int64, device=sample_ids.device)
-    h = _mix32(row[:, None] ^ positions[None, :])  # [B, S]
-    return _mix32((h + row2[:, None]) & _M32)
+    h = mix32(row[:, None] ^ positions[None, :])  # [B, S]
+    return mix32((h + row2[:, None]) & _M32)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -579,7 +526,7 @@ def build_dflash_batch_plan(
         eligible = eligible & same_run & (document_ids >= 0)
 
     # ---- unique keys and top-N ----
-    hashes = _position_hashes(_scalar_base(seed, optimizer_step), sample_ids, seq_length)  # [B, S] < 2**32
+    hashes = _position_hashes(seed_step_hash(seed, optimizer_step), sample_ids, seq_length)  # [B, S] < 2**32
     keys = (hashes << 31) | positions[None, :]  # < 2**63, unique per row
     keys = torch.where(eligible, keys, torch.full((), -1, dtype=torch.int64, device=device))
     k = min(num_blocks, seq_length)

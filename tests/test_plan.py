@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from megatron_dflash import hashing
 from megatron_dflash import plan as plan_module
 from megatron_dflash.plan import DFlashBatchPlan, build_dflash_batch_plan
 
@@ -223,12 +224,12 @@ def test_hash_has_no_int64_overflow():
     """The tensor hash equals the same code on unbounded Python ints, so no int64 product overflowed."""
     rng = random.Random(0)
     values = [0, 1, 2**31 - 1, 2**31, 2**32 - 1] + [rng.getrandbits(32) for _ in range(2000)]
-    tensor = plan_module._mix32(torch.tensor(values, dtype=torch.int64))
-    assert tensor.tolist() == [plan_module._mix32(v) for v in values]
+    tensor = hashing.mix32(torch.tensor(values, dtype=torch.int64))
+    assert tensor.tolist() == [hashing.mix32(v) for v in values]
     assert all(0 <= v < 2**32 for v in tensor.tolist())
     # _mul32 really is multiplication modulo 2**32, also for constants >= 2**31 applied by negation.
     for c in (0x7FEB352D, 0x846CA68B, 2**32 - 1, 3):
-        got = plan_module._mul32(torch.tensor(values, dtype=torch.int64), c).tolist()
+        got = hashing._mul32(torch.tensor(values, dtype=torch.int64), c).tolist()
         assert got == [(v * c) % 2**32 for v in values]
 
 
