@@ -1,0 +1,790 @@
+"""DFlash training objectives: block inputs, labels, loss weights, the chunked vocab-parallel loss, metrics.
+
+Conventions (DESIGN section 2; they must never drift from what serving does):
+
+* a block with anchor ``p`` has ``W = gamma + 1`` slots; slot 0 holds the real anchor token ``x_p``, slots
+  ``1..gamma`` the MASK token, all embedded with the **target's** input embedding times
+  ``input_embedding_scale``;
+* slot ``k`` predicts the token **at** ``p + k``; slot 0 is never supervised and never computed;
+* slot ``k`` has loss weight ``w_k = exp(-(k - 1) / decay_gamma)`` (uniform when ``decay_gamma`` is None);
+* the loss is ``sum(w * loss * mask) / sum(w * mask)`` over the **whole global batch**. The objective returns
+  numerator and denominator separately (`DFlashLossOutput.loss_sum`, `.weight_sum`) and the training loop
+  divides once by the global denominator, like megatron's ``calculate_per_token_loss=True``. Averaging per
+  micro-batch would make the objective depend on how the global batch is split.
+
+Memory: the loss never materialises logits of all slots. The ``M = B * N * gamma`` predicted slots are cut
+into fixed-size chunks of ``chunk_slots`` rows (static shapes, no host synchronisation); each chunk computes
+its ``[chunk, V / TP]`` logits, its vocab-parallel cross entropy and its argmax under activation
+recomputation, so the peak is one chunk of logits (plus its gradient) whatever the number of slots.
+Unsupervised slots inside a chunk are computed and weighted by zero.
+
+Vocab-parallel cross entropy (same scheme as megatron's ``vocab_parallel_cross_entropy``, written here with
+an explicit group because megatron's reads ``parallel_state``): local max -> all-reduce MAX; sum of
+``exp(z - max)`` and the target's shifted logit (taken on the shard that owns it) -> one all-reduce SUM;
+``nll = log(sum_exp) - z_target``; the backward is analytical, ``softmax - onehot``, from the saved local
+softmax. Each rank's gradient w.r.t. the (replicated) hidden states covers only its vocabulary shard;
+`OutputHead.local_logits` sums it over the TP group in backward.
+
+Shapes: B batch, S context length, N blocks per row, W block size, H hidden size, V vocabulary (local
+shard: ``V / TP``), M = B * N * (W - 1) predicted slots.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from .config import DFlashConfig
+from .parallel import SingleRankGroup, is_distributed_group, tensor_parallel_group
+from .plan import DFlashBatchPlan
+
+__all__ = [
+    "OutputHead",
+    "block_tokens",
+    "embed_blocks",
+    "block_labels",
+    "decay_weights",
+    "DFlashMetrics",
+    "acceptance_lengths",
+    "counted_blocks",
+    "DFlashLossOutput",
+    "dflash_loss",
+    "SOFT_TARGETS",
+]
+
+SOFT_TARGETS = ("none", "ce", "kl")
+# Sentinel above any vocabulary index, for the MIN all-reduce that picks the global argmax.
+_NO_INDEX = torch.iinfo(torch.int64).max
+
+
+# --------------------------------------------------------------------------------------------------
+# The output head
+# --------------------------------------------------------------------------------------------------
+
+
+class _ReduceGradOverGroup(torch.autograd.Function):
+    """Identity forward; all-reduce (sum) of the gradient over ``group`` in backward."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        if is_distributed_group(ctx.group):
+            grad = grad.contiguous()
+            dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def _is_column_parallel(layer: nn.Module) -> bool:
+    """Megatron-style column-parallel linear: knows the width of its vocabulary shard."""
+    return hasattr(layer, "output_size_per_partition") and not isinstance(layer, nn.Linear)
+
+
+@dataclass
+class OutputHead:
+    """The frozen target's output layer as seen by the objective.
+
+    Args:
+        layer: a megatron ``ColumnParallelLinear`` (vocab-parallel: this rank holds rows
+            ``vocab_range`` of the weight) or a plain ``nn.Linear`` lm_head (TP=1). Only its ``weight`` and
+            ``bias`` are used (see `local_logits`).
+        vocab_size: the real vocabulary size V. The layer may be wider (megatron pads the vocabulary to a
+            multiple of ``128 * TP``); columns ``>= vocab_size`` are excluded from softmax and argmax.
+        tp_group: the group that splits the vocabulary. For a column-parallel layer: this group, else the
+            layer's ``tp_group``, else megatron's TP group (`parallel.tensor_parallel_group`). A plain
+            ``nn.Linear`` is always one rank.
+        output_multiplier: the target multiplies its raw logits by this (``dflash_config``).
+        final_logit_softcapping: if set, logits become ``cap * tanh(logits / cap)`` after the multiplier.
+        weight: the output weight to pass to the layer when it owns none (megatron builds the output layer
+            with ``skip_weight_param_allocation=True`` for targets with tied embeddings and passes the
+            embedding weight at call time). Column-parallel layers only.
+    """
+
+    layer: nn.Module
+    vocab_size: int
+    tp_group: object = None
+    output_multiplier: float = 1.0
+    final_logit_softcapping: Optional[float] = None
+    weight: Optional[torch.Tensor] = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.layer, nn.Linear):
+            if self.tp_group is not None and getattr(self.tp_group, "size", lambda: 1)() > 1:
+                raise ValueError(
+                    "OutputHead: a plain nn.Linear holds the whole vocabulary, but a tensor-parallel group of "
+                    f"size {self.tp_group.size()} was given. Use a megatron ColumnParallelLinear for a "
+                    "vocab-parallel head, or drop tp_group."
+                )
+            if self.weight is not None:
+                raise ValueError("OutputHead.weight is only for column-parallel layers built without a weight.")
+            self.tp_group = SingleRankGroup()
+            self._local_vocab = self.layer.out_features
+        elif _is_column_parallel(self.layer):
+            group = self.tp_group if self.tp_group is not None else getattr(self.layer, "tp_group", None)
+            self.tp_group = tensor_parallel_group(group)
+            self._local_vocab = int(self.layer.output_size_per_partition)
+        else:
+            raise ValueError(
+                f"OutputHead.layer must be a megatron ColumnParallelLinear or an nn.Linear, got "
+                f"{type(self.layer).__name__}."
+            )
+        self.vocab_size = int(self.vocab_size)
+        padded = self._local_vocab * self.tp_group.size()
+        if not 1 <= self.vocab_size <= padded:
+            raise ValueError(
+                f"OutputHead: vocab_size={self.vocab_size} but the layer has {padded} output columns in all "
+                f"({self._local_vocab} per rank x TP {self.tp_group.size()}); vocab_size must be between 1 and "
+                "the layer's width (pass the real, unpadded vocabulary)."
+            )
+        if not math.isfinite(self.output_multiplier) or self.output_multiplier == 0:
+            raise ValueError(f"OutputHead.output_multiplier={self.output_multiplier} must be finite and non-zero.")
+        if self.final_logit_softcapping is not None and not self.final_logit_softcapping > 0:
+            raise ValueError(
+                f"OutputHead.final_logit_softcapping={self.final_logit_softcapping} must be > 0 or None."
+            )
+
+    @classmethod
+    def from_config(
+        cls, layer: nn.Module, config: DFlashConfig, tp_group=None, weight: Optional[torch.Tensor] = None
+    ) -> "OutputHead":
+        """A head with the vocabulary size and output transform of the draft's config."""
+        return cls(
+            layer=layer,
+            vocab_size=config.vocab_size,
+            tp_group=tp_group,
+            output_multiplier=config.output_multiplier,
+            final_logit_softcapping=config.final_logit_softcapping,
+            weight=weight,
+        )
+
+    @property
+    def local_vocab_size(self) -> int:
+        """Columns of this rank's shard, ``V_padded / TP``."""
+        return self._local_vocab
+
+    @property
+    def vocab_range(self) -> tuple[int, int]:
+        """``(start, end)`` of this rank's vocabulary shard (end exclusive, may include padding)."""
+        start = self.tp_group.rank() * self._local_vocab
+        return start, start + self._local_vocab
+
+    def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden [..., H] -> [..., V / TP]`` fp32 logits of this rank's shard, as the target reads them.
+
+        ``hidden @ W_local^T (+ bias)`` with the layer's (or the given) weight; in backward the gradient
+        w.r.t. ``hidden`` is summed over the TP group (each rank holds only its shard's contribution).
+
+        Applies the output multiplier, then the soft cap, then sets padded vocabulary columns to ``-inf``
+        (after the cap: ``tanh`` would otherwise turn ``-inf`` into ``-cap``).
+        """
+        weight = self.weight if self.weight is not None else self.layer.weight
+        if weight is None:
+            raise ValueError(
+                "OutputHead: the layer owns no weight (megatron's skip_weight_param_allocation, used for tied "
+                "embeddings); pass the output weight as OutputHead(weight=...)."
+            )
+        bias = getattr(self.layer, "bias", None)
+        # The matmul is done here rather than by the module: megatron's layer resolves its gradient
+        # all-reduce through parallel_state (and fails outside an initialised launch); the group is explicit here.
+        hidden = _ReduceGradOverGroup.apply(hidden.to(weight.dtype), self.tp_group)
+        logits = F.linear(hidden, weight, bias)
+        logits = logits.float()
+        if self.output_multiplier != 1.0:
+            logits = logits * self.output_multiplier
+        if self.final_logit_softcapping is not None:
+            cap = float(self.final_logit_softcapping)
+            logits = torch.tanh(logits / cap) * cap
+        start, end = self.vocab_range
+        if end > self.vocab_size:  # this shard holds padding columns
+            columns = torch.arange(start, end, device=logits.device)
+            logits = logits.masked_fill(columns >= self.vocab_size, float("-inf"))
+        return logits
+
+    def requires_grad(self) -> bool:
+        """Whether any tensor the head computes with requires a gradient."""
+        if self.weight is not None and self.weight.requires_grad:
+            return True
+        return any(p.requires_grad for p in self.layer.parameters())
+
+
+# --------------------------------------------------------------------------------------------------
+# Block inputs, labels and weights
+# --------------------------------------------------------------------------------------------------
+
+
+def _check_input_ids(input_ids: torch.Tensor, plan: DFlashBatchPlan) -> None:
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        raise ValueError(f"input_ids must be a [batch, seq_length] integer tensor, got {shape}.")
+    if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+        raise ValueError(f"input_ids must be an integer tensor, got dtype {input_ids.dtype}; use .long().")
+    if tuple(input_ids.shape) != (plan.batch_size, plan.seq_length):
+        raise ValueError(
+            f"input_ids has shape {tuple(input_ids.shape)} but the plan is for batch {plan.batch_size} x "
+            f"seq_length {plan.seq_length}; build the plan from this batch's mask."
+        )
+
+
+def _check_prefix_lengths(prefix_lengths: Optional[torch.Tensor], plan: DFlashBatchPlan) -> None:
+    if prefix_lengths is None:
+        return
+    if not isinstance(prefix_lengths, torch.Tensor) or tuple(prefix_lengths.shape) != (
+        plan.batch_size,
+        plan.num_blocks,
+    ):
+        shape = tuple(prefix_lengths.shape) if isinstance(prefix_lengths, torch.Tensor) else type(prefix_lengths).__name__
+        raise ValueError(
+            f"prefix_lengths must be a [batch, blocks] = {(plan.batch_size, plan.num_blocks)} integer tensor, "
+            f"got {shape}."
+        )
+    if prefix_lengths.dtype.is_floating_point or prefix_lengths.dtype == torch.bool:
+        raise ValueError(f"prefix_lengths must be an integer tensor, got dtype {prefix_lengths.dtype}.")
+
+
+def _slot_index(block_size: int, device) -> torch.Tensor:
+    return torch.arange(block_size, dtype=torch.int64, device=device)
+
+
+def block_labels(input_ids: torch.Tensor, plan: DFlashBatchPlan) -> torch.Tensor:
+    """``[B, N, W]`` int64: the token at ``anchor + k`` for slot ``k`` (slot 0: the anchor token itself).
+
+    Invalid blocks hold whatever the clamped gather finds; they are never supervised.
+    """
+    _check_input_ids(input_ids, plan)
+    plan = plan.to(input_ids.device)
+    B, N, W = plan.batch_size, plan.num_blocks, plan.block_size
+    index = plan.token_indices.reshape(B, N * W)
+    return torch.gather(input_ids.long(), 1, index).view(B, N, W)
+
+
+def block_tokens(
+    input_ids: torch.Tensor,
+    plan: DFlashBatchPlan,
+    *,
+    mask_token_id: int,
+    prefix_lengths: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """``[B, N, W]`` int64 input tokens of every block.
+
+    Plain DFlash: ``[x_p, MASK, ..., MASK]``. With ``prefix_lengths`` ``l [B, N]`` (variable-prefix
+    training): real tokens ``x_{p+k}`` at slots ``k < l``, MASK at ``k >= l``. Invalid blocks are all MASK.
+    """
+    if isinstance(mask_token_id, bool) or not isinstance(mask_token_id, int) or mask_token_id < 0:
+        raise ValueError(f"mask_token_id must be a non-negative int (a row of the target embedding), got {mask_token_id!r}.")
+    _check_prefix_lengths(prefix_lengths, plan)
+    labels = block_labels(input_ids, plan)
+    plan = plan.to(input_ids.device)
+    slots = _slot_index(plan.block_size, labels.device)
+    if prefix_lengths is None:
+        visible = (slots == 0)[None, None, :] & plan.block_valid[:, :, None]
+    else:
+        visible = (slots[None, None, :] < prefix_lengths.to(labels.device)[:, :, None]) & plan.block_valid[:, :, None]
+    return torch.where(visible, labels, torch.full((), mask_token_id, dtype=torch.int64, device=labels.device))
+
+
+def embed_blocks(
+    input_ids: torch.Tensor,
+    plan: DFlashBatchPlan,
+    embedding: nn.Module,
+    *,
+    mask_token_id: int,
+    input_embedding_scale: float = 1.0,
+    prefix_lengths: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """``[B, N, W, H]`` block embeddings: ``embedding(block_tokens(...)) * input_embedding_scale``.
+
+    ``embedding`` is the target's input embedding **module** (``nn.Embedding`` or megatron's
+    ``VocabParallelEmbedding``), called as a module so that a vocab-parallel table does its own lookup and
+    all-reduce; indexing its weight would read only this rank's shard.
+    """
+    tokens = block_tokens(input_ids, plan, mask_token_id=mask_token_id, prefix_lengths=prefix_lengths)
+    embedded = embedding(tokens)
+    if isinstance(embedded, tuple):
+        embedded = embedded[0]
+    if input_embedding_scale != 1.0:
+        embedded = embedded * input_embedding_scale
+    return embedded
+
+
+def decay_weights(
+    plan_or_shape: Union[DFlashBatchPlan, tuple],
+    *,
+    decay_gamma: Optional[float] = None,
+    block_size: Optional[int] = None,
+    prefix_lengths: Optional[torch.Tensor] = None,
+    device=None,
+) -> torch.Tensor:
+    """``[B, N, W]`` fp32 per-slot loss weights (not multiplied by any mask).
+
+    ``w_k = exp(-(k - start) / decay_gamma)`` for slots ``k >= start`` and 0 below, where ``start = 1``
+    (slot 0 is the anchor) or, with ``prefix_lengths`` ``l [B, N]``, ``start = l``: the decay restarts at
+    the first masked slot. ``decay_gamma=None`` gives weight 1 from ``start`` on.
+
+    Args:
+        plan_or_shape: a `DFlashBatchPlan`, or a shape ``(B, N)`` (then ``block_size`` is required) or
+            ``(B, N, W)``.
+        decay_gamma: decay length (> 0) or None.
+        block_size: W when ``plan_or_shape`` is ``(B, N)``.
+        prefix_lengths: ``[B, N]`` integer, first supervised slot of each block.
+        device: device of the result (default: the plan's, or ``prefix_lengths``', or CPU).
+    """
+    if isinstance(plan_or_shape, DFlashBatchPlan):
+        B, N, W = plan_or_shape.batch_size, plan_or_shape.num_blocks, plan_or_shape.block_size
+        if block_size is not None and block_size != W:
+            raise ValueError(f"decay_weights: block_size={block_size} disagrees with the plan's block_size={W}.")
+        device = device if device is not None else plan_or_shape.device
+    else:
+        shape = tuple(int(s) for s in plan_or_shape)
+        if len(shape) == 3:
+            B, N, W = shape
+            if block_size is not None and block_size != W:
+                raise ValueError(f"decay_weights: block_size={block_size} disagrees with shape {shape}.")
+        elif len(shape) == 2:
+            if block_size is None:
+                raise ValueError("decay_weights: pass block_size=W with a (batch, blocks) shape.")
+            (B, N), W = shape, int(block_size)
+        else:
+            raise ValueError(f"decay_weights: expected a plan, (batch, blocks) or (batch, blocks, block_size), got {shape}.")
+    if W < 2:
+        raise ValueError(f"decay_weights: block_size={W} must be >= 2.")
+    if decay_gamma is not None and not (isinstance(decay_gamma, (int, float)) and decay_gamma > 0):
+        raise ValueError(f"decay_gamma={decay_gamma!r} must be a positive number or None (uniform weights).")
+    if device is None and prefix_lengths is not None:
+        device = prefix_lengths.device
+    slots = _slot_index(W, device).to(torch.float32)
+    if prefix_lengths is None:
+        start = torch.ones(B, N, 1, dtype=torch.float32, device=device)
+    else:
+        if tuple(prefix_lengths.shape) != (B, N):
+            raise ValueError(f"prefix_lengths must have shape {(B, N)}, got {tuple(prefix_lengths.shape)}.")
+        start = prefix_lengths.to(device=device, dtype=torch.float32)[:, :, None]
+    distance = slots[None, None, :] - start  # [B, N, W]
+    if decay_gamma is None:
+        weights = torch.ones_like(distance)
+    else:
+        weights = torch.exp(-distance.clamp(min=0) / float(decay_gamma))
+    return torch.where(distance >= 0, weights, torch.zeros((), device=device))
+
+
+# --------------------------------------------------------------------------------------------------
+# Metrics
+# --------------------------------------------------------------------------------------------------
+
+
+def _f64(value, device=None) -> torch.Tensor:
+    return torch.as_tensor(value, dtype=torch.float64, device=device).detach()
+
+
+@dataclass
+class DFlashMetrics:
+    """Additive fp64 scalar statistics: sum them over micro-batches, all-reduce them over data parallelism.
+
+    Fields:
+        supervised_tokens: number of supervised predicted slots (``mask`` True).
+        correct_tokens: supervised slots whose draft argmax equals the label.
+        acceptance_sum: sum over counted blocks of `acceptance_lengths` (bonus token included).
+        valid_blocks: number of counted blocks (valid, with a supervised first predicted slot).
+
+    Ratios are derived only after summing, so micro-batches with few tokens or blocks are not over-weighted.
+    """
+
+    supervised_tokens: torch.Tensor
+    correct_tokens: torch.Tensor
+    acceptance_sum: torch.Tensor
+    valid_blocks: torch.Tensor
+
+    _FIELDS = ("supervised_tokens", "correct_tokens", "acceptance_sum", "valid_blocks")
+
+    @classmethod
+    def zeros(cls, device=None) -> "DFlashMetrics":
+        return cls(*(torch.zeros((), dtype=torch.float64, device=device) for _ in cls._FIELDS))
+
+    def _stack(self) -> torch.Tensor:
+        return torch.stack([_f64(getattr(self, name)) for name in self._FIELDS])
+
+    def __add__(self, other: "DFlashMetrics") -> "DFlashMetrics":
+        if not isinstance(other, DFlashMetrics):
+            return NotImplemented
+        mine = self._stack()
+        return DFlashMetrics(*(mine + other._stack().to(mine.device)).unbind())
+
+    def all_reduce(self, group=None) -> "DFlashMetrics":
+        """Sum over the ranks of ``group`` (torch.distributed's default group when None) in one all-reduce."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return self
+        if isinstance(group, SingleRankGroup) or dist.get_world_size(group) == 1:
+            return self
+        stacked = self._stack().clone()
+        dist.all_reduce(stacked, op=dist.ReduceOp.SUM, group=group)
+        return DFlashMetrics(*stacked.unbind())
+
+    @property
+    def accuracy(self) -> torch.Tensor:
+        """``correct_tokens / supervised_tokens`` (0 when nothing is supervised)."""
+        return self.correct_tokens / self.supervised_tokens.clamp(min=1)
+
+    @property
+    def acceptance_length(self) -> torch.Tensor:
+        """Mean accepted tokens per block including the bonus token, ``acceptance_sum / valid_blocks``."""
+        return self.acceptance_sum / self.valid_blocks.clamp(min=1)
+
+    def to_dict(self) -> dict:
+        """Python floats for logging (synchronises with the device)."""
+        out = {name: float(getattr(self, name)) for name in self._FIELDS}
+        out["accuracy"] = float(self.accuracy)
+        out["acceptance_length"] = float(self.acceptance_length)
+        return out
+
+
+def acceptance_lengths(
+    correct: torch.Tensor,
+    supervised: torch.Tensor,
+    block_valid: torch.Tensor,
+    *,
+    first_slot: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """``[B, N]`` fp32 greedy acceptance length of every block, bonus token included.
+
+    Index ``j`` of the ``[B, N, W-1]`` inputs is predicted slot ``k = j + 1``. Counting starts at slot
+    ``first_slot`` (``[B, N]``, default 1; variable-prefix training starts at the first masked slot) and
+    runs over consecutive slots that are both supervised and correct; the first wrong **or unsupervised**
+    slot ends it (an unsupervised gap is not evidence of acceptance). The result is that count plus one
+    bonus token.
+
+    A block is *counted* when it is valid and its first counted slot is supervised (a block with nothing to
+    predict measures nothing); uncounted blocks get 0. `counted_blocks` gives the mask.
+    """
+    if correct.shape != supervised.shape or correct.dim() != 3 or tuple(block_valid.shape) != tuple(correct.shape[:2]):
+        raise ValueError(
+            f"acceptance_lengths: correct {tuple(correct.shape)} and supervised {tuple(supervised.shape)} must be "
+            f"[B, N, W-1] and block_valid {tuple(block_valid.shape)} [B, N]."
+        )
+    ok, counted = _shifted_ok(correct, supervised, block_valid, first_slot)
+    run = torch.cumprod(ok.to(torch.int32), dim=-1).sum(dim=-1)
+    return torch.where(counted, run.to(torch.float32) + 1.0, torch.zeros((), device=correct.device))
+
+
+def counted_blocks(supervised: torch.Tensor, block_valid: torch.Tensor, first_slot: Optional[torch.Tensor] = None):
+    """``[B, N]`` bool: blocks that enter ``valid_blocks`` (valid, first counted slot supervised)."""
+    return _shifted_ok(supervised, supervised, block_valid, first_slot)[1]
+
+
+def _shifted_ok(correct, supervised, block_valid, first_slot):
+    """(ok ``[B, N, W-1]`` re-indexed so that index 0 is ``first_slot``, counted ``[B, N]``)."""
+    ok = correct.bool() & supervised.bool()
+    sup = supervised.bool()
+    if first_slot is not None:
+        G = ok.shape[-1]
+        index = torch.arange(G, device=ok.device)[None, None, :] + (first_slot.to(ok.device).long()[:, :, None] - 1)
+        inside = (index >= 0) & (index < G)
+        index = index.clamp(0, G - 1)
+        ok = torch.gather(ok, 2, index) & inside
+        sup = torch.gather(sup, 2, index) & inside
+    counted = block_valid.bool() & sup[..., 0]
+    return ok, counted
+
+
+# --------------------------------------------------------------------------------------------------
+# Vocab-parallel cross entropy (hard or soft targets) with global argmax
+# --------------------------------------------------------------------------------------------------
+
+
+def _all_reduce(tensor: torch.Tensor, op, group) -> torch.Tensor:
+    if is_distributed_group(group):
+        dist.all_reduce(tensor, op=op, group=group)
+    return tensor
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-row ``logsumexp(z) - sum_v q_v z_v`` over a vocabulary split across ``group``.
+
+    Hard targets: ``q`` = one-hot of ``target`` (given as indices). Soft targets: ``q = target_probs``, the
+    local shard of a distribution. Also returns the global argmax of ``z`` (ties: smallest index) as a
+    non-differentiable output. Backward: ``(softmax(z) - q) * grad``.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, target, target_probs, vocab_start, group):
+        # logits: [c, Vl] fp32; target: [c] int64 or None; target_probs: [c, Vl] or None.
+        rows = torch.arange(logits.shape[0], device=logits.device)
+        local_max, local_arg = logits.max(dim=-1)
+        global_max = _all_reduce(local_max.clone(), dist.ReduceOp.MAX, group)
+        # One [c, Vl] buffer: exp(z - max) computed in place (it becomes the saved softmax).
+        exp = torch.sub(logits, global_max[:, None]).exp_()
+        zero = torch.zeros((), device=logits.device)
+        if target_probs is None:
+            local_target = target - vocab_start
+            owned = (local_target >= 0) & (local_target < logits.shape[-1])
+            local_target = local_target.clamp(0, logits.shape[-1] - 1)
+            picked = torch.where(owned, logits[rows, local_target] - global_max, zero)
+        else:
+            # sum_v q_v (z_v - max); 0 * -inf (padding columns) must count as 0.
+            picked = torch.where(target_probs > 0, target_probs * logits, zero).sum(-1)
+            picked = picked - global_max * target_probs.sum(-1)
+        sums = _all_reduce(torch.stack([exp.sum(dim=-1), picked]), dist.ReduceOp.SUM, group)
+        sum_exp, target_logit = sums[0], sums[1]
+        loss = torch.log(sum_exp) - target_logit
+        # Global argmax: only a shard whose max equals the global max offers its first maximal index.
+        candidate = torch.where(
+            local_max == global_max,
+            local_arg + vocab_start,
+            torch.full((), _NO_INDEX, dtype=torch.int64, device=logits.device),
+        )
+        argmax = _all_reduce(candidate, dist.ReduceOp.MIN, group)
+        softmax = exp.div_(sum_exp[:, None])
+        if target_probs is None:
+            ctx.save_for_backward(softmax, local_target, owned)
+        else:
+            ctx.save_for_backward(softmax, target_probs)
+        ctx.hard = target_probs is None
+        ctx.mark_non_differentiable(argmax)
+        return loss, argmax
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_argmax):
+        # The saved softmax is used once (and recomputed under activation checkpointing), so the
+        # gradient is formed in its buffer, as megatron's vocab-parallel cross entropy does.
+        if ctx.hard:
+            grad, local_target, owned = ctx.saved_tensors
+            rows = torch.arange(grad.shape[0], device=grad.device)
+            grad[rows, local_target] -= owned.to(grad.dtype)
+        else:
+            grad, target_probs = ctx.saved_tensors
+            grad.sub_(target_probs)
+        grad.mul_(grad_loss[:, None])
+        return grad, None, None, None, None
+
+
+def _vocab_parallel_softmax(logits: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """Local shard of ``softmax(logits)`` over the split vocabulary and ``sum_v q_v log q_v`` per row."""
+    global_max = _all_reduce(logits.max(dim=-1).values.clone(), dist.ReduceOp.MAX, group)
+    shifted = logits - global_max[:, None]
+    exp = shifted.exp()
+    sum_exp = _all_reduce(exp.sum(dim=-1), dist.ReduceOp.SUM, group)
+    probs = exp / sum_exp[:, None]
+    # sum q log q = sum q * shifted - log(sum_exp); padding columns have q = 0 and shifted = -inf.
+    q_shifted = torch.where(probs > 0, probs * shifted, torch.zeros((), device=logits.device)).sum(-1)
+    q_shifted = _all_reduce(q_shifted, dist.ReduceOp.SUM, group)
+    return probs, q_shifted - torch.log(sum_exp)
+
+
+# --------------------------------------------------------------------------------------------------
+# The loss
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DFlashLossOutput:
+    """What one micro-batch contributes to the global-batch objective.
+
+    Attributes:
+        loss_sum: differentiable fp32 scalar ``sum(w * loss_per_slot * mask)``.
+        weight_sum: fp32 scalar without grad, ``sum(w * mask)``. The training loss is
+            ``sum(loss_sum) / sum(weight_sum)`` over every micro-batch and data-parallel rank of the
+            global batch.
+        metrics: additive `DFlashMetrics` of this micro-batch.
+    """
+
+    loss_sum: torch.Tensor
+    weight_sum: torch.Tensor
+    metrics: DFlashMetrics
+
+
+def _chunk_loss(head: OutputHead, soft_target: str, temperature: float, teacher_flat: Optional[torch.Tensor]):
+    """The per-chunk computation run under activation recomputation.
+
+    ``(h [c, H], labels [c], weights [c], teacher_index [c] or None) -> (weighted loss sum, argmax [c])``.
+    """
+    start = head.vocab_range[0]
+    group = head.tp_group
+
+    def run(h, labels, weights, teacher_index):
+        logits = head.local_logits(h)
+        if temperature != 1.0:
+            logits = logits / temperature
+        probs = neg_entropy = None
+        if soft_target != "none":
+            with torch.no_grad():
+                teacher = head.local_logits(teacher_flat.index_select(0, teacher_index))
+                if temperature != 1.0:
+                    teacher = teacher / temperature
+                probs, neg_entropy = _vocab_parallel_softmax(teacher, group)
+        loss, argmax = _VocabParallelCrossEntropy.apply(logits, labels, probs, start, group)
+        if soft_target == "kl":
+            loss = loss + neg_entropy  # KL(q || p) = CE(q, p) - H(q)
+        if soft_target != "none" and temperature != 1.0:
+            loss = loss * (temperature * temperature)
+        # `where`, not a product: an unsupervised slot's loss may be inf and 0 * inf is NaN.
+        weighted = torch.where(weights != 0, loss * weights, torch.zeros((), device=loss.device))
+        return weighted.sum(), argmax
+
+    return run
+
+
+def dflash_loss(
+    hidden: torch.Tensor,
+    plan: DFlashBatchPlan,
+    input_ids: torch.Tensor,
+    head: OutputHead,
+    *,
+    decay_gamma: Optional[float] = None,
+    loss_mask: Optional[torch.Tensor] = None,
+    weights: Optional[torch.Tensor] = None,
+    teacher_hidden: Optional[torch.Tensor] = None,
+    soft_target: str = "none",
+    temperature: float = 1.0,
+    chunk_slots: Optional[int] = 1024,
+    prefix_lengths: Optional[torch.Tensor] = None,
+) -> DFlashLossOutput:
+    """Decay-weighted DFlash loss of one micro-batch, chunked and vocab-parallel.
+
+    Args:
+        hidden: ``[B, N, W, H]`` draft body output (any float dtype; logits are computed in fp32).
+        plan: the batch plan.
+        input_ids: ``[B, S]`` the context tokens; slot ``k`` of a block at ``p`` is labelled ``input_ids[p+k]``.
+            Supervised labels must lie in ``[0, vocab_size)`` (not checked: it would synchronise).
+        head: the target's output layer (`OutputHead`).
+        decay_gamma: slot decay length (None: uniform weights).
+        loss_mask: ``[B, N, W]`` bool, default ``plan.loss_mask`` (and, with ``prefix_lengths``, only slots
+            ``k >= l``). Slot 0 is never supervised, whatever the mask says.
+        weights: ``[B, N, W]`` per-slot weights, default `decay_weights` (restarted at ``prefix_lengths``).
+        teacher_hidden: ``[B, S, H]`` the target's final normed hidden states; required for soft targets.
+            Slot ``k`` of a block at ``p`` is distilled from the target's logits at ``p + k - 1`` (the
+            position whose next-token distribution is the token at ``p + k``).
+        soft_target: "none" (cross entropy with the label), "ce" (cross entropy against
+            ``q = softmax(teacher / T)`` with the draft at ``softmax(z / T)``) or "kl" (forward
+            ``KL(q || softmax(z / T))``); both soft losses are scaled by ``T**2`` so gradients keep their
+            magnitude across temperatures. "ce" and "kl" differ by the teacher entropy only (same gradients).
+        temperature: T > 0, soft targets only.
+        chunk_slots: predicted slots per chunk (None: all in one chunk). Peak logits memory is
+            ``chunk_slots x V / TP`` fp32 (plus its gradient and the soft cap's intermediates).
+        prefix_lengths: ``[B, N]`` variable-prefix lengths ``l``: slots ``< l`` are inputs, not predicted;
+            the default mask and weights start at ``l``, and acceptance is counted from slot ``l``.
+
+    Returns:
+        `DFlashLossOutput` with ``loss_sum``, ``weight_sum`` and the metrics. Metrics: a slot is *correct*
+        when the global argmax of its (temperature-free) logits equals its label; see `acceptance_lengths`.
+
+    No host synchronisation and no data-dependent shapes: every predicted slot of the batch is computed
+    in ``ceil(M / chunk_slots)`` chunks, unsupervised ones with weight 0.
+    """
+    # ---- validation (shapes only: value checks would synchronise with the device) ----
+    if not isinstance(plan, DFlashBatchPlan):
+        raise ValueError(f"plan must be a DFlashBatchPlan, got {type(plan).__name__}.")
+    if not isinstance(head, OutputHead):
+        raise ValueError(f"head must be an OutputHead, got {type(head).__name__}; wrap the output layer in OutputHead.")
+    B, N, W = plan.batch_size, plan.num_blocks, plan.block_size
+    if hidden.dim() != 4 or tuple(hidden.shape[:3]) != (B, N, W):
+        raise ValueError(
+            f"hidden must be [batch, blocks, block_size, hidden] = [{B}, {N}, {W}, H] for this plan, got "
+            f"{tuple(hidden.shape)}."
+        )
+    H = hidden.shape[-1]
+    _check_input_ids(input_ids, plan)
+    _check_prefix_lengths(prefix_lengths, plan)
+    if soft_target not in SOFT_TARGETS:
+        raise ValueError(f"soft_target={soft_target!r} must be one of {SOFT_TARGETS}.")
+    if not (isinstance(temperature, (int, float)) and temperature > 0 and math.isfinite(temperature)):
+        raise ValueError(f"temperature={temperature!r} must be a positive finite number.")
+    if soft_target == "none" and temperature != 1.0:
+        raise ValueError(
+            f"temperature={temperature} only applies to soft targets; set soft_target='ce' or 'kl', or leave "
+            "temperature at 1.0."
+        )
+    if soft_target != "none":
+        if teacher_hidden is None:
+            raise ValueError(
+                f"soft_target={soft_target!r} needs teacher_hidden [B, S, H]: the target's final normed hidden "
+                "states, from which the teacher logits are computed."
+            )
+        if teacher_hidden.dim() != 3 or tuple(teacher_hidden.shape[:2]) != (B, plan.seq_length):
+            raise ValueError(
+                f"teacher_hidden must be [batch, seq_length, hidden] = [{B}, {plan.seq_length}, H], got "
+                f"{tuple(teacher_hidden.shape)}."
+            )
+    if chunk_slots is not None and (isinstance(chunk_slots, bool) or not isinstance(chunk_slots, int) or chunk_slots < 1):
+        raise ValueError(f"chunk_slots={chunk_slots!r} must be a positive int or None (one chunk).")
+    for name, tensor in (("loss_mask", loss_mask), ("weights", weights)):
+        if tensor is not None and tuple(tensor.shape) != (B, N, W):
+            raise ValueError(f"{name} must have shape [batch, blocks, block_size] = {(B, N, W)}, got {tuple(tensor.shape)}.")
+
+    device = hidden.device
+    plan = plan.to(device)
+    input_ids = input_ids.to(device)
+    slots = _slot_index(W, device)
+
+    # ---- what is supervised, with which weight ----
+    if loss_mask is None:
+        mask = plan.loss_mask
+        if prefix_lengths is not None:
+            mask = mask & (slots[None, None, :] >= prefix_lengths.to(device)[:, :, None])
+    else:
+        mask = loss_mask.to(device).bool()
+    mask = mask & (slots > 0)[None, None, :]
+    if weights is None:
+        weights = decay_weights(plan, decay_gamma=decay_gamma, prefix_lengths=prefix_lengths, device=device)
+    else:
+        weights = weights.to(device=device, dtype=torch.float32)
+    effective = torch.where(mask, weights, torch.zeros((), device=device))  # [B, N, W]
+
+    # ---- flatten the predicted slots 1..W-1 ----
+    G = W - 1
+    M = B * N * G
+    labels = block_labels(input_ids, plan)
+    labels = torch.where(mask, labels, torch.zeros((), dtype=torch.int64, device=device))  # masked: any valid id
+    flat_hidden = hidden[:, :, 1:, :].reshape(M, H)
+    flat_labels = labels[:, :, 1:].reshape(M)
+    flat_weights = effective[:, :, 1:].reshape(M)
+    teacher_flat = teacher_index = None
+    if soft_target != "none":
+        teacher_flat = teacher_hidden.to(device).reshape(B * plan.seq_length, -1)
+        # Target position p + k - 1 predicts the token at p + k.
+        positions = (plan.anchor_positions[:, :, None] + slots[None, None, 1:] - 1).clamp(0, plan.seq_length - 1)
+        rows = torch.arange(B, device=device)[:, None, None] * plan.seq_length
+        teacher_index = (rows + positions).reshape(M)
+
+    # ---- chunks ----
+    size = M if chunk_slots is None else min(chunk_slots, M)
+    run = _chunk_loss(head, soft_target, float(temperature), teacher_flat)
+    recompute = torch.is_grad_enabled() and (hidden.requires_grad or head.requires_grad())
+    loss_sum = hidden.new_zeros((), dtype=torch.float32)
+    argmaxes = []
+    pieces = zip(
+        flat_hidden.split(size),
+        flat_labels.split(size),
+        flat_weights.split(size),
+        teacher_index.split(size) if teacher_index is not None else [None] * math.ceil(M / size),
+    )
+    for h, lab, w, t in pieces:
+        if recompute:
+            part, argmax = checkpoint(run, h, lab, w, t, use_reentrant=False)
+        else:
+            part, argmax = run(h, lab, w, t)
+        loss_sum = loss_sum + part
+        argmaxes.append(argmax)
+    argmax = torch.cat(argmaxes).view(B, N, G)
+
+    # ---- metrics ----
+    with torch.no_grad():
+        supervised = mask[:, :, 1:]
+        correct = (argmax == labels[:, :, 1:]) & supervised
+        acceptance = acceptance_lengths(correct, supervised, plan.block_valid, first_slot=prefix_lengths)
+        counted = counted_blocks(supervised, plan.block_valid, prefix_lengths)
+        metrics = DFlashMetrics(
+            supervised_tokens=supervised.sum().to(torch.float64),
+            correct_tokens=correct.sum().to(torch.float64),
+            acceptance_sum=acceptance.sum().to(torch.float64),
+            valid_blocks=counted.sum().to(torch.float64),
+        )
+        weight_sum = effective.sum().to(torch.float32)
+    return DFlashLossOutput(loss_sum=loss_sum, weight_sum=weight_sum, metrics=metrics)

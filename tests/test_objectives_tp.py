@@ -1,0 +1,114 @@
+"""Tensor parallelism of the objective: TP=2 with a vocab-parallel megatron head equals TP=1.
+
+One call on a pool of 2 gloo ranks. Each rank builds the same data from a fixed seed, computes the TP=1
+reference with a plain `nn.Linear` holding the whole vocabulary (no collectives), then the TP=2 loss with a
+megatron `ColumnParallelLinear` that holds its half of the same weight (the padded vocabulary puts one
+padding column on rank 1). Loss, weight sum, metrics, the gradient w.r.t. the hidden states and the
+gradient of each rank's head-weight shard must match the reference, for the unchunked and the chunked
+path, with the output transform, soft targets and variable prefixes. Block embeddings through megatron's
+`VocabParallelEmbedding` must equal the lookup in the full table.
+"""
+
+from __future__ import annotations
+
+import torch
+
+VOCAB, PADDED, HIDDEN = 97, 98, 16
+
+
+def _tp_vs_single(rank: int, world_size: int) -> dict:
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from torch import nn
+
+    from megatron_dflash.body import default_parallel_config
+    from megatron_dflash.layers import column_parallel
+    from megatron_dflash.objectives import OutputHead, dflash_loss, embed_blocks
+    from megatron_dflash.plan import build_dflash_batch_plan
+    from megatron_dflash.variable_prefix import sample_prefix_lengths
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    assert group.size() == world_size == 2
+
+    gen = torch.Generator().manual_seed(0)
+    B, S, N, W = 2, 32, 4, 5
+    ids = torch.randint(0, VOCAB, (B, S), generator=gen)
+    mask = torch.ones(B, S, dtype=torch.bool)
+    mask[0, ::4] = False
+    mask[1, : S - 7] = False
+    mask[1, S - 6] = False  # row 1: 3 eligible anchors for N = 4, so one invalid block
+    plan = build_dflash_batch_plan(mask, torch.tensor([5, 6]), anchors_per_sample=N, block_size=W, optimizer_step=1, seed=2)
+    hidden0 = torch.randn(B, N, W, HIDDEN, generator=gen)
+    teacher = torch.randn(B, S, HIDDEN, generator=gen)
+    full_weight = torch.randn(PADDED, HIDDEN, generator=gen) * 0.5
+    prefix = sample_prefix_lengths(plan, seed=0, optimizer_step=0, base=0.8, sample_ids=torch.tensor([5, 6]))
+
+    reference = nn.Linear(HIDDEN, PADDED, bias=False)
+    layer = column_parallel(HIDDEN, PADDED, bias=False, parallel_config=default_parallel_config(), tp_group=group, std=0.02)
+    shard = PADDED // world_size
+    with torch.no_grad():
+        reference.weight.copy_(full_weight)
+        layer.weight.copy_(full_weight[rank * shard : (rank + 1) * shard])
+
+    cases = {
+        "plain": dict(decay_gamma=2.0),
+        "transform": dict(decay_gamma=2.0, output=(0.7, 2.5)),
+        "kl": dict(decay_gamma=2.0, teacher_hidden=teacher, soft_target="kl", temperature=1.5),
+        "prefix": dict(decay_gamma=1.0, prefix_lengths=prefix),
+    }
+    diffs = {}
+    for name, kwargs in cases.items():
+        multiplier, softcap = kwargs.pop("output", (1.0, None))
+        for chunk in (None, 3):
+            results = []
+            for tp_layer in (reference, layer):
+                tp_layer.weight.grad = None
+                head = OutputHead(tp_layer, VOCAB, output_multiplier=multiplier, final_logit_softcapping=softcap)
+                hidden = hidden0.clone().requires_grad_()
+                out = dflash_loss(hidden, plan, ids, head, chunk_slots=chunk, **kwargs)
+                out.loss_sum.backward()
+                metrics = torch.stack([getattr(out.metrics, f) for f in out.metrics._FIELDS])
+                results.append((out.loss_sum.detach(), out.weight_sum, metrics, hidden.grad, tp_layer.weight.grad.clone()))
+            (ref_loss, ref_wsum, ref_m, ref_gh, ref_gw), (loss, wsum, m, gh, gw) = results
+            ref_gw_shard = ref_gw[rank * shard : (rank + 1) * shard]
+            diffs[f"{name}/{chunk}"] = {
+                "loss": float((loss - ref_loss).abs()),
+                "loss_scale": float(ref_loss.abs()),
+                "weight_sum": float((wsum - ref_wsum).abs()),
+                "metrics": float((m - ref_m).abs().max()),
+                "grad_hidden": float((gh - ref_gh).abs().max()),
+                "grad_weight": float((gw - ref_gw_shard).abs().max()),
+                "grad_scale": float(ref_gw_shard.abs().max()),
+            }
+
+    # Block embedding through a vocab-parallel embedding module equals the full table's lookup.
+    from megatron.core.tensor_parallel.layers import VocabParallelEmbedding
+
+    table = torch.randn(PADDED, HIDDEN, generator=gen)
+    embedding = VocabParallelEmbedding(
+        PADDED, HIDDEN, init_method=torch.nn.init.zeros_, config=default_parallel_config(), tp_group=group
+    )
+    with torch.no_grad():
+        embedding.weight.copy_(table[rank * shard : (rank + 1) * shard])
+    got = embed_blocks(ids, plan, embedding, mask_token_id=VOCAB - 1, input_embedding_scale=1.5, prefix_lengths=prefix)
+    want = embed_blocks(ids, plan, nn.Embedding.from_pretrained(table), mask_token_id=VOCAB - 1,
+                        input_embedding_scale=1.5, prefix_lengths=prefix)
+    diffs["embedding"] = float((got - want).abs().max())
+
+    # The data-parallel reduction of metrics sums over ranks.
+    summed = out.metrics.all_reduce(dist.group.WORLD)
+    diffs["all_reduce"] = float((summed.supervised_tokens - 2 * out.metrics.supervised_tokens).abs())
+    return diffs
+
+
+def test_tensor_parallel_loss_equals_single_rank(tp_pool):
+    per_rank = tp_pool(2).run(_tp_vs_single)
+    for rank, diffs in enumerate(per_rank):
+        assert diffs.pop("all_reduce") == 0.0
+        assert diffs.pop("embedding") <= 1e-6
+        for case, d in diffs.items():
+            where = f"rank {rank}, case {case}: {d}"
+            assert d["loss_scale"] > 0 and d["grad_scale"] > 0, where
+            assert d["loss"] <= 1e-5 * max(1.0, d["loss_scale"]), where
+            assert d["weight_sum"] == 0.0 and d["metrics"] == 0.0, where
+            assert d["grad_hidden"] <= 1e-5 and d["grad_weight"] <= 1e-5, where
