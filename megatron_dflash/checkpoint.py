@@ -321,6 +321,17 @@ def _architecture(directory: str) -> Optional[str]:
     return architectures[0]
 
 
+def _is_domino(directory: str) -> bool:
+    """`architectures: ["DominoDraftModel"]`, or the older layout with `dflash_config.projector_type: "domino"`."""
+    path = os.path.join(directory, "config.json")
+    if not os.path.isfile(path):
+        return False
+    from .variants.domino import is_domino_hf_config
+
+    with open(path) as f:
+        return is_domino_hf_config(json.load(f))
+
+
 def load_hf_checkpoint(
     directory: str,
     *,
@@ -343,6 +354,12 @@ def load_hf_checkpoint(
         from .variants.dflash2 import load_dflash2_checkpoint  # the variant builds on this module
 
         return load_dflash2_checkpoint(
+            directory, parallel_config=parallel_config, tp_group=tp_group, attention_backend=attention_backend
+        )
+    if _is_domino(directory):
+        from .variants.domino import load_domino_checkpoint
+
+        return load_domino_checkpoint(
             directory, parallel_config=parallel_config, tp_group=tp_group, attention_backend=attention_backend
         )
     config = DFlashConfig.from_pretrained(directory)

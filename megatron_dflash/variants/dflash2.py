@@ -1,0 +1,952 @@
+"""DFlash 2: the DFlash backbone plus in-block dynamic convolutions and a pairwise candidate selector.
+
+Two additions to the plain DFlash draft (DESIGN sections 1, 7):
+
+* **In-block convolutions.** Every decoder layer wraps its attention and its MLP in a
+  `GroupedDynamicCausalConv`: before the sublayer each slot is replaced by a per-channel mix of
+  itself and the slot before it *in the same block* (`prepare`), after the sublayer the output
+  gets the same kind of mix with a second set of coefficients (`finish`). The coefficients are a
+  learned base kernel plus a correction predicted from the sublayer input, one value per group
+  of `conv_group_size` channels. Slot 0 (the anchor) has no predecessor: taps never reach into
+  another block.
+* **Candidate selector.** The backbone's logits give each drafted position a list of its top-k
+  candidates; the selector rescores candidate `b` at position `t` after predecessor `a` as
+  `S_t(a, b) = U_t(b) + <A[a] * (P h_t), B[b]>` (`U` the backbone logit, `A`/`B` two
+  `[vocab, rank]` codebooks, `P` a projection of the draft hidden state) and decoding walks the
+  block left to right, each step conditioned on the token it just picked.
+
+Initialised as the identity (unit self-tap, zero dynamic projection, zero successor codebook), a
+DFlash 2 draft computes exactly what the DFlash draft with the same backbone weights computes and
+its walk emits the backbone's argmax tokens, so training starts from DFlash.
+
+Everything added here acts on the full hidden size and on the full vocabulary, so under tensor
+parallelism it is replicated: every rank computes the same values and the same gradients. The
+only vocab-parallel piece is finding the top-k candidates, done by `topk_vocab_parallel` without
+gathering the vocabulary.
+
+Shapes: B batch, S context length, N blocks per row, W block size, T = W - 1 drafted positions,
+H hidden, V vocabulary, K candidates per position (`selector_top_k`), R `selector_rank`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ..body import DFlashBody, default_parallel_config
+from ..config import DFLASH_ARCHITECTURE, DFlashConfig
+from ..parallel import is_distributed_group, tensor_parallel_group
+from ..plan import DFlashBatchPlan
+
+__all__ = [
+    "DFLASH2_ARCHITECTURE",
+    "GREEDY_TEMPERATURE_EPS",
+    "DFlash2Config",
+    "GroupedDynamicCausalConv",
+    "CandidateSelector",
+    "topk_vocab_parallel",
+    "DFlash2Body",
+    "build_dflash2_body",
+    "DFlash2Metrics",
+    "DFlash2LossOutput",
+    "dflash2_loss",
+    "dflash2_hf_state_dict",
+    "save_dflash2_checkpoint",
+    "load_dflash2_checkpoint",
+    "load_dflash2_state_dict_into",
+]
+
+DFLASH2_ARCHITECTURE = "DFlash2DraftModel"
+
+# Below this temperature the walk is greedy: dividing scores by a tiny positive temperature
+# overflows the softmax into NaN long before it becomes a useful distribution.
+GREEDY_TEMPERATURE_EPS = 1e-5
+
+_FP16_MESSAGE = (
+    "DFlash 2 overflows in float16 (its acceptance drops to 0); train and serve it in bfloat16 "
+    "(or float32)."
+)
+
+# DFlash 2 fields of `dflash_config` in config.json (the reference reads `dflash_config` first,
+# then the top level).
+_DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+
+# ================================================================================== config
+
+
+@dataclass
+class DFlash2Config(DFlashConfig):
+    """`DFlashConfig` plus the DFlash 2 fields.
+
+    `causal` defaults to False: DFlash 2 is bidirectional in-block on every layer and its
+    config.json says so with `is_causal: false` (the reference would otherwise make sliding
+    layers causal). A file without `is_causal` is read with `causal=None`, which keeps the
+    reference's per-layer resolution for that file.
+
+    Fields:
+        conv_kernel_size: taps of each in-block convolution (2: the slot itself and the one before).
+        conv_group_size: channels sharing one dynamic coefficient; must divide `hidden_size`.
+        selector_rank: width of the selector codebooks and of the hidden projection.
+        selector_top_k: candidates per drafted position the selector chooses among.
+    """
+
+    causal: Optional[bool] = False
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 256
+    selector_top_k: int = 16
+
+    def validate(self) -> None:
+        super().validate()
+        for name in _DFLASH2_KEYS:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer.")
+        if self.hidden_size % self.conv_group_size:
+            raise ValueError(
+                f"conv_group_size={self.conv_group_size} must divide hidden_size={self.hidden_size} "
+                "(each group of channels shares one dynamic coefficient)."
+            )
+        if self.selector_top_k > self.vocab_size:
+            raise ValueError(
+                f"selector_top_k={self.selector_top_k} exceeds vocab_size={self.vocab_size}; the "
+                "selector picks among at most the whole vocabulary."
+            )
+
+    def to_hf_dict(self, architecture: Optional[str] = None) -> dict[str, Any]:
+        """The published DFlash 2 `config.json`: `architectures: ["DFlash2DraftModel"]` and the
+        four DFlash 2 fields inside `dflash_config`.
+
+        A DFlash 2 file labelled as plain DFlash is served as plain DFlash (the convolutions and
+        the selector silently dropped), so the architecture is always DFlash 2; asking for the
+        plain DFlash name (the default of generic savers) gives DFlash 2 too.
+        """
+        if architecture not in (None, DFLASH_ARCHITECTURE, DFLASH2_ARCHITECTURE):
+            raise ValueError(
+                f"architecture={architecture!r}: a DFlash 2 config is always written as "
+                f"{DFLASH2_ARCHITECTURE!r}."
+            )
+        out = super().to_hf_dict(DFLASH2_ARCHITECTURE)
+        out["dflash_config"].update({name: getattr(self, name) for name in _DFLASH2_KEYS})
+        return out
+
+    @classmethod
+    def from_hf_dict(cls, data: dict[str, Any], **overrides: Any) -> "DFlash2Config":
+        """Read a DFlash 2 `config.json` (fields in `dflash_config`, else at the top level).
+
+        Raises:
+            ValueError: the file is labelled as another architecture, or lacks a DFlash 2 field.
+        """
+        data = dict(data)
+        architectures = data.get("architectures") or []
+        if architectures and DFLASH2_ARCHITECTURE not in architectures:
+            raise ValueError(
+                f"config.json has architectures={architectures}, not {DFLASH2_ARCHITECTURE!r}: this "
+                "is not a DFlash 2 draft. Load it with DFlashConfig instead."
+            )
+        dflash = dict(data.get("dflash_config") or {})
+        values: dict[str, Any] = {}
+        for name in _DFLASH2_KEYS:
+            if name in dflash:
+                values[name] = int(dflash[name])
+            elif name in data:
+                values[name] = int(data[name])
+        missing = [name for name in _DFLASH2_KEYS if name not in values and name not in overrides]
+        if missing:
+            raise ValueError(
+                f"config.json lacks the DFlash 2 fields {missing} (expected in dflash_config); "
+                "the serving runtimes cannot build the draft without them."
+            )
+        has_direction = any(
+            source.get(key) is not None for source in (data, dflash) for key in ("is_causal", "causal")
+        )
+        if not has_direction:
+            values["causal"] = None  # the file relies on the reference's per-layer default
+        values.update(overrides)
+        return super().from_hf_dict(data, **values)
+
+    def save_pretrained(self, directory: str, architecture: Optional[str] = None) -> None:
+        super().save_pretrained(directory, architecture=architecture)
+
+
+# ================================================================================== convolution
+
+
+def _grouped_convolve(
+    x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """`out[w] = sum_j (base[j] + dynamic[w, j]) * x[w - j]` within each block.
+
+    Args:
+        x: `[..., W, H]`; the second-to-last dimension is the slots of one block.
+        dynamic: `[..., W, K, G]`, one coefficient per tap and channel group, from slot `w`.
+        base: `[K, H]`.
+    Returns:
+        `[..., W, H]`. Taps before slot 0 read zeros, so nothing crosses a block.
+
+    The arithmetic (order of the additions, `addcmul` for the dynamic part) follows the
+    reference modeling code so that fp32 results agree to rounding.
+    """
+    *lead, W, H = x.shape
+    K = base.shape[0]
+    G = H // group_size
+    blocks = x.reshape(*lead, W, G, group_size)
+    dynamic = dynamic.reshape(*lead, W, K, G, 1)
+    out = torch.zeros_like(blocks)
+    for offset in range(min(K, W)):  # a tap reaching further back than the block reads only zeros
+        # The slot `offset` earlier in the same block, zero where that is before slot 0.
+        values = blocks if offset == 0 else F.pad(blocks[..., : W - offset, :, :], (0, 0, 0, 0, offset, 0))
+        kernel = base[offset].view(G, group_size).to(x.dtype)
+        out = out + kernel * values
+        out = torch.addcmul(out, dynamic[..., offset, :, :], values)
+    return out.view(x.shape)
+
+
+class GroupedDynamicCausalConv(nn.Module):
+    """Two in-block causal depthwise convolutions around one sublayer, with dynamic kernels.
+
+    `prepare(x)` convolves the sublayer input with `base_kernel[0]` plus coefficients predicted
+    from `x`, and returns the second set of predicted coefficients, which `finish(y, c)` applies
+    (with `base_kernel[1]`) to the sublayer output. One projection serves both.
+
+    Args:
+        hidden_size: H.
+        kernel_size: K taps; offset 0 is the slot itself, offset j the slot j earlier in its block.
+        group_size: channels sharing one dynamic coefficient (H / group_size groups).
+
+    Parameters (published names, DESIGN section 7):
+        base_kernel: `[2, K, H]` (index 0 before the sublayer, 1 after).
+        kernel_projection: `Linear(H, 2 * K * H / group_size)`, no bias.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        kernel_size: int = 2,
+        group_size: int = 16,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device=None,
+    ):
+        super().__init__()
+        if kernel_size < 1:
+            raise ValueError(f"kernel_size={kernel_size} must be >= 1.")
+        if group_size < 1 or hidden_size % group_size:
+            raise ValueError(f"group_size={group_size} must be positive and divide hidden_size={hidden_size}.")
+        self.hidden_size = hidden_size
+        self.kernel_size = kernel_size
+        self.group_size = group_size
+        self.groups = hidden_size // group_size
+        self.base_kernel = nn.Parameter(torch.empty(2, kernel_size, hidden_size, dtype=dtype, device=device))
+        self.kernel_projection = nn.Linear(
+            hidden_size, 2 * kernel_size * self.groups, bias=False, dtype=dtype, device=device
+        )
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """The identity: unit self-tap, zero elsewhere, no dynamic correction."""
+        with torch.no_grad():
+            self.base_kernel.zero_()
+            self.base_kernel[:, 0].fill_(1.0)
+            self.kernel_projection.weight.zero_()
+
+    def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`x [..., W, H]` (e.g. `[B, N, W, H]`) -> (convolved `[..., W, H]`, coefficients `[..., W, K, G]`)."""
+        self._check(x)
+        dynamic = self.kernel_projection(x).view(*x.shape[:-1], 2, self.kernel_size, self.groups)
+        convolved = _grouped_convolve(x, dynamic[..., 0, :, :], self.base_kernel[0], self.group_size)
+        return convolved, dynamic[..., 1, :, :]
+
+    def finish(self, y: torch.Tensor, coefficients: torch.Tensor) -> torch.Tensor:
+        """`y [..., W, H]`, the sublayer output; `coefficients` from `prepare` -> `[..., W, H]`."""
+        self._check(y)
+        return _grouped_convolve(y, coefficients, self.base_kernel[1], self.group_size)
+
+    def _check(self, x: torch.Tensor) -> None:
+        if x.dim() < 2 or x.shape[-1] != self.hidden_size:
+            raise ValueError(
+                f"expected [..., block_size, hidden_size={self.hidden_size}], got shape {tuple(x.shape)}."
+            )
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, kernel_size={self.kernel_size}, group_size={self.group_size}"
+
+
+# ================================================================================== selector
+
+
+class CandidateSelector(nn.Module):
+    """Pairwise rescoring of each drafted position's top-k candidates given its predecessor.
+
+    `S_t(a, b) = U_t(b) + <A[a] * (P h_t), B[b]>`: the backbone logit of candidate `b` plus a
+    low-rank match between predecessor `a` and `b`, gated by the draft hidden state `h_t`.
+
+    The codebooks are plain `[vocab, rank]` parameters, not `nn.Embedding`, so the state-dict
+    names are the published `candidate_selector.{predecessor,successor}_codebook`.
+
+    Args:
+        vocab_size: V, the full (target) vocabulary; the selector is replicated over TP.
+        hidden_size: H.
+        rank: R.
+        top_k: K.
+        init_std: std of the normal init of the predecessor codebook and the projection.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        rank: int = 256,
+        top_k: int = 16,
+        *,
+        init_std: float = 0.02,
+        dtype: torch.dtype = torch.float32,
+        device=None,
+    ):
+        super().__init__()
+        if not 1 <= top_k <= vocab_size:
+            raise ValueError(f"top_k={top_k} must be in [1, vocab_size={vocab_size}].")
+        if rank < 1:
+            raise ValueError(f"rank={rank} must be >= 1.")
+        self.vocab_size = vocab_size
+        self.rank = rank
+        self.top_k = top_k
+        self.init_std = init_std
+        self.predecessor_codebook = nn.Parameter(torch.empty(vocab_size, rank, dtype=dtype, device=device))
+        self.successor_codebook = nn.Parameter(torch.empty(vocab_size, rank, dtype=dtype, device=device))
+        self.hidden_projection = nn.Linear(hidden_size, rank, bias=False, dtype=dtype, device=device)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """A no-op selector: every score equals the backbone logit.
+
+        The pair term is bilinear in the codebooks, so one of them at zero removes it. Zeroing
+        the successor codebook keeps it trainable from the first step (its gradient is
+        `A[a] * P h`, non-zero), while the predecessor codebook and the projection, which
+        multiply it, start moving on the second step.
+        """
+        with torch.no_grad():
+            nn.init.normal_(self.predecessor_codebook, mean=0.0, std=self.init_std)
+            nn.init.normal_(self.hidden_projection.weight, mean=0.0, std=self.init_std)
+            self.successor_codebook.zero_()
+
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`P h`: `[..., H]` -> `[..., R]`."""
+        return self.hidden_projection(hidden)
+
+    def pair_scores(
+        self,
+        projected: torch.Tensor,
+        candidate_logits: torch.Tensor,
+        candidate_ids: torch.Tensor,
+        predecessor_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        """Scores from the projected hidden `[..., R]`; see `score`. Returns fp32 `[..., K]`."""
+        gate = F.embedding(predecessor_ids, self.predecessor_codebook) * projected  # [..., R]
+        successor = F.embedding(candidate_ids, self.successor_codebook)  # [..., K, R]
+        pair = torch.einsum("...r,...kr->...k", gate, successor)
+        return candidate_logits.float() + pair.float()
+
+    def score(
+        self,
+        hidden: torch.Tensor,
+        candidate_logits: torch.Tensor,
+        candidate_ids: torch.Tensor,
+        predecessor_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        """`S_t(a, b)` for a batch of positions, all in parallel.
+
+        Args:
+            hidden: `[..., H]` draft hidden state of each scored position.
+            candidate_logits: `[..., K]` backbone logits `U_t(b)` of the candidates.
+            candidate_ids: `[..., K]` candidate token ids.
+            predecessor_ids: `[...]` the token before each scored position.
+        Returns:
+            fp32 `[..., K]`.
+        """
+        return self.pair_scores(self.project(hidden), candidate_logits, candidate_ids, predecessor_ids)
+
+    @torch.no_grad()
+    def walk(
+        self,
+        hidden: torch.Tensor,
+        logits: torch.Tensor,
+        anchor_ids: torch.Tensor,
+        temperature: float = 0.0,
+        generator: Optional[torch.Generator] = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """The decode-time path through one block's candidate lists.
+
+        Args:
+            hidden: `[B, T, H]` draft hidden states of the drafted positions (slots 1..W-1).
+            logits: `[B, T, V]` draft logits there (output transform already applied).
+            anchor_ids: `[B]` the last verified token, predecessor of position 0.
+            temperature: below `GREEDY_TEMPERATURE_EPS` each step takes the best-scoring
+                candidate; otherwise it samples from `softmax(scores / temperature)`.
+            generator: optional RNG for sampling.
+        Returns:
+            `(path [B, T], candidate_ids [B, T, K], draft_probs [B, T, K] or None)`; `draft_probs`
+            (sampling only) is the proposal distribution over `candidate_ids` that lossless
+            rejection sampling needs.
+        """
+        if logits.shape[-1] < self.top_k:
+            raise ValueError(f"logits have {logits.shape[-1]} entries, fewer than top_k={self.top_k}.")
+        unary, candidates = torch.topk(logits.float(), self.top_k, dim=-1)
+        return self.walk_candidates(self.project(hidden), unary, candidates, anchor_ids, temperature, generator)
+
+    @torch.no_grad()
+    def walk_candidates(
+        self,
+        projected: torch.Tensor,
+        candidate_logits: torch.Tensor,
+        candidate_ids: torch.Tensor,
+        anchor_ids: torch.Tensor,
+        temperature: float = 0.0,
+        generator: Optional[torch.Generator] = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """`walk` from precomputed candidates: `projected [..., T, R]`, `candidate_logits` /
+        `candidate_ids [..., T, K]`, `anchor_ids [...]`. Any leading dimensions (e.g. `[B, N]`)."""
+        if temperature < 0:
+            raise ValueError(f"temperature={temperature} must be >= 0.")
+        greedy = temperature < GREEDY_TEMPERATURE_EPS
+        predecessor = anchor_ids
+        path, q_rows = [], []
+        for t in range(candidate_ids.shape[-2]):  # T steps, each needs the previous pick
+            ids = candidate_ids[..., t, :]
+            scores = self.pair_scores(projected[..., t, :], candidate_logits[..., t, :], ids, predecessor)
+            if greedy:
+                index = scores.argmax(dim=-1)
+            else:
+                q = torch.softmax(scores / temperature, dim=-1)
+                index = torch.multinomial(q.reshape(-1, q.shape[-1]), 1, generator=generator).view(q.shape[:-1])
+                q_rows.append(q)
+            predecessor = ids.gather(-1, index.unsqueeze(-1)).squeeze(-1)
+            path.append(predecessor)
+        draft_probs = torch.stack(q_rows, dim=-2) if q_rows else None
+        return torch.stack(path, dim=-1), candidate_ids, draft_probs
+
+    def extra_repr(self) -> str:
+        return f"vocab_size={self.vocab_size}, rank={self.rank}, top_k={self.top_k}"
+
+
+# ================================================================================== vocab-parallel top-k
+
+
+class _AllGatherLastDim(torch.autograd.Function):
+    """Concatenate every rank's tensor along the last dim; backward keeps this rank's slice.
+
+    The gathered tensor feeds replicated computation (the same on every rank), so its gradient
+    is the same on every rank and this rank's part of it is its own slice.
+    """
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        ctx.width = tensor.shape[-1]
+        return _all_gather_last_dim(tensor, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        start = ctx.group.rank() * ctx.width
+        return grad[..., start : start + ctx.width].contiguous(), None
+
+
+def _all_gather_last_dim(tensor: torch.Tensor, group) -> torch.Tensor:
+    local = tensor.contiguous()
+    parts = [torch.empty_like(local) for _ in range(group.size())]
+    dist.all_gather(parts, local, group=group)
+    return torch.cat(parts, dim=-1)
+
+
+def topk_vocab_parallel(
+    local_logits: torch.Tensor, k: int, vocab_start: int = 0, group=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global top-k of logits split over the vocabulary, without gathering the vocabulary.
+
+    Each rank takes its local top-k, the `k` candidates of every rank are all-gathered
+    (`TP * k` per position), and the top-k of those is the global top-k. Differentiable in
+    the values (the gradient reaches each rank's own logits).
+
+    Args:
+        local_logits: `[..., V / TP]`, this rank's slice of the vocabulary.
+        k: candidates to keep.
+        vocab_start: global id of this rank's first vocabulary entry.
+        group: the group splitting the vocabulary (megatron's TP group when None and
+            initialised, a single rank otherwise).
+    Returns:
+        `(values [..., k], ids [..., k])`, sorted by decreasing value, ids global; identical on
+        every rank.
+    """
+    group = tensor_parallel_group(group)
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"k={k!r} must be a positive integer.")
+    local_k = min(k, local_logits.shape[-1])
+    values, index = torch.topk(local_logits, local_k, dim=-1)
+    ids = index + vocab_start
+    if not is_distributed_group(group):
+        if local_k < k:
+            raise ValueError(f"k={k} exceeds the vocabulary size {local_logits.shape[-1]}.")
+        return values, ids
+    if local_k * group.size() < k:
+        raise ValueError(
+            f"k={k} exceeds the vocabulary size {local_logits.shape[-1]} x {group.size()} ranks."
+        )
+    all_values = _AllGatherLastDim.apply(values, group)  # [..., TP * local_k]
+    all_ids = _all_gather_last_dim(ids, group)
+    top_values, where = torch.topk(all_values, k, dim=-1)
+    return top_values, all_ids.gather(-1, where)
+
+
+# ================================================================================== body
+
+
+class DFlash2Body(DFlashBody):
+    """`DFlashBody` whose layers carry in-block convolutions, plus a `candidate_selector`.
+
+    Same constructor and `forward` as `DFlashBody`; see there. The convolutions and the selector
+    are replicated over the TP group (they see the full hidden state and vocabulary). New
+    parameters start as the identity, so an untrained DFlash 2 body equals a DFlash body with the
+    same backbone weights.
+    """
+
+    def __init__(
+        self,
+        config: DFlash2Config,
+        parallel_config=None,
+        tp_group=None,
+        attention_backend: str = "auto",
+    ):
+        if not isinstance(config, DFlash2Config):
+            raise ValueError(
+                f"DFlash2Body needs a DFlash2Config, got {type(config).__name__}; build one with "
+                "DFlash2Config(...) or DFlash2Config.from_pretrained(directory)."
+            )
+        if parallel_config is not None and parallel_config.params_dtype == torch.float16:
+            raise ValueError(_FP16_MESSAGE)
+        super().__init__(config, parallel_config=parallel_config, tp_group=tp_group, attention_backend=attention_backend)
+        dtype = self.fc.weight.dtype
+        device = self.fc.weight.device
+        H = config.hidden_size
+        for layer in self.layers:
+            layer.attention_conv = GroupedDynamicCausalConv(
+                H, config.conv_kernel_size, config.conv_group_size, dtype=dtype, device=device
+            )
+            layer.mlp_conv = GroupedDynamicCausalConv(
+                H, config.conv_kernel_size, config.conv_group_size, dtype=dtype, device=device
+            )
+        self.candidate_selector = CandidateSelector(
+            config.vocab_size,
+            H,
+            config.selector_rank,
+            config.selector_top_k,
+            init_std=config.initializer_range,
+            dtype=dtype,
+            device=device,
+        )
+
+
+def build_dflash2_body(
+    config: DFlash2Config, parallel_config=None, tp_group=None, attention_backend: str = "auto"
+) -> DFlash2Body:
+    """A `DFlash2Body` (same arguments as `DFlashBody`)."""
+    return DFlash2Body(config, parallel_config=parallel_config, tp_group=tp_group, attention_backend=attention_backend)
+
+
+# ================================================================================== objective
+
+
+_METRIC_FIELDS = (
+    "supervised_tokens",
+    "valid_blocks",
+    "correct_tokens",
+    "acceptance_sum",
+    "base_correct_tokens",
+    "base_acceptance_sum",
+    "candidate_hits",
+    "teacher_forced_correct",
+    "base_loss_sum",
+    "selector_loss_sum",
+    "loss_weight_sum",
+)
+
+
+@dataclass
+class DFlash2Metrics:
+    """Additive fp64 statistics of DFlash 2 training (sum over micro-batches, all-reduce over DP).
+
+    The primary `correct_tokens` / `acceptance_sum` describe the **selector walk**: the path the
+    draft emits at decode time, each step conditioned on the token it picked before (not on the
+    true one). `base_*` describe the backbone's own argmax on the same denominators, so the two
+    are directly comparable.
+
+    Fields:
+        supervised_tokens: supervised predicted slots.
+        valid_blocks: counted blocks (valid, first predicted slot supervised).
+        correct_tokens: supervised slots where the greedy walk emits the label.
+        acceptance_sum: greedy acceptance lengths of the walk (bonus token included), summed.
+        base_correct_tokens, base_acceptance_sum: the same for the backbone argmax.
+        candidate_hits: supervised slots whose label is among the backbone's top-k candidates
+            (the ceiling of the selector).
+        teacher_forced_correct: supervised slots where the selector, given the true predecessor,
+            ranks the label first (a training diagnostic, not a decode metric).
+        base_loss_sum, selector_loss_sum: the two weighted loss numerators (no grad).
+        loss_weight_sum: their shared denominator `sum(w * mask)`.
+    """
+
+    supervised_tokens: torch.Tensor
+    valid_blocks: torch.Tensor
+    correct_tokens: torch.Tensor
+    acceptance_sum: torch.Tensor
+    base_correct_tokens: torch.Tensor
+    base_acceptance_sum: torch.Tensor
+    candidate_hits: torch.Tensor
+    teacher_forced_correct: torch.Tensor
+    base_loss_sum: torch.Tensor
+    selector_loss_sum: torch.Tensor
+    loss_weight_sum: torch.Tensor
+
+    @classmethod
+    def zeros(cls, device=None) -> "DFlash2Metrics":
+        return cls(*(torch.zeros((), dtype=torch.float64, device=device) for _ in _METRIC_FIELDS))
+
+    def _stack(self) -> torch.Tensor:
+        return torch.stack([torch.as_tensor(getattr(self, n), dtype=torch.float64).detach() for n in _METRIC_FIELDS])
+
+    def __add__(self, other: "DFlash2Metrics") -> "DFlash2Metrics":
+        if not isinstance(other, DFlash2Metrics):
+            return NotImplemented
+        mine = self._stack()
+        return DFlash2Metrics(*(mine + other._stack().to(mine.device)).unbind())
+
+    def all_reduce(self, group=None) -> "DFlash2Metrics":
+        """Sum over the ranks of `group` (the default group when None) in one all-reduce."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return self
+        if group is None:
+            if dist.get_world_size() == 1:
+                return self
+        elif not is_distributed_group(group):
+            return self
+        stacked = self._stack().clone()
+        dist.all_reduce(stacked, op=dist.ReduceOp.SUM, group=group)
+        return DFlash2Metrics(*stacked.unbind())
+
+    @property
+    def accuracy(self) -> torch.Tensor:
+        """Selector-walk token accuracy."""
+        return self.correct_tokens / self.supervised_tokens.clamp(min=1)
+
+    @property
+    def acceptance_length(self) -> torch.Tensor:
+        """Selector-walk mean acceptance length (bonus included): what decoding would accept."""
+        return self.acceptance_sum / self.valid_blocks.clamp(min=1)
+
+    @property
+    def base_accuracy(self) -> torch.Tensor:
+        return self.base_correct_tokens / self.supervised_tokens.clamp(min=1)
+
+    @property
+    def base_acceptance_length(self) -> torch.Tensor:
+        return self.base_acceptance_sum / self.valid_blocks.clamp(min=1)
+
+    @property
+    def candidate_recall(self) -> torch.Tensor:
+        """Fraction of supervised slots whose label is among the top-k candidates."""
+        return self.candidate_hits / self.supervised_tokens.clamp(min=1)
+
+    @property
+    def teacher_forced_accuracy(self) -> torch.Tensor:
+        return self.teacher_forced_correct / self.supervised_tokens.clamp(min=1)
+
+    @property
+    def base_loss(self) -> torch.Tensor:
+        return self.base_loss_sum / self.loss_weight_sum.clamp(min=1e-12)
+
+    @property
+    def selector_loss(self) -> torch.Tensor:
+        return self.selector_loss_sum / self.loss_weight_sum.clamp(min=1e-12)
+
+    def as_dflash_metrics(self):
+        """The selector walk as plain `objectives.DFlashMetrics` (what a generic loop logs)."""
+        from ..objectives import DFlashMetrics
+
+        return DFlashMetrics(self.supervised_tokens, self.correct_tokens, self.acceptance_sum, self.valid_blocks)
+
+    def to_dict(self) -> dict:
+        """Python floats for logging (synchronises with the device)."""
+        out = {name: float(getattr(self, name)) for name in _METRIC_FIELDS}
+        for name in (
+            "accuracy",
+            "acceptance_length",
+            "base_accuracy",
+            "base_acceptance_length",
+            "candidate_recall",
+            "teacher_forced_accuracy",
+            "base_loss",
+            "selector_loss",
+        ):
+            out[name] = float(getattr(self, name))
+        return out
+
+
+@dataclass
+class DFlash2LossOutput:
+    """One micro-batch's contribution to the global-batch DFlash 2 objective.
+
+    Attributes:
+        loss_sum: differentiable fp32 scalar, `base_loss_sum + selector_weight * selector_loss_sum`.
+        weight_sum: fp32 scalar without grad, `sum(w * mask)`, the shared denominator: the training
+            loss is `sum(loss_sum) / sum(weight_sum)` over the global batch.
+        metrics: `DFlash2Metrics`.
+    """
+
+    loss_sum: torch.Tensor
+    weight_sum: torch.Tensor
+    metrics: DFlash2Metrics
+
+
+def _candidate_chunk(head, top_k: int):
+    """`h [c, H] -> (values [c, K] fp32, ids [c, K])`: the backbone's global top-k per slot."""
+    start = head.vocab_range[0]
+    group = head.tp_group
+
+    def run(h):
+        return topk_vocab_parallel(head.local_logits(h), top_k, start, group)
+
+    return run
+
+
+def _selector_chunk(selector: CandidateSelector):
+    """Teacher-forced selector CE of one chunk of slots.
+
+    `(h [c, H], unary [c, K], ids [c, K], predecessor [c], label [c], weight [c])` ->
+    `(weighted CE sum, label among candidates [c], teacher-forced top-1 correct [c])`.
+    """
+
+    def run(h, unary, ids, predecessor, label, weight):
+        scores = selector.score(h, unary, ids, predecessor)  # [c, K] fp32
+        match = ids == label[:, None]
+        has_target = match.any(dim=-1)
+        target = match.to(torch.float32).argmax(dim=-1)  # candidates are distinct: one match at most
+        nll = torch.logsumexp(scores, dim=-1) - scores.gather(-1, target[:, None]).squeeze(-1)
+        weight = torch.where(has_target, weight, torch.zeros((), device=weight.device))
+        # `where`, not a product: the nll of an excluded slot is finite but must not count.
+        part = torch.where(weight > 0, nll * weight, torch.zeros((), device=nll.device)).sum()
+        top1 = (scores.detach().argmax(dim=-1) == target) & has_target
+        return part, has_target, top1
+
+    return run
+
+
+def dflash2_loss(
+    hidden: torch.Tensor,
+    plan: DFlashBatchPlan,
+    input_ids: torch.Tensor,
+    head,
+    selector: CandidateSelector,
+    *,
+    decay_gamma: Optional[float] = None,
+    selector_weight: float = 1.0,
+    loss_mask: Optional[torch.Tensor] = None,
+    weights: Optional[torch.Tensor] = None,
+    chunk_slots: Optional[int] = 1024,
+    selector_backbone_grad: bool = True,
+) -> DFlash2LossOutput:
+    """DFlash 2 objective of one micro-batch: backbone block CE + candidate-selection CE.
+
+    * Backbone: `objectives.dflash_loss` (decay-weighted, chunked, vocab-parallel CE).
+    * Selector: at predicted slot `k` of a block at `p`, the backbone's top-k candidates are
+      rescored given the **true** predecessor, the token at `p + k - 1` (the anchor for `k = 1`),
+      which is what the walk would have committed had every earlier slot been accepted; the CE
+      targets the candidate equal to the label. Slots whose label is not among the candidates
+      are left out of this term (`metrics.candidate_recall` says how many are in).
+    * Both terms use the same per-slot weights `w * mask` and share the denominator
+      `weight_sum`, so `loss_sum / weight_sum` is `base + selector_weight * selector`.
+
+    Metrics describe the **greedy walk** (each step after the token the walk itself picked, as
+    decoding does) next to the backbone argmax, plus candidate recall.
+
+    Args:
+        hidden: `[B, N, W, H]` draft body output.
+        plan, input_ids, head, decay_gamma, loss_mask, weights, chunk_slots: as `dflash_loss`.
+        selector: the body's `CandidateSelector`.
+        selector_weight: multiplier of the selector term.
+        selector_backbone_grad: whether the selector term also trains the backbone (through the
+            hidden state and the candidate logits). False: it trains only the selector.
+
+    Memory: the top-k candidates are found chunk by chunk under activation recomputation (peak
+    one chunk of `[chunk, V / TP]` logits); the selector's `[chunk, K, R]` codebook rows likewise.
+    Note this computes the head's logits once more than `dflash_loss` alone.
+    """
+    from ..objectives import OutputHead, acceptance_lengths, block_labels, counted_blocks, decay_weights, dflash_loss
+
+    if not isinstance(head, OutputHead):
+        raise ValueError(f"head must be an objectives.OutputHead, got {type(head).__name__}.")
+    if not isinstance(selector, CandidateSelector):
+        raise ValueError(f"selector must be a CandidateSelector, got {type(selector).__name__}.")
+    if head.vocab_size != selector.vocab_size:
+        raise ValueError(
+            f"the head's vocab_size={head.vocab_size} differs from the selector's {selector.vocab_size}; "
+            "the selector's codebooks are indexed by the target's token ids."
+        )
+    if not (isinstance(selector_weight, (int, float)) and selector_weight >= 0):
+        raise ValueError(f"selector_weight={selector_weight!r} must be a non-negative number.")
+    base = dflash_loss(
+        hidden,
+        plan,
+        input_ids,
+        head,
+        decay_gamma=decay_gamma,
+        loss_mask=loss_mask,
+        weights=weights,
+        chunk_slots=chunk_slots,
+    )  # validates shapes
+
+    device = hidden.device
+    plan = plan.to(device)
+    B, N, W = plan.batch_size, plan.num_blocks, plan.block_size
+    H = hidden.shape[-1]
+    T = W - 1
+    M = B * N * T
+    K = selector.top_k
+    slots = torch.arange(W, device=device)
+
+    # Same supervision and weights as the backbone term.
+    mask = (plan.loss_mask if loss_mask is None else loss_mask.to(device).bool()) & (slots > 0)
+    if weights is None:
+        weights = decay_weights(plan, decay_gamma=decay_gamma, device=device)
+    effective = torch.where(mask, weights.to(device=device, dtype=torch.float32), torch.zeros((), device=device))
+    labels = block_labels(input_ids.to(device), plan)  # [B, N, W], slot 0 = anchor token
+
+    h = hidden[:, :, 1:, :]
+    if not selector_backbone_grad:
+        h = h.detach()
+    flat_h = h.reshape(M, H)
+    flat_predecessor = labels[:, :, :-1].reshape(M)  # slot k follows the true token at p + k - 1
+    flat_label = labels[:, :, 1:].reshape(M)
+    flat_weight = effective[:, :, 1:].reshape(M)
+
+    size = M if chunk_slots is None else min(chunk_slots, M)
+    selector_trains = any(p.requires_grad for p in selector.parameters())
+    recompute = torch.is_grad_enabled() and (flat_h.requires_grad or head.requires_grad() or selector_trains)
+    find = _candidate_chunk(head, K)
+    rescore = _selector_chunk(selector)
+    unary_parts, id_parts, hit_parts, top1_parts = [], [], [], []
+    selector_sum = hidden.new_zeros((), dtype=torch.float32)
+    for h_c, pred_c, label_c, weight_c in zip(
+        flat_h.split(size), flat_predecessor.split(size), flat_label.split(size), flat_weight.split(size)
+    ):
+        if recompute:
+            unary_c, ids_c = checkpoint(find, h_c, use_reentrant=False)
+            part, hit_c, top1_c = checkpoint(rescore, h_c, unary_c, ids_c, pred_c, label_c, weight_c, use_reentrant=False)
+        else:
+            unary_c, ids_c = find(h_c)
+            part, hit_c, top1_c = rescore(h_c, unary_c, ids_c, pred_c, label_c, weight_c)
+        selector_sum = selector_sum + part
+        unary_parts.append(unary_c.detach())
+        id_parts.append(ids_c)
+        hit_parts.append(hit_c)
+        top1_parts.append(top1_c)
+
+    loss_sum = base.loss_sum + selector_weight * selector_sum
+
+    with torch.no_grad():
+        supervised = mask[:, :, 1:]
+        unary = torch.cat(unary_parts).view(B, N, T, K)
+        candidate_ids = torch.cat(id_parts).view(B, N, T, K)
+        hits = torch.cat(hit_parts).view(B, N, T) & supervised
+        top1 = torch.cat(top1_parts).view(B, N, T) & supervised
+        # The decode-time walk: each step after the walk's own previous pick.
+        path, _, _ = selector.walk_candidates(
+            selector.project(hidden[:, :, 1:, :].detach()), unary, candidate_ids, labels[:, :, 0], 0.0
+        )
+        correct = (path == labels[:, :, 1:]) & supervised
+        acceptance = acceptance_lengths(correct, supervised, plan.block_valid)
+        counted = counted_blocks(supervised, plan.block_valid)
+        f64 = torch.float64
+        metrics = DFlash2Metrics(
+            supervised_tokens=supervised.sum().to(f64),
+            valid_blocks=counted.sum().to(f64),
+            correct_tokens=correct.sum().to(f64),
+            acceptance_sum=acceptance.sum().to(f64),
+            base_correct_tokens=base.metrics.correct_tokens.to(f64),
+            base_acceptance_sum=base.metrics.acceptance_sum.to(f64),
+            candidate_hits=hits.sum().to(f64),
+            teacher_forced_correct=top1.sum().to(f64),
+            base_loss_sum=base.loss_sum.detach().to(f64),
+            selector_loss_sum=selector_sum.detach().to(f64),
+            loss_weight_sum=base.weight_sum.detach().to(f64),
+        )
+    return DFlash2LossOutput(loss_sum=loss_sum, weight_sum=base.weight_sum, metrics=metrics)
+
+
+# ================================================================================== HF checkpoints
+
+
+def dflash2_hf_state_dict(body: DFlash2Body) -> dict[str, torch.Tensor]:
+    """Full weights of a DFlash 2 body under the published names (collective under TP).
+
+    The backbone names of plain DFlash plus `layers.N.{attention,mlp}_conv.base_kernel`,
+    `layers.N.{attention,mlp}_conv.kernel_projection.weight`,
+    `candidate_selector.hidden_projection.weight` and
+    `candidate_selector.{predecessor,successor}_codebook` (no `.weight`).
+    """
+    from ..checkpoint import hf_state_dict
+
+    _require_dflash2(body)
+    return hf_state_dict(body)
+
+
+def save_dflash2_checkpoint(
+    body: DFlash2Body, directory: str, *, dtype: Optional[torch.dtype] = None, overwrite: bool = False
+) -> None:
+    """Write `body` as a DFlash 2 HF draft (`architectures: ["DFlash2DraftModel"]`).
+
+    Collective over the TP group; see `checkpoint.save_hf_checkpoint`. Serve DFlash 2 in bf16,
+    not fp16 (its activations overflow fp16).
+    """
+    from ..checkpoint import save_hf_checkpoint
+
+    _require_dflash2(body)
+    if dtype == torch.float16:
+        raise ValueError(_FP16_MESSAGE)
+    save_hf_checkpoint(body, directory, dtype=dtype, architecture=DFLASH2_ARCHITECTURE, overwrite=overwrite)
+
+
+def load_dflash2_state_dict_into(body: DFlash2Body, state_dict: Mapping[str, torch.Tensor]) -> None:
+    """Copy full weights under the published names into `body` (each rank keeps its shard)."""
+    from ..checkpoint import load_hf_state_dict_into
+
+    _require_dflash2(body)
+    load_hf_state_dict_into(body, state_dict)
+
+
+def load_dflash2_checkpoint(
+    directory: str, *, parallel_config=None, tp_group=None, attention_backend: str = "auto"
+) -> DFlash2Body:
+    """Build a `DFlash2Body` from a DFlash 2 HF directory and load its weights (any TP size).
+
+    Raises:
+        FileNotFoundError: no config.json / safetensors in `directory`.
+        ValueError: the directory is not a DFlash 2 draft, or weights and config disagree.
+    """
+    from .. import checkpoint
+
+    config = DFlash2Config.from_pretrained(directory)
+    if parallel_config is None:
+        parallel_config = default_parallel_config(perform_initialization=False)
+    body = DFlash2Body(config, parallel_config=parallel_config, tp_group=tp_group, attention_backend=attention_backend)
+    checkpoint.load_hf_state_dict_into(body, checkpoint.read_safetensors(directory))
+    return body
+
+
+def _require_dflash2(body) -> None:
+    if not isinstance(body, DFlash2Body):
+        raise ValueError(f"expected a DFlash2Body, got {type(body).__name__}.")
