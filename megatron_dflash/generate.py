@@ -1,0 +1,837 @@
+"""Speculative decoding with a DFlash draft and a HF causal-LM target: `spec_generate`.
+
+One decoding cycle per batch:
+
+1. **Draft.** The block `[last token, MASK, ..., MASK]` (`W = block_size` slots, at positions
+   `n .. n + W - 1` where `n` is the row's committed length) is embedded with the target's
+   input embedding (times `input_embedding_scale`) and run through the draft layers. Its
+   queries attend to the draft's KV cache of the committed context and to the block's own
+   slots; slots `1..W-1` become draft tokens through the target's LM head (with the draft's
+   `output_multiplier` / `final_logit_softcapping`, exactly as in training). DFlash 2 drafts
+   walk their candidate selector instead of taking each slot's argmax or sample; a draft with a
+   `propose_block` method (Domino) picks its tokens itself from the whole block's hidden states.
+2. **Verify.** The target runs once over the `W` block tokens. Greedy: the longest prefix of
+   draft tokens equal to the target's argmax is accepted, plus the target's own token at the
+   first mismatch (the bonus). Sampling: lossless rejection sampling (accept draft token `x`
+   with probability `min(1, p(x) / q(x))`, on rejection sample from `max(p - q, 0)`), so the
+   emitted tokens follow the target's distribution exactly.
+3. **Commit.** The anchor and the accepted tokens become context: their target taps
+   (`hidden_states[i + 1]` for `i` in `target_layer_ids`) give context features
+   `hidden_norm(fc(taps))`, which each draft layer projects with its `k_proj`/`v_proj` (k_norm
+   and RoPE at their positions) into the draft KV cache. The bonus token is the next anchor.
+
+Batches: rows accept different lengths. The target's HF KV cache stays rectangular: every
+cycle appends `W` slots to every row, rejected slots become holes that a 2-D attention mask
+hides, and every row gets explicit position ids (its committed length + offset). Tail holes
+common to all rows are cropped each cycle, and the cache is compacted when holes dominate.
+Rows that hit `max_new_tokens` or a stop token are dropped from the batch; their outputs are
+frozen. The draft cache is indexed by position, so a block's visibility is simply "context
+positions `< n`" (`BlockVisibility` with `anchor = n`), also for sliding-window layers.
+
+Shapes: B batch (rows still decoding), W block size, T = W - 1 drafted slots, H hidden,
+V vocabulary, L cache length, Hq / Hkv query / KV heads, D head_dim.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Optional, Sequence, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import BlockVisibility, block_attention
+from .body import DFlashBody
+from .objectives import OutputHead
+from .rope import apply_rope, rope_cos_sin, rope_inv_freq
+from .target import taps_from_hidden_states
+
+__all__ = [
+    "SpecDecodeOutput",
+    "DraftKVCache",
+    "spec_generate",
+    "draft_block_hidden",
+    "sampling_probs",
+    "greedy_verify",
+    "rejection_verify",
+]
+
+
+# ================================================================================== output
+
+
+@dataclass
+class SpecDecodeOutput:
+    """Tokens and statistics of one `spec_generate` call.
+
+    Attributes:
+        tokens: `[B, max(lengths)]` int64, each row its prompt followed by its generated
+            tokens, right-padded with `pad_token_id`.
+        lengths: `[B]` prompt + generated tokens per row.
+        prompt_lengths: `[B]`.
+        pad_token_id: the padding id of `tokens`.
+        acceptance_lengths: per row, one entry per verify cycle the row took part in: the
+            tokens that cycle committed, i.e. accepted draft tokens + 1 (the bonus token).
+            The row's last cycle may be cut short by `max_new_tokens` or a stop token. A row's
+            first generated token comes from the prefill, so for every row that generated
+            anything `num_generated = 1 + sum(acceptance_lengths[row])`.
+        stopped: `[B]` bool, the row ended with a stop token.
+        num_target_forwards: batched verify forwards of the target (prefill excluded).
+        num_prefill_forwards: target forwards over the prompts (1, or 0 if nothing was generated).
+        num_draft_forwards: batched draft forwards.
+    """
+
+    tokens: torch.Tensor
+    lengths: torch.Tensor
+    prompt_lengths: torch.Tensor
+    pad_token_id: int
+    acceptance_lengths: list[list[int]]
+    stopped: torch.Tensor
+    num_target_forwards: int = 0
+    num_prefill_forwards: int = 0
+    num_draft_forwards: int = 0
+
+    @property
+    def batch_size(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def num_generated(self) -> torch.Tensor:
+        """`[B]` generated tokens per row."""
+        return self.lengths - self.prompt_lengths
+
+    @property
+    def num_cycles(self) -> list[int]:
+        """Verify cycles each row took part in."""
+        return [len(a) for a in self.acceptance_lengths]
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Mean tokens committed per (row, verify cycle): the usual `tau`. NaN without cycles."""
+        flat = [a for row in self.acceptance_lengths for a in row]
+        return float(sum(flat) / len(flat)) if flat else float("nan")
+
+    def row_acceptance_length(self, row: int) -> float:
+        values = self.acceptance_lengths[row]
+        return float(sum(values) / len(values)) if values else float("nan")
+
+    def generated(self, row: int) -> list[int]:
+        """The generated tokens of `row` (without its prompt)."""
+        return self.tokens[row, int(self.prompt_lengths[row]) : int(self.lengths[row])].tolist()
+
+    def sequence(self, row: int) -> list[int]:
+        """Prompt + generated tokens of `row`."""
+        return self.tokens[row, : int(self.lengths[row])].tolist()
+
+    def to_dict(self) -> dict:
+        """JSON-friendly statistics (no tokens)."""
+        return {
+            "num_generated": self.num_generated.tolist(),
+            "acceptance_lengths": [list(a) for a in self.acceptance_lengths],
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "num_target_forwards": self.num_target_forwards,
+            "num_prefill_forwards": self.num_prefill_forwards,
+            "num_draft_forwards": self.num_draft_forwards,
+            "stopped": self.stopped.tolist(),
+        }
+
+
+# ================================================================================== sampling
+
+
+def sampling_probs(
+    logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0
+) -> torch.Tensor:
+    """fp32 `[..., V]` distribution of `softmax(logits / temperature)` after top-k, then top-p.
+
+    top-k keeps exactly the `top_k` largest logits (0 or >= V: all). top-p then keeps the
+    smallest set of most likely tokens whose mass reaches `top_p` (a token is kept when the
+    mass of the tokens ranked above it is still below `top_p`; the most likely token always is)
+    and renormalises.
+    """
+    scores = logits.float() / temperature
+    V = scores.shape[-1]
+    if 0 < top_k < V:
+        kept = torch.topk(scores, top_k, dim=-1).indices
+        keep = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, kept, True)
+        scores = scores.masked_fill(~keep, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        mass_above = sorted_probs.cumsum(dim=-1) - sorted_probs
+        sorted_probs = sorted_probs * (mass_above < top_p)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def _sample(probs: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
+    """One draw per row of `probs [..., V]` -> `[...]` int64."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+
+
+def greedy_verify(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy acceptance.
+
+    Args:
+        draft_tokens: `[B, T]` tokens of slots `1..T`.
+        target_logits: `[B, T + 1, V]` target logits over the block; entry `j` predicts slot `j + 1`.
+    Returns:
+        `(accepted [B], bonus [B])`: the longest prefix of draft tokens equal to the target's
+        argmax, and the target's argmax right after it.
+    """
+    posterior = target_logits.argmax(dim=-1)  # [B, T + 1]
+    matches = draft_tokens == posterior[:, :-1]
+    accepted = matches.to(torch.int64).cumprod(dim=1).sum(dim=1)
+    bonus = posterior.gather(1, accepted[:, None])[:, 0]
+    return accepted, bonus
+
+
+def rejection_verify(
+    draft_tokens: torch.Tensor,
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor,
+    generator: Optional[torch.Generator] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lossless rejection sampling of a drafted block (speculative sampling).
+
+    Args:
+        draft_tokens: `[B, T]` proposals; token `t` was drawn from `draft_probs[:, t]` (which may
+            depend on the tokens drawn before it).
+        target_probs: `[B, T + 1, V]` the target's sampling distribution over the block; entry
+            `j` is the distribution of the token after slot `j`.
+        draft_probs: `[B, T, V]` the proposal distributions.
+        generator: RNG of the uniforms and the residual draw.
+    Returns:
+        `(accepted [B], next_token [B])`. Token `t` is accepted with probability
+        `min(1, p(x)/q(x))` while all before it were; at the first rejection the next token is
+        drawn from `normalise(max(p - q, 0))` (from `p` if that is all zero); when everything
+        is accepted it is drawn from `p` after the last slot (the bonus).
+    """
+    B, T = draft_tokens.shape
+    p_x = target_probs[:, :T].gather(-1, draft_tokens[..., None])[..., 0]
+    q_x = draft_probs.gather(-1, draft_tokens[..., None])[..., 0]
+    u = torch.rand(p_x.shape, generator=generator, device=p_x.device, dtype=p_x.dtype)
+    # u < p/q without the division (q(x) > 0 for a drawn token; p(x) = 0 always rejects).
+    accepted = (u * q_x < p_x).to(torch.int64).cumprod(dim=1).sum(dim=1)
+    rows = torch.arange(B, device=draft_tokens.device)
+    p_next = target_probs[rows, accepted]  # [B, V]
+    q_next = draft_probs[rows, accepted.clamp(max=T - 1)] * (accepted < T).to(draft_probs.dtype)[:, None]
+    residual = (p_next - q_next).clamp_min(0)
+    total = residual.sum(dim=-1, keepdim=True)
+    residual = torch.where(total > 0, residual / total.clamp_min(torch.finfo(residual.dtype).tiny), p_next)
+    return accepted, _sample(residual, generator)
+
+
+# ================================================================================== draft decode path
+
+
+def _rope(config, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 cos/sin `[*positions.shape, D]` of the draft's RoPE (same as `DFlashBody.rope`)."""
+    inv_freq, scale = rope_inv_freq(
+        config.head_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings, positions.device
+    )
+    return rope_cos_sin(positions, inv_freq, scale)
+
+
+def _check_draft(draft: nn.Module) -> None:
+    if not isinstance(draft, DFlashBody):
+        raise ValueError(f"draft must be a DFlashBody (or DFlash2Body), got {type(draft).__name__}.")
+    if draft.tp_group.size() != 1:
+        raise ValueError(
+            f"spec_generate runs the draft at tensor-parallel size 1, but it was built with TP="
+            f"{draft.tp_group.size()}; load it with checkpoint.load_hf_checkpoint(directory) in a plain process."
+        )
+
+
+class DraftKVCache:
+    """The draft's KV cache of committed context, one entry per position.
+
+    Per layer, `keys`/`values` `[B, capacity, Hkv, D]`: entry `t` of a row holds its layer's
+    `k_norm`+RoPE'd `k_proj` and its `v_proj` of the context feature of position `t`. Entries
+    at or past a row's committed length are scratch (masked by the block visibility and
+    overwritten later), which lets every row write a rectangular `[B, W]` slab per cycle.
+    """
+
+    def __init__(self, draft: DFlashBody, batch_size: int, capacity: int, device=None, dtype=None):
+        _check_draft(draft)
+        attn = draft.layers[0].self_attn
+        device = device if device is not None else draft.fc.weight.device
+        dtype = dtype if dtype is not None else draft.fc.weight.dtype
+        shape = (batch_size, capacity, attn.num_kv_heads, attn.head_dim)
+        self.draft = draft
+        self.capacity = capacity
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in draft.layers]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in draft.layers]
+
+    @property
+    def batch_size(self) -> int:
+        return self.keys[0].shape[0]
+
+    def write(self, taps: torch.Tensor, start: torch.Tensor) -> None:
+        """Write the context of positions `start[b] + j`, `j < S`, from `taps [B, S, taps*H]`.
+
+        `start [B]` int64. Positions must stay below `capacity`.
+        """
+        draft = self.draft
+        B, S, _ = taps.shape
+        positions = start[:, None] + torch.arange(S, device=start.device)  # [B, S]
+        if int(positions.max()) >= self.capacity:
+            raise ValueError(
+                f"draft KV cache overflow: position {int(positions.max())} >= capacity {self.capacity}."
+            )
+        context = draft.hidden_norm(draft.fc(taps.to(draft.fc.weight.dtype)))  # [B, S, H]
+        cos, sin = _rope(draft.config, positions)
+        index = positions[:, :, None, None]
+        for i, layer in enumerate(draft.layers):
+            attn = layer.self_attn
+            k = _linear(attn.k_proj, context).view(B, S, attn.num_kv_heads, attn.head_dim)
+            k = apply_rope(attn.k_norm(k), cos, sin)
+            v = _linear(attn.v_proj, context).view(B, S, attn.num_kv_heads, attn.head_dim)
+            expand = index.expand(-1, -1, attn.num_kv_heads, attn.head_dim)
+            self.keys[i].scatter_(1, expand, k.to(self.keys[i].dtype))
+            self.values[i].scatter_(1, expand, v.to(self.values[i].dtype))
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only `rows` (int64 indices) of the batch."""
+        self.keys = [k.index_select(0, rows) for k in self.keys]
+        self.values = [v.index_select(0, rows) for v in self.values]
+
+
+def _linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A TP=1 megatron Column/RowParallelLinear (or nn.Linear) applied as a plain linear map.
+
+    At TP=1 their weights are the full `[out, in]` matrices; decoding needs nothing of
+    megatron's machinery around them.
+    """
+    return F.linear(x, layer.weight, getattr(layer, "bias", None))
+
+
+def _mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU of a `DFlashMLP`: `down(silu(gate(x)) * up(x))`."""
+    return _linear(mlp.down_proj, F.silu(_linear(mlp.gate_proj, x)) * _linear(mlp.up_proj, x))
+
+
+def _block_attention_step(attn, x, keys, values, cos, sin, visibility, backend):
+    """One layer's attention for `x [B, 1, W, H]` over cached context + own block."""
+    B, N, W, _ = x.shape
+    D = attn.head_dim
+    q = _linear(attn.q_proj, x).view(B, N, W, attn.num_heads, D)
+    q = apply_rope(attn.q_norm(q), cos, sin)
+    k = _linear(attn.k_proj, x).view(B, N, W, attn.num_kv_heads, D)
+    k = apply_rope(attn.k_norm(k), cos, sin)
+    v = _linear(attn.v_proj, x).view(B, N, W, attn.num_kv_heads, D)
+    out = block_attention(q, keys, values, k, v, visibility, scale=D**-0.5, backend=backend)
+    return _linear(attn.o_proj, out.reshape(B, N, W, attn.num_heads * D))
+
+
+def _around(conv, sublayer, x):
+    if conv is None:
+        return sublayer(x)
+    x, coefficients = conv.prepare(x)
+    return conv.finish(sublayer(x), coefficients)
+
+
+def draft_block_hidden(
+    draft: DFlashBody,
+    cache: DraftKVCache,
+    block_embeddings: torch.Tensor,
+    anchors: torch.Tensor,
+    *,
+    attention_backend: str = "chunked",
+) -> torch.Tensor:
+    """Draft hidden states of one block per row, from the cached context.
+
+    Args:
+        draft: the draft body (TP=1); its layers' submodules are used directly.
+        cache: the committed context (`DraftKVCache`); a row sees its positions `< anchors[b]`.
+        block_embeddings: `[B, W, H]` embedded `[anchor token, MASK, ...]`.
+        anchors: `[B]` int64, position of slot 0 = the row's committed length.
+        attention_backend: `block_attention` backend ("chunked" is exact and shape-agnostic).
+    Returns:
+        `[B, W, H]` after the final norm, equal to `DFlashBody.forward` for a block at `anchors`.
+    """
+    config = draft.config
+    B, W, _ = block_embeddings.shape
+    anchors = anchors.to(torch.int64)
+    positions = anchors[:, None] + torch.arange(W, device=anchors.device)  # [B, W]
+    cos, sin = _rope(config, positions[:, None, :])  # [B, 1, W, D]
+    # Only the longest committed prefix of the batch can be visible.
+    length = max(int(anchors.max()), 1)
+    hidden = block_embeddings.to(draft.fc.weight.dtype)[:, None]  # [B, 1, W, H]
+    for i, layer in enumerate(draft.layers):
+        causal, window = config.layer_attention(i)
+        visibility = BlockVisibility(
+            anchor_positions=anchors[:, None],
+            context_start=torch.zeros_like(anchors)[:, None],
+            block_valid=torch.ones(B, 1, dtype=torch.bool, device=anchors.device),
+            causal=causal,
+            sliding_window=window,
+        )
+        keys, values = cache.keys[i][:, :length], cache.values[i][:, :length]
+        attention = lambda x, layer=layer, keys=keys, values=values, visibility=visibility: _block_attention_step(  # noqa: E731
+            layer.self_attn, x, keys, values, cos, sin, visibility, attention_backend
+        )
+        hidden = hidden + _around(layer.attention_conv, attention, layer.input_layernorm(hidden))
+        mlp = lambda x, layer=layer: _mlp(layer.mlp, x)  # noqa: E731
+        hidden = hidden + _around(layer.mlp_conv, mlp, layer.post_attention_layernorm(hidden))
+    return draft.norm(hidden)[:, 0]
+
+
+# ================================================================================== target helpers
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    device = getattr(module, "device", None)
+    if isinstance(device, torch.device):
+        return device
+    return next(module.parameters()).device
+
+
+def _cache_argument(target: nn.Module) -> str:
+    """transformers >= 5 calls the cache argument `cache`, older versions `past_key_values`."""
+    params = inspect.signature(target.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _make_target_cache(target: nn.Module):
+    from transformers import DynamicCache
+
+    try:
+        cache = DynamicCache(config=target.config)
+    except TypeError:  # older transformers: no config argument
+        cache = DynamicCache()
+    layers = getattr(cache, "layers", None) or []
+    if any(getattr(layer, "is_sliding", False) for layer in layers) or _target_has_sliding_window(target.config):
+        raise ValueError(
+            "spec_generate does not support targets with sliding-window attention layers: the rectangular "
+            "KV cache keeps rejected slots as masked holes, which would shrink a window counted in cache slots. "
+            "Use a target without sliding-window layers."
+        )
+    return cache
+
+
+def _target_has_sliding_window(config) -> bool:
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types and any(t != "full_attention" for t in layer_types):
+        return True
+    if getattr(config, "sliding_window", None) is None:
+        return False
+    # Qwen-style configs switch the window on with `use_sliding_window`; Mistral-style ones use
+    # it whenever it is set.
+    return bool(getattr(config, "use_sliding_window", True))
+
+
+def _cache_layers_with_tensors(cache) -> Optional[list]:
+    """The cache's layers if each exposes `keys`/`values` `[B, Hkv, L, D]` tensors, else None."""
+    layers = getattr(cache, "layers", None)
+    if not layers:
+        return None
+    for layer in layers:
+        if not isinstance(getattr(layer, "keys", None), torch.Tensor) or not isinstance(
+            getattr(layer, "values", None), torch.Tensor
+        ):
+            return None
+    return list(layers)
+
+
+def _compact_target_cache(cache, valid: torch.Tensor) -> Optional[torch.Tensor]:
+    """Move each row's valid slots to the front and drop the rest; returns the new `valid`.
+
+    The order of committed slots does not matter to attention (positions live in the RoPE'd
+    keys), only that they all precede the slots a forward appends. None if the cache layout is
+    unknown (then nothing changes).
+    """
+    layers = _cache_layers_with_tensors(cache)
+    if layers is None:
+        return None
+    counts = valid.sum(dim=1)
+    keep = int(counts.max())
+    order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices[:, :keep]  # [B, keep]
+    for layer in layers:
+        index = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
+        layer.keys = layer.keys.gather(2, index)
+        layer.values = layer.values.gather(2, index.expand(-1, layer.values.shape[1], -1, layer.values.shape[-1]))
+    return torch.arange(keep, device=valid.device)[None, :] < counts[:, None]
+
+
+# ================================================================================== inputs
+
+
+def _prompt_list(input_ids, attention_mask) -> list[list[int]]:
+    """Prompts as lists of ids from a `[B, S]`/`[S]` tensor (+ optional mask) or a list of sequences."""
+    if isinstance(input_ids, torch.Tensor):
+        if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+            raise ValueError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}.")
+        if input_ids.dim() == 1:
+            input_ids = input_ids[None]
+            if attention_mask is not None:
+                attention_mask = attention_mask.reshape(1, -1)
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq] or [seq], got shape {tuple(input_ids.shape)}.")
+        rows = input_ids.tolist()
+        if attention_mask is None:
+            return rows
+        if tuple(attention_mask.shape) != tuple(input_ids.shape):
+            raise ValueError(
+                f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids {tuple(input_ids.shape)}."
+            )
+        prompts = []
+        for b, (row, mask) in enumerate(zip(rows, attention_mask.bool().tolist())):
+            kept = [i for i, m in enumerate(mask) if m]
+            if kept and kept != list(range(kept[0], kept[-1] + 1)):
+                raise ValueError(
+                    f"row {b}: the attention_mask marks non-contiguous tokens; each prompt must be one run "
+                    "of real tokens (left or right padding)."
+                )
+            prompts.append([row[i] for i in kept])
+        return prompts
+    if attention_mask is not None:
+        raise ValueError("attention_mask is only accepted with a tensor input_ids.")
+    prompts = []
+    for row in input_ids:
+        if isinstance(row, torch.Tensor):
+            row = row.reshape(-1).tolist()
+        prompts.append([int(t) for t in row])
+    return prompts
+
+
+def _check_sampling(temperature, top_p, top_k, max_new_tokens) -> None:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a non-negative integer.")
+    if not isinstance(temperature, (int, float)) or not temperature >= 0:
+        raise ValueError(f"temperature={temperature!r} must be >= 0 (0 = greedy).")
+    if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        raise ValueError(f"top_p={top_p!r} must be in (0, 1].")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(f"top_k={top_k!r} must be a non-negative integer (0 = off).")
+
+
+def _check_pair(target: nn.Module, draft: DFlashBody) -> None:
+    cfg = draft.config
+    tcfg = target.config
+    layers = getattr(tcfg, "num_hidden_layers", None)
+    if layers is not None and layers != cfg.num_target_layers:
+        raise ValueError(
+            f"the draft was built for a {cfg.num_target_layers}-layer target (num_target_layers) but the "
+            f"target has {layers} layers; use the target the draft was trained with."
+        )
+    hidden = getattr(tcfg, "hidden_size", None)
+    if hidden is not None and hidden != cfg.hidden_size:
+        raise ValueError(
+            f"draft hidden_size={cfg.hidden_size} differs from the target's hidden_size={hidden}; the draft "
+            "reads the target's hidden states and embeddings, so they must match."
+        )
+    embedding = target.get_input_embeddings()
+    rows = getattr(embedding, "num_embeddings", None)
+    if rows is not None and not cfg.mask_token_id < rows:
+        raise ValueError(
+            f"mask_token_id={cfg.mask_token_id} is not a row of the target embedding ({rows} rows)."
+        )
+
+
+def _propose(propose, hidden, anchor_ids, head, embedding, temperature, generator):
+    """Call a draft's `propose_block` hook and check what it returns.
+
+    The hook gets the whole block's draft hidden states `hidden [B, W, H]` (slot 0 included: a
+    variant may propose from slots 0..W-2), the block's slot-0 tokens `anchor_ids [B]`, the
+    target's output layer as an `OutputHead` (TP=1), the target's input embedding module (the
+    draft applies its own `input_embedding_scale`), the temperature (0: greedy) and the generator.
+    It returns `(tokens [B, W-1] int64, draft_probs)`: `draft_probs [B, W-1, V]` (V the head's
+    width) is the distribution each token was drawn from (it may depend on the tokens drawn
+    before it), required when sampling; None when greedy.
+    """
+    B, W, _ = hidden.shape
+    tokens, probs = propose(hidden, anchor_ids, head, embedding, temperature, generator)
+    if tuple(tokens.shape) != (B, W - 1):
+        raise ValueError(f"propose_block returned tokens of shape {tuple(tokens.shape)}, expected {(B, W - 1)}.")
+    if probs is not None and tuple(probs.shape) != (B, W - 1, head.local_vocab_size):
+        raise ValueError(
+            f"propose_block returned draft_probs of shape {tuple(probs.shape)}, expected "
+            f"{(B, W - 1, head.local_vocab_size)}."
+        )
+    if temperature > 0 and probs is None:
+        raise ValueError("propose_block must return its proposal distributions when sampling (temperature > 0).")
+    return tokens.to(torch.int64), probs
+
+
+# ================================================================================== spec_generate
+
+
+@dataclass
+class _Rows:
+    """Per-original-row bookkeeping (host side)."""
+
+    generated: list[list[int]] = field(default_factory=list)
+    acceptance: list[list[int]] = field(default_factory=list)
+    stopped: list[bool] = field(default_factory=list)
+
+
+@torch.inference_mode()
+def spec_generate(
+    target: nn.Module,
+    draft: DFlashBody,
+    input_ids: Union[torch.Tensor, Sequence[Sequence[int]]],
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    stop_token_ids: Optional[Sequence[int]] = None,
+    generator: Optional[torch.Generator] = None,
+    attention_mask: Optional[torch.Tensor] = None,
+    pad_token_id: Optional[int] = None,
+    attention_backend: str = "chunked",
+) -> SpecDecodeOutput:
+    """Generate with `target`, drafting blocks with `draft` (speculative decoding).
+
+    Args:
+        target: a HF causal LM (e.g. `Qwen3ForCausalLM`, `LlamaForCausalLM`), frozen, without
+            sliding-window layers; its input embedding, LM head and hidden states are used.
+        draft: a `DFlashBody` or `DFlash2Body` at TP=1 for this target.
+        input_ids: `[B, S]` / `[S]` token ids (with `attention_mask` `[B, S]` when padded), or a
+            list of B token-id sequences of any lengths (each >= 1 token).
+        max_new_tokens: tokens to generate per row at most.
+        temperature: 0 = greedy; > 0 samples (the draft proposes from `softmax(logits / T)`, the
+            target distribution also gets `top_p` / `top_k`), losslessly.
+        top_p, top_k: applied to the target's distribution (temperature > 0 only).
+        stop_token_ids: a row stops after emitting any of these (the stop token is kept).
+        generator: `torch.Generator` on the target's device for every random draw.
+        attention_mask: marks real tokens of a padded tensor `input_ids` (left or right padding).
+        pad_token_id: pads `tokens` of the result (default: the target's pad, else eos, else 0).
+        attention_backend: the draft's block attention backend ("chunked": exact, any shape).
+
+    Returns:
+        `SpecDecodeOutput`: tokens, lengths and acceptance statistics.
+    """
+    _check_draft(draft)
+    _check_sampling(temperature, top_p, top_k, max_new_tokens)
+    _check_pair(target, draft)
+    prompts = _prompt_list(input_ids, attention_mask)
+    if not prompts:
+        raise ValueError("input_ids holds no prompt.")
+    empty = [b for b, p in enumerate(prompts) if len(p) == 0]
+    if empty:
+        raise ValueError(f"prompts {empty} are empty; every prompt needs at least one token.")
+    if pad_token_id is None:
+        pad_token_id = _default_pad(target.config)
+    stop_set = {int(t) for t in stop_token_ids} if stop_token_ids is not None else set()
+
+    device = _device_of(target)
+    cfg = draft.config
+    W = cfg.block_size
+    B0 = len(prompts)
+    prompt_lengths = [len(p) for p in prompts]
+    sampling = temperature > 0
+    rows = _Rows([[] for _ in range(B0)], [[] for _ in range(B0)], [False] * B0)
+    stats = {"target": 0, "prefill": 0, "draft": 0}
+
+    if max_new_tokens > 0:
+        _decode(
+            target, draft, prompts, rows, stats, device=device, max_new_tokens=max_new_tokens,
+            temperature=temperature, top_p=top_p, top_k=top_k, stop_set=stop_set,
+            generator=generator, sampling=sampling, W=W, attention_backend=attention_backend,
+        )
+
+    lengths = [prompt_lengths[b] + len(rows.generated[b]) for b in range(B0)]
+    width = max(lengths)
+    tokens = torch.tensor(
+        [prompts[b] + rows.generated[b] + [int(pad_token_id)] * (width - lengths[b]) for b in range(B0)],
+        dtype=torch.int64,
+    )
+    return SpecDecodeOutput(
+        tokens=tokens.to(device),
+        lengths=torch.tensor(lengths, dtype=torch.int64, device=device),
+        prompt_lengths=torch.tensor(prompt_lengths, dtype=torch.int64, device=device),
+        pad_token_id=int(pad_token_id),
+        acceptance_lengths=rows.acceptance,
+        stopped=torch.tensor(rows.stopped, dtype=torch.bool, device=device),
+        num_target_forwards=stats["target"],
+        num_prefill_forwards=stats["prefill"],
+        num_draft_forwards=stats["draft"],
+    )
+
+
+def _default_pad(config) -> int:
+    for name in ("pad_token_id", "eos_token_id"):
+        value = getattr(config, name, None)
+        if isinstance(value, (list, tuple)):
+            value = value[0] if value else None
+        if value is not None:
+            return int(value)
+    return 0
+
+
+def _decode(
+    target, draft, prompts, rows: _Rows, stats, *, device, max_new_tokens, temperature, top_p, top_k,
+    stop_set, generator, sampling, W, attention_backend,
+) -> None:
+    """Prefill + draft/verify cycles; fills `rows` (per original row) and `stats`."""
+    cfg = draft.config
+    B = len(prompts)
+    lengths = torch.tensor([len(p) for p in prompts], dtype=torch.int64, device=device)
+    S = int(lengths.max())
+    cache_arg = _cache_argument(target)
+    cache = _make_target_cache(target)
+    embedding = target.get_input_embeddings()
+    head_layer = target.get_output_embeddings()
+    head = OutputHead.from_config(head_layer, cfg)
+    selector = getattr(draft, "candidate_selector", None)
+    # Variant hook: `propose_block(hidden [B, W, H], anchor_ids [B], head, embedding, temperature,
+    # generator) -> (tokens [B, W-1], draft_probs [B, W-1, V] or None)`; see `_propose`.
+    propose = getattr(draft, "propose_block", None)
+    def taps_of(hidden_states) -> torch.Tensor:
+        return taps_from_hidden_states(hidden_states, cfg.target_layer_ids)
+
+    def target_dist(logits: torch.Tensor) -> torch.Tensor:
+        return sampling_probs(logits, temperature, top_p, top_k)
+
+    # ---- prefill: left-padded prompts, so every row's last prompt token is the last column ----
+    offsets = S - lengths  # [B] left padding per row
+    ids = torch.full((B, S), cfg.mask_token_id, dtype=torch.int64)
+    for b, prompt in enumerate(prompts):
+        ids[b, S - len(prompt) :] = torch.tensor(prompt, dtype=torch.int64)
+    ids = ids.to(device)
+    columns = torch.arange(S, device=device)[None, :]
+    valid = columns >= offsets[:, None]  # [B, L] which target cache slots hold committed tokens
+    positions = (columns - offsets[:, None]).clamp_min(0)
+    out = target(
+        input_ids=ids,
+        attention_mask=valid.to(torch.int64),
+        position_ids=positions,
+        use_cache=True,
+        output_hidden_states=True,
+        logits_to_keep=1,
+        **{cache_arg: cache},
+    )
+    stats["prefill"] += 1
+    last_logits = out.logits[:, -1].float()
+    first = _sample(target_dist(last_logits), generator) if sampling else last_logits.argmax(dim=-1)
+
+    # Draft context of the prompt, written at index = position (undo the left padding).
+    draft_cache = DraftKVCache(draft, B, S + max_new_tokens + W)
+    taps = taps_of(out.hidden_states)  # [B, S, taps*H]
+    gather = (columns + offsets[:, None]).clamp(max=S - 1)  # position t of row b sits in column t + offset
+    taps = taps.gather(1, gather[:, :, None].expand(-1, -1, taps.shape[-1]))
+    draft_cache.write(taps, torch.zeros(B, dtype=torch.int64, device=device))
+    del out, taps
+
+    committed = lengths.clone()  # [B] committed length = position of the next block's slot 0
+    row_ids = list(range(B))  # original row of each batch row
+    active = []
+    for b in range(B):
+        token = int(first[b])
+        rows.generated[b].append(token)
+        done = token in stop_set
+        rows.stopped[b] = done
+        active.append(not done and len(rows.generated[b]) < max_new_tokens)
+    last = first
+    scale = float(cfg.input_embedding_scale)
+    mask_id = cfg.mask_token_id
+    arange_w = torch.arange(W, device=device)
+
+    while True:
+        # ---- drop finished rows from every piece of state ----
+        if not all(active):
+            keep = [i for i, a in enumerate(active) if a]
+            if not keep:
+                break
+            index = torch.tensor(keep, dtype=torch.int64, device=device)
+            cache.batch_select_indices(index)
+            draft_cache.select_rows(index)
+            valid, committed, last = valid[index], committed[index], last[index]
+            row_ids = [row_ids[i] for i in keep]
+            active = [True] * len(keep)
+        B = len(row_ids)
+
+        # ---- draft ----
+        block = torch.full((B, W), mask_id, dtype=torch.int64, device=device)
+        block[:, 0] = last
+        embedded = embedding(block)
+        if isinstance(embedded, tuple):
+            embedded = embedded[0]
+        if scale != 1.0:
+            embedded = embedded * scale
+        hidden = draft_block_hidden(draft, draft_cache, embedded, committed, attention_backend=attention_backend)
+        stats["draft"] += 1
+        draft_probs = None
+        if propose is not None:
+            path, draft_probs = _propose(
+                propose, hidden, last, head, embedding, temperature if sampling else 0.0, generator
+            )
+            block[:, 1:] = path
+        else:
+            # The head's full width (columns past the draft's vocab_size are -inf), so draft and
+            # target distributions share one index space.
+            draft_logits = head.local_logits(hidden[:, 1:].to(head_layer.weight.dtype))  # [B, T, V]
+            if selector is not None:
+                path, candidates, candidate_probs = selector.walk(
+                    hidden[:, 1:], draft_logits, last, temperature if sampling else 0.0, generator
+                )
+                block[:, 1:] = path
+                if sampling:
+                    draft_probs = torch.zeros_like(draft_logits)
+                    if candidate_probs is None:  # the walk was greedy: a point-mass proposal
+                        draft_probs.scatter_(-1, path[..., None], 1.0)
+                    else:
+                        draft_probs.scatter_(-1, candidates, candidate_probs.to(draft_probs.dtype))
+            elif sampling:
+                draft_probs = torch.softmax(draft_logits / temperature, dim=-1)
+                block[:, 1:] = _sample(draft_probs, generator)
+            else:
+                block[:, 1:] = draft_logits.argmax(dim=-1)
+
+        # ---- verify: W new slots per row, holes stay masked ----
+        attn_mask = torch.cat([valid, torch.ones(B, W, dtype=torch.bool, device=device)], dim=1)
+        out = target(
+            input_ids=block,
+            attention_mask=attn_mask.to(torch.int64),
+            position_ids=committed[:, None] + arange_w,
+            use_cache=True,
+            output_hidden_states=True,
+            **{cache_arg: cache},
+        )
+        stats["target"] += 1
+        target_logits = out.logits.float()  # [B, W, V]
+        if sampling:
+            accepted, bonus = rejection_verify(block[:, 1:], target_dist(target_logits), draft_probs, generator)
+        else:
+            accepted, bonus = greedy_verify(block[:, 1:], target_logits)
+
+        # ---- commit: anchor + accepted become context; the bonus is the next anchor ----
+        draft_cache.write(taps_of(out.hidden_states), committed)
+        del out
+        new_slots = arange_w[None, :] <= accepted[:, None]  # [B, W]
+        valid = torch.cat([valid, new_slots], dim=1)
+        committed = committed + accepted + 1
+        last = bonus
+        block_host, accepted_host, bonus_host = block.tolist(), accepted.tolist(), bonus.tolist()
+        for i, row in enumerate(row_ids):
+            a = accepted_host[i]
+            produced = block_host[i][1 : 1 + a] + [bonus_host[i]]
+            produced = produced[: max_new_tokens - len(rows.generated[row])]
+            for j, token in enumerate(produced):
+                if token in stop_set:
+                    produced = produced[: j + 1]
+                    rows.stopped[row] = True
+                    break
+            rows.generated[row].extend(produced)
+            rows.acceptance[row].append(len(produced))
+            active[i] = not rows.stopped[row] and len(rows.generated[row]) < max_new_tokens
+
+        # ---- keep the target cache small: crop common tail holes, compact when holes dominate ----
+        used = valid.any(dim=0).nonzero()
+        new_length = int(used.max()) + 1 if used.numel() else 0
+        if new_length < valid.shape[1]:
+            cache.crop(new_length - valid.shape[1])
+            valid = valid[:, :new_length]
+        # Compaction copies the whole cache, so only when holes are a good part of it; every
+        # later forward then attends over fewer slots.
+        longest = int(valid.sum(dim=1).max())
+        if valid.shape[1] - longest > max(longest // 2, 2 * W):
+            compacted = _compact_target_cache(cache, valid)
+            if compacted is not None:
+                valid = compacted
