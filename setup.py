@@ -27,4 +27,9 @@ setup(
         # only needs torch and transformers: CI installs it with `pip install --no-deps`.
         "interop": ["dflash==0.1.0"],
     },
+    entry_points={
+        "console_scripts": [
+            "megatron-dflash-convert = megatron_dflash.convert:main",
+        ],
+    },
 )

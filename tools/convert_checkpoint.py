@@ -1,0 +1,24 @@
+#!/usr/bin/env python
+"""Convert DFlash draft checkpoints between megatron (torch_dist) and the HF format.
+
+    python tools/convert_checkpoint.py to-hf --load runs/draft --output runs/draft_hf --dtype bf16 --validate
+    python tools/convert_checkpoint.py to-megatron --load z-lab/draft_hf --output runs/init --validate
+
+Installed as the console script `megatron-dflash-convert`. One CPU process, no GPU; the logic
+and the megatron checkpoint layout live in `megatron_dflash/convert.py`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# Run from a checkout without installing the package.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+from megatron_dflash.convert import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main(prog=os.path.basename(sys.argv[0])))
