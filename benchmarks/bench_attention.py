@@ -251,7 +251,7 @@ def main(argv=None) -> None:
         for num_blocks in args.anchors:
             visibility, inputs = make_case(args, seq_length, num_blocks)
             chunk = args.chunk_blocks or _default_chunk_blocks(
-                args.batch, args.heads, args.block_size, seq_length, num_blocks
+                args.batch, args.heads, args.block_size, seq_length, num_blocks, torch.device(args.device)
             )
             base = measure("chunked", args, visibility, inputs, scale, chunk)
             row = [str(seq_length), str(num_blocks), str(chunk)]

@@ -44,11 +44,14 @@ __all__ = [
 _BACKENDS = ("auto", "dense", "chunked", "flex")
 
 # Target size of the fp32 context-score tensor of one chunk of blocks in the "chunked" backend. Forward and
-# backward keep a small multiple of it alive (scores, their exponentials, and their gradients).
-_CHUNK_SCORE_BYTES = 128 * 2**20
+# backward hold at most about two such tensors at a time (the exponentiated scores and their gradient).
+# On CPU smaller chunks are faster (cache-sized, and each chunk's context is cropped to the keys its blocks
+# can see, which shrinks with the chunk when anchors are sorted); accelerators prefer fewer, larger kernels.
+_CHUNK_SCORE_BYTES_CPU = 32 * 2**20
+_CHUNK_SCORE_BYTES_ACCELERATOR = 128 * 2**20
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class BlockVisibility:
     """What each draft block may attend to.
 
@@ -87,6 +90,8 @@ class BlockVisibility:
             tensor = getattr(self, name)
             if tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool:
                 raise ValueError(f"{name} must be an integer tensor, got dtype {tensor.dtype}.")
+        if not isinstance(self.causal, bool):
+            raise ValueError(f"causal must be a bool, got {self.causal!r}.")
         if self.block_valid.dtype != torch.bool:
             raise ValueError(f"block_valid must be a bool tensor, got dtype {self.block_valid.dtype}.")
         devices = {t.device for t in (self.anchor_positions, self.context_start, self.block_valid)}
@@ -381,14 +386,17 @@ def _chunk_attention(
     anchors: torch.Tensor,
     starts: torch.Tensor,
     valid: torch.Tensor,
+    key_offset: int,
     scale: float,
     causal: bool,
     window: int | None,
 ) -> torch.Tensor:
     """Exact attention for a chunk of ``C`` blocks.
 
-    query ``[B, C, W, Hq, D]``, context_key/value ``[B, S, Hkv, D]``, block_key/value ``[B, C, W, Hkv, D]``,
-    anchors/starts/valid ``[B, C]`` -> ``[B, C, W, Hq, D]`` in query's dtype.
+    query ``[B, C, W, Hq, D]``, context_key/value ``[B, S', Hkv, D]`` (the context keys at sequence indices
+    ``key_offset .. key_offset + S' - 1``, a range that holds every key the chunk may see),
+    block_key/value ``[B, C, W, Hkv, D]``, anchors/starts/valid ``[B, C]`` -> ``[B, C, W, Hq, D]`` in
+    query's dtype.
     """
     B, C, W, Hq, D = query.shape
     S, Hkv = context_key.shape[1], context_key.shape[2]
@@ -408,15 +416,15 @@ def _chunk_attention(
     out_b = out_b.view(B, C, Hkv, G, W, D).permute(0, 1, 4, 2, 3, 5)  # [B, C, W, Hkv, G, D]
     lse_b = lse_b.view(B, C, Hkv, G, W).permute(0, 1, 4, 2, 3)  # [B, C, W, Hkv, G]
 
-    if S == 0:
+    if S == 0:  # no block of this chunk sees a context key
         out = out_b
     else:
-        # Context part: the chunk's queries against all S context keys. The mask is built for this chunk only,
-        # as [B, C, W, S] bool without heads.
+        # Context part: the chunk's queries against its range of context keys. The mask is built for this
+        # chunk only, as [B, C, W, S'] bool without heads.
         qc = q.permute(0, 3, 4, 1, 2, 5).reshape(B, Hkv, G * C * W, D)
         kc = context_key.to(dtype).transpose(1, 2)  # [B, Hkv, S, D]
         vc = context_value.to(dtype).transpose(1, 2)
-        positions = torch.arange(S, device=device)
+        positions = torch.arange(key_offset, key_offset + S, device=device)
         anchor = anchors.view(B, C, 1, 1)
         lowest = starts.view(B, C, 1, 1)
         if window is not None:
@@ -441,10 +449,35 @@ def _chunk_attention(
     return out.reshape(B, C, W, Hq, D).to(query.dtype)
 
 
-def _default_chunk_blocks(batch: int, heads: int, block_size: int, seq_length: int, num_blocks: int) -> int:
-    """Blocks per chunk so that one chunk's fp32 context-score tensor is about ``_CHUNK_SCORE_BYTES``."""
+def _default_chunk_blocks(
+    batch: int, heads: int, block_size: int, seq_length: int, num_blocks: int, device: torch.device
+) -> int:
+    """Blocks per chunk so that one chunk's fp32 context-score tensor is about 32 MiB (CPU) / 128 MiB."""
+    budget = _CHUNK_SCORE_BYTES_CPU if device.type == "cpu" else _CHUNK_SCORE_BYTES_ACCELERATOR
     bytes_per_block = 4 * batch * heads * block_size * max(seq_length, 1)
-    return max(1, min(num_blocks, _CHUNK_SCORE_BYTES // max(bytes_per_block, 1)))
+    return max(1, min(num_blocks, budget // bytes_per_block))
+
+
+def _chunk_key_ranges(visibility: BlockVisibility, seq_length: int, chunk_blocks: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` per chunk of blocks: the context keys any valid block of the chunk (in any row) may see.
+
+    Keys outside the range are masked for every query of the chunk, so cropping to it is exact; with sorted
+    anchors and sliding windows it removes most of the work. Costs one host sync per call.
+    """
+    anchors = visibility.anchor_positions.clamp(0, seq_length)
+    lowest = visibility.context_start
+    if visibility.sliding_window is not None:
+        # Slot 0 reaches furthest back: anchor - window + 1.
+        lowest = torch.maximum(lowest, anchors - (visibility.sliding_window - 1))
+    lowest = lowest.clamp(0, seq_length)
+    valid = visibility.block_valid & (lowest < anchors)
+    B, N = anchors.shape
+    pad = (-N) % chunk_blocks
+    lo = torch.nn.functional.pad(torch.where(valid, lowest, seq_length), (0, pad), value=seq_length)
+    hi = torch.nn.functional.pad(torch.where(valid, anchors, 0), (0, pad), value=0)
+    lo = lo.view(B, -1, chunk_blocks).amin(dim=(0, 2))
+    hi = hi.view(B, -1, chunk_blocks).amax(dim=(0, 2))
+    return [(low, max(low, high)) for low, high in torch.stack([lo, hi], dim=1).tolist()]
 
 
 def _chunked_attention(
@@ -453,23 +486,37 @@ def _chunked_attention(
     B, N, W, Hq, _ = query.shape
     S = context_key.shape[1]
     if chunk_blocks is None:
-        chunk_blocks = _default_chunk_blocks(B, Hq, W, S, N)
+        chunk_blocks = _default_chunk_blocks(B, Hq, W, S, N, query.device)
     if N == 0:
         return query.new_zeros(query.shape)
+    key_ranges = _chunk_key_ranges(visibility, S, chunk_blocks)
     tensors = (query, context_key, context_value, block_key, block_value)
     use_checkpoint = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    # split (not slicing in the loop): its backward concatenates the chunk gradients once, whereas each slice's
+    # backward would scatter into a zero tensor of the full size, quadratic in the number of chunks.
+    per_chunk = [
+        tensor.split(chunk_blocks, dim=1)
+        for tensor in (
+            query,
+            block_key,
+            block_value,
+            visibility.anchor_positions,
+            visibility.context_start,
+            visibility.block_valid,
+        )
+    ]
     outputs = []
-    for first in range(0, N, chunk_blocks):
-        blocks = slice(first, min(first + chunk_blocks, N))
+    for (lo, hi), q, bk, bv, anchors, starts, valid in zip(key_ranges, *per_chunk):
         args = (
-            query[:, blocks],
-            context_key,
-            context_value,
-            block_key[:, blocks],
-            block_value[:, blocks],
-            visibility.anchor_positions[:, blocks],
-            visibility.context_start[:, blocks],
-            visibility.block_valid[:, blocks],
+            q,
+            context_key[:, lo:hi],
+            context_value[:, lo:hi],
+            bk,
+            bv,
+            anchors,
+            starts,
+            valid,
+            lo,
             scale,
             visibility.causal,
             visibility.sliding_window,
@@ -567,8 +614,8 @@ def block_attention(
         scale: softmax scale (usually ``D ** -0.5``).
         backend: ``"dense"`` (reference with the dense mask), ``"chunked"`` (exact, bounded memory),
             ``"flex"`` (FlexAttention) or ``"auto"`` (flex on CUDA when available, else chunked).
-        chunk_blocks: blocks per chunk for ``"chunked"``; default sizes one chunk's fp32 score tensor to
-            about 128 MiB.
+        chunk_blocks: blocks per chunk for ``"chunked"``; the default sizes one chunk's fp32 score tensor to
+            about 32 MiB on CPU and 128 MiB on accelerators (peak memory is about 2-3 times that).
 
     Returns:
         ``[B, N, W, Hq, D]`` in the dtype of ``query``; exactly zero for invalid blocks and never NaN

@@ -211,6 +211,25 @@ def test_empty_context_and_rows_without_valid_blocks():
         assert torch.equal(again[:, 0], out[:, 0]) and not torch.equal(again[0, 1], out[0, 1])
 
 
+@pytest.mark.parametrize("chunk_blocks", [1, 2])
+def test_chunks_without_any_valid_block(chunk_blocks):
+    """Chunks where no row has a valid block (or only blocks with empty context) have no context keys."""
+    visibility = BlockVisibility(
+        torch.tensor([[5, 0, 0, 0], [7, 3, 0, 0]]),
+        torch.tensor([[0, 0, 0, 0], [0, 3, 0, 0]]),
+        torch.tensor([[True, False, False, False], [True, True, False, False]]),
+        causal=True,
+    )
+    inputs = make_inputs(B=2, N=4)
+    dense_out, dense_grads = run(inputs, visibility, "dense")
+    out, grads = run(inputs, visibility, "chunked", chunk_blocks=chunk_blocks)
+    torch.testing.assert_close(out, dense_out, rtol=1e-5, atol=1e-5)
+    for name in NAMES:
+        assert bool(torch.isfinite(grads[name]).all()), name
+        torch.testing.assert_close(grads[name], dense_grads[name], rtol=1e-5, atol=1e-5, msg=name)
+    assert bool((out[:, 2:] == 0).all())
+
+
 def test_empty_context_sequence():
     """S == 0: only in-block attention remains."""
     visibility = BlockVisibility(
