@@ -1,0 +1,283 @@
+"""Training checkpoints: megatron `dist_checkpointing` (torch_dist), atomic, exact resume.
+
+The layout is `convert.py`'s (so `tools/convert_checkpoint.py to-hf` reads a training checkpoint)::
+
+    SAVE/latest_checkpointed_iteration.txt     "6" (or "release": converted weights, no training state)
+    SAVE/iter_0000006/                         torch_dist checkpoint (`convert.save_megatron_draft`)
+        model.<published name>                 the draft, each TP rank its shard of the full tensor
+        optimizer.state.{exp_avg,exp_avg_sq}.<name>   Adam moments, sharded like their parameter
+        optimizer.master.<name>                fp32 master weights (CPU engine under --bf16)
+        optimizer                              megatron's optimizer state (CUDA engine)
+        rng_state                              one object per rank
+        common.pt                              iteration, scheduler, optimizer step, data position, args
+        dflash_config.json                     the draft config (HF layout)
+
+Atomicity: every rank writes into `SAVE/.iter_0000006.tmp`; once all ranks are done, rank 0 renames
+it to `iter_0000006` and then replaces the tracker file (`convert.write_tracker`: temporary file +
+rename). A crash at any point before that last rename leaves the previous checkpoint and the
+tracker untouched; the next save removes the stale temporary directory.
+
+Exact resume: the batch plans are a pure function of (step, seed), the data order of (seed, step)
+(`MicroBatchIterator(start_step=iteration)`); the optimizer moments and step count, the scheduler
+and the RNG states are restored. Training continues as if it had never stopped (bitwise on CPU).
+The sharded keys carry global shapes, so a checkpoint also resumes at another TP / DP size (then
+without the per-rank RNG states, which nothing in the loop draws from anyway).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..convert import (
+    MODEL_PREFIX,
+    RELEASE,
+    TRACKER_FILENAME,
+    iteration_dir_name,
+    list_iterations,
+    load_megatron_draft_into,
+    read_tracker,
+    save_megatron_draft,
+    write_tracker,
+)
+
+__all__ = [
+    "LATEST_FILE",
+    "iteration_dir_name",
+    "read_latest_iteration",
+    "save_checkpoint",
+    "load_checkpoint",
+]
+
+LATEST_FILE = TRACKER_FILENAME
+CHECKPOINT_VERSION = 1
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _barrier() -> None:
+    if _world() > 1:
+        dist.barrier()
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _all_ok(ok: bool) -> bool:
+    """True on every rank iff `ok` on every rank (one small all-reduce)."""
+    if _world() == 1:
+        return ok
+    flag = torch.tensor([0 if ok else 1], dtype=torch.int64,
+                        device="cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return flag.item() == 0
+
+
+def read_latest_iteration(directory: str):
+    """The newest complete checkpoint of `directory`: an iteration number, `"release"`, or None.
+
+    Reads megatron's tracker file; if the directory it names is gone or incomplete (a crash while
+    a same-iteration checkpoint was being replaced), falls back to the newest complete `iter_*`.
+    """
+    latest = read_tracker(directory) if os.path.isdir(directory) else None
+    if latest is not None and _complete(os.path.join(directory, iteration_dir_name(latest))):
+        return latest
+    complete = [it for it in list_iterations(directory) if it != RELEASE
+                and _complete(os.path.join(directory, iteration_dir_name(it)))]
+    return max(complete) if complete else None
+
+
+def _complete(path: str) -> bool:
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, "metadata.json"))
+
+
+def _rng_state() -> dict:
+    state = {
+        "random": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+        try:
+            from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+            state["tracker"] = get_cuda_rng_tracker().get_states()
+        except Exception:  # noqa: BLE001 - tracker not initialised
+            pass
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["random"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if torch.cuda.is_available() and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"])
+        if "tracker" in state:
+            from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+            get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _rng_sharded(state: Optional[dict]):
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    return ShardedObject("rng_state", state, (_world(),), (_rank(),), replica_id=0)
+
+
+def _extra_state(body, engine, *, common: dict, for_load: bool = False, include_rng: bool = True) -> dict:
+    """Everything of a training checkpoint besides the draft weights (optimizer, RNG, common state).
+
+    The optimizer state is sharded like the parameters it belongs to, so it is described from the
+    body's own sharded state dict (the same one `save_megatron_draft` stores under `model.`)."""
+    model_sd = body.sharded_state_dict(prefix=MODEL_PREFIX)
+    state: dict = {}
+    if for_load and hasattr(engine, "sharded_state_dict_for_load"):
+        state.update(engine.sharded_state_dict_for_load(model_sd))
+    else:
+        state.update(engine.sharded_state_dict(model_sd, prefix=MODEL_PREFIX))
+    if include_rng:
+        state["rng_state"] = _rng_sharded(None if for_load else _rng_state())
+    state.update(common)
+    return state
+
+
+# ------------------------------------------------------------------------------------------ save / load
+
+
+def save_checkpoint(
+    save_dir: str,
+    iteration: int,
+    body,
+    engine,
+    *,
+    common: dict,
+    log: Callable = print,
+) -> str:
+    """Write the checkpoint of `iteration` atomically (collective over all ranks); returns its directory.
+
+    `common`: picklable training state identical on every rank (iteration, scheduler, data position,
+    args). The shards go into `.iter_XXXXXXX.tmp` through `convert.save_megatron_draft` (the
+    `torch_dist` format written in-process, `dflash_config.json` included); rank 0 then renames the
+    directory into place and, last, points the tracker file at it.
+    """
+    name = iteration_dir_name(iteration)
+    final = os.path.join(save_dir, name)
+    tmp = os.path.join(save_dir, f".{name}.tmp")
+    ok = True
+    if _rank() == 0:
+        try:
+            os.makedirs(save_dir, exist_ok=True)
+            for entry in os.listdir(save_dir):  # leftovers of interrupted saves
+                if entry.startswith(".iter_") and (entry.endswith(".tmp") or entry.endswith(".old")):
+                    shutil.rmtree(os.path.join(save_dir, entry), ignore_errors=True)
+            os.makedirs(tmp)
+        except OSError as err:
+            log(f"[checkpoint] cannot prepare {tmp}: {err}")
+            ok = False
+    if not _all_ok(ok):
+        raise RuntimeError(f"saving checkpoint {final} failed: could not create {tmp} (see rank 0's log).")
+
+    extra = _extra_state(body, engine, common=dict(common, checkpoint_version=CHECKPOINT_VERSION,
+                                                   world_size=_world()))
+    error: Optional[BaseException] = None
+    try:
+        save_megatron_draft(body, tmp, extra_state=extra)
+    except BaseException as err:  # noqa: BLE001 - every rank must learn about any rank's failure
+        error = err
+    if not _all_ok(error is None):
+        if error is not None:
+            raise error
+        raise RuntimeError(f"saving checkpoint {final} failed on another rank; the previous checkpoint is intact.")
+
+    ok = True
+    if _rank() == 0:
+        try:
+            _fsync_dir(tmp)
+            if os.path.exists(final):  # re-saving an iteration: move the old one aside first
+                old = os.path.join(save_dir, f".{name}.old")
+                shutil.rmtree(old, ignore_errors=True)
+                os.rename(final, old)
+                os.rename(tmp, final)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.rename(tmp, final)
+            _fsync_dir(save_dir)
+            write_tracker(save_dir, iteration)
+            _fsync_dir(save_dir)
+        except OSError as err:
+            log(f"[checkpoint] publishing {final} failed: {err}")
+            ok = False
+    if not _all_ok(ok):
+        raise RuntimeError(f"publishing checkpoint {final} failed (see rank 0's log).")
+    return final
+
+
+def load_checkpoint(load_dir: str, body, engine, *, log: Callable = print) -> Optional[dict]:
+    """Restore the newest checkpoint of `load_dir`.
+
+    A training checkpoint (`iter_*`) restores the draft, the optimizer (moments, step count), the
+    scheduler and the RNGs and returns its common state (with `iteration`). A `release` checkpoint
+    (converted weights, no optimizer) restores the draft only and returns `{"iteration": 0}`.
+    Returns None when `load_dir` holds no checkpoint.
+    """
+    from megatron.core import dist_checkpointing
+
+    from ..checkpoint import load_sharded_state_dict_into
+
+    iteration = read_latest_iteration(load_dir)
+    if iteration is None:
+        return None
+    directory = os.path.join(load_dir, iteration_dir_name(iteration))
+    if iteration == RELEASE:
+        load_megatron_draft_into(body, directory)
+        log(f"[checkpoint] loaded the draft weights of {directory} (release: new run, fresh optimizer)")
+        return {"iteration": 0, "directory": directory, "release": True}
+    common = dist_checkpointing.load_common_state_dict(directory)
+    if "scheduler" not in common:
+        raise ValueError(
+            f"{directory} holds draft weights but no training state (no optimizer/scheduler); start a new run "
+            "from it with --dflash-init-from (after converting to HF) or as a 'release' checkpoint."
+        )
+    same_world = common.get("world_size") == _world()
+    if not same_world:
+        log(f"[checkpoint] {directory} was written by {common.get('world_size')} ranks, this run has "
+            f"{_world()}: the RNG states are not restored (everything else is).")
+    request = {"model": body.sharded_state_dict(prefix=MODEL_PREFIX)}
+    request.update(_extra_state(body, engine, common={}, for_load=True, include_rng=same_world))
+    loaded = dist_checkpointing.load(request, directory)
+    model = {k: loaded["model"][k] for k in request["model"]}
+    load_sharded_state_dict_into(body, model, prefix=MODEL_PREFIX)
+    engine.load_state(loaded)
+    engine.scheduler.load_state_dict(loaded["scheduler"])
+    if same_world and loaded.get("rng_state") is not None:
+        _set_rng_state(loaded["rng_state"])
+    out = {k: v for k, v in loaded.items() if k not in ("model", "rng_state") and not k.startswith("optimizer.")}
+    out["directory"] = directory
+    return out

@@ -1,0 +1,371 @@
+"""Resolve a validated command line into a `Job`: target, tokenizer, draft config, data, evaluation.
+
+Everything here reads files only (the target's `config.json`, the tokenizer, a drafter to start
+from, the evaluation prompts) and never communicates, so it runs on every rank before
+`torch.distributed` is initialised and a bad launch fails everywhere with the same message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from ..config import DFlashConfig, read_rope_parameters
+from .arguments import (
+    EMBEDDED_SYNTHETIC_HELDOUT_SEED,
+    ArgumentError,
+    validate_args,
+    world_size_from_env,
+)
+from .variants import VariantSpec, get_variant
+
+__all__ = ["Job", "prepare_job", "draft_config_from_target", "load_eval_prompts", "resolve_target_dir"]
+
+DEFAULT_DRAFT_LAYERS = 2
+DEFAULT_BLOCK_SIZE = 8
+DEFAULT_SYNTHETIC_EVAL_PROMPTS = 24
+
+
+@dataclass
+class Job:
+    """Everything the training loop needs, resolved identically on every rank."""
+
+    args: argparse.Namespace
+    world_size: int
+    target_dir: str
+    tokenizer_dir: str
+    tokenizer: Any
+    target_config: dict
+    draft_config: DFlashConfig
+    variant: VariantSpec
+    export_dir: str
+    decay_gamma: Optional[float]
+    eval_prompts: Optional[list] = None  # token-id lists
+    eval_skip_reason: Optional[str] = None
+    stop_token_ids: list = field(default_factory=list)
+    pad_token_id: int = 0
+    init_from: Optional[str] = None
+
+    @property
+    def tp(self) -> int:
+        return self.args.tensor_model_parallel_size
+
+    @property
+    def pp(self) -> int:
+        return self.args.pipeline_model_parallel_size
+
+    @property
+    def dp(self) -> int:
+        return self.args.data_parallel_size
+
+
+# ------------------------------------------------------------------------------------------ target
+
+
+def _local_rank_zero(env) -> bool:
+    return str(env.get("LOCAL_RANK", "0")) == "0"
+
+
+def resolve_target_dir(args, env=None, log=print, wait_s: float = 3600.0) -> str:
+    """`--target`, or the embedded tiny target (built once and cached).
+
+    With several ranks on a node, local rank 0 builds the tiny target while the others wait for
+    the cache entry to appear (file polling, no collective).
+    """
+    if args.target is not None:
+        return args.target
+    from .tiny_target import TinyTargetRecipe, default_cache_dir, ensure_tiny_target
+
+    env = os.environ if env is None else env
+    if _local_rank_zero(env):
+        return ensure_tiny_target(log=log)
+    recipe = TinyTargetRecipe()
+    final = os.path.join(default_cache_dir(), f"tiny-qwen3-target-{recipe.key()}")
+    deadline = time.monotonic() + wait_s
+    while not os.path.isfile(os.path.join(final, "recipe.json")):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out waiting for local rank 0 to build the tiny target in {final}.")
+        time.sleep(2.0)
+    return final
+
+
+def _load_tokenizer(directory: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(directory)
+    except Exception as err:  # noqa: BLE001 - report any loader failure as a launch error
+        raise ArgumentError(
+            f"cannot load a tokenizer from {directory} ({type(err).__name__}: {err}); pass --tokenizer DIR."
+        ) from None
+
+
+def _token_ids(value) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return [int(v) for v in value]
+    return [int(value)]
+
+
+# ------------------------------------------------------------------------------------------ draft config
+
+
+def draft_config_from_target(
+    target_config: dict,
+    *,
+    config_cls=DFlashConfig,
+    num_layers: int,
+    block_size: int,
+    mask_token_id: int,
+    target_layer_ids: Optional[list[int]],
+    **overrides: Any,
+) -> DFlashConfig:
+    """A draft with the target's attention/MLP shapes, RoPE and vocabulary (the published recipe)."""
+    hf = dict(target_config)
+    heads = int(hf["num_attention_heads"])
+    hidden = int(hf["hidden_size"])
+    theta, scaling = read_rope_parameters(dict(hf))
+    extra = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if hf.get(k) is not None}
+    kwargs = dict(
+        hidden_size=hidden,
+        intermediate_size=int(hf["intermediate_size"]),
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
+        head_dim=int(hf.get("head_dim") or hidden // heads),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=int(hf.get("max_position_embeddings", 40960)),
+        vocab_size=int(hf["vocab_size"]),
+        block_size=block_size,
+        mask_token_id=mask_token_id,
+        target_layer_ids=target_layer_ids,
+        num_target_layers=int(hf["num_hidden_layers"]),
+        extra_hf_fields=extra,
+    )
+    kwargs.update(overrides)
+    return config_cls(**kwargs)
+
+
+def _config_from_init(args, variant: VariantSpec, target_config: dict) -> DFlashConfig:
+    """The config of `--dflash-init-from`, checked against the target and the explicit flags."""
+    directory = args.dflash_init_from
+    try:
+        config = variant.config_from_pretrained(directory)
+    except (ValueError, FileNotFoundError) as err:
+        raise ArgumentError(f"--dflash-init-from={directory}: {err}") from None
+    mismatches = []
+    for name, value in (("num_target_layers", target_config["num_hidden_layers"]),
+                        ("hidden_size", target_config["hidden_size"]),
+                        ("vocab_size", target_config["vocab_size"])):
+        if getattr(config, name) != int(value):
+            mismatches.append(f"{name}={getattr(config, name)} but the target's is {value}")
+    explicit = (("--dflash-block-size", args.dflash_block_size, config.block_size),
+                ("--dflash-num-layers", args.dflash_num_layers, config.num_hidden_layers),
+                ("--dflash-target-layer-ids", args.dflash_target_layer_ids_list, config.target_layer_ids),
+                ("--dflash-mask-token-id", args.dflash_mask_token_id, config.mask_token_id))
+    for flag, given, have in explicit:
+        if given is not None and given != have:
+            mismatches.append(f"{flag}={given} but the drafter has {have}")
+    if mismatches:
+        raise ArgumentError(
+            f"--dflash-init-from={directory} does not fit this run: " + "; ".join(mismatches)
+            + ". Drop the conflicting flags (the drafter's config is used) or start from scratch."
+        )
+    return config  # the drafter's own MASK token (it was trained with it), whatever the tokenizer says
+
+
+def _resolve_mask_token(args, tokenizer, tokenizer_dir: str) -> int:
+    if args.dflash_mask_token_id is not None:
+        return int(args.dflash_mask_token_id)
+    mask = getattr(tokenizer, "mask_token_id", None)
+    if mask is None:
+        raise ArgumentError(
+            f"the tokenizer in {tokenizer_dir} has no mask token, and the MASK token is never guessed: pass "
+            "--dflash-mask-token-id ID (an existing row of the target's embedding, e.g. a reserved special "
+            "token; Qwen3 drafters use 151669)."
+        )
+    return int(mask)
+
+
+# ------------------------------------------------------------------------------------------ evaluation
+
+
+def load_eval_prompts(path: str, tokenizer, limit: Optional[int] = None) -> list[list[int]]:
+    """Token ids of every prompt in a JSONL file: `{"input_ids"}`, `{"prompt"}` or `{"messages"}` lines.
+
+    Chats are rendered with the generation prompt (the model answers the last user turn).
+    """
+    prompts: list[list[int]] = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ArgumentError(f"{path}:{lineno}: invalid JSON ({err.msg}).") from None
+            if not isinstance(record, dict):
+                raise ArgumentError(f"{path}:{lineno}: expected a JSON object.")
+            if "input_ids" in record:
+                ids = [int(t) for t in record["input_ids"]]
+            elif "messages" in record:
+                messages = record["messages"]
+                if messages and messages[-1].get("role") == "assistant":
+                    messages = messages[:-1]  # prompt = everything before the answer
+                out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                                    return_dict=True)
+                ids = [int(t) for t in out["input_ids"]]
+            elif "prompt" in record or "text" in record:
+                ids = [int(t) for t in tokenizer(record.get("prompt", record.get("text")))["input_ids"]]
+            else:
+                raise ArgumentError(f"{path}:{lineno}: expected 'input_ids', 'prompt' or 'messages'.")
+            if not ids:
+                raise ArgumentError(f"{path}:{lineno}: the prompt has no tokens.")
+            prompts.append(ids)
+            if limit is not None and len(prompts) >= limit:
+                break
+    if not prompts:
+        raise ArgumentError(f"--dflash-eval-prompts={path} holds no prompt.")
+    return prompts
+
+
+def synthetic_eval_prompts(tokenizer, count: int, seed: int = EMBEDDED_SYNTHETIC_HELDOUT_SEED) -> list[list[int]]:
+    """The user turns of `count` held-out synthetic chats, rendered with the generation prompt."""
+    from .synthetic_corpus import conversations
+
+    prompts = []
+    for chat in conversations(seed, count):
+        out = tokenizer.apply_chat_template(chat[:1], tokenize=True, add_generation_prompt=True, return_dict=True)
+        prompts.append([int(t) for t in out["input_ids"]])
+    return prompts
+
+
+# ------------------------------------------------------------------------------------------ the job
+
+
+def prepare_job(
+    args: argparse.Namespace,
+    world_size: Optional[int] = None,
+    env=None,
+    *,
+    cuda: Optional[bool] = None,
+    log=print,
+) -> Job:
+    """Validate `args` and resolve every file they name. Raises `ArgumentError` (same on every rank)."""
+    env = os.environ if env is None else env
+    world_size = world_size_from_env(env) if world_size is None else world_size
+    validate_args(args, world_size, env, cuda=cuda)
+    variant = get_variant(args.dflash_variant)
+
+    target_dir = resolve_target_dir(args, env, log=log)
+    with open(os.path.join(target_dir, "config.json")) as f:
+        target_config = json.load(f)
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
+        if key not in target_config:
+            raise ArgumentError(f"--target={target_dir}: config.json has no {key!r}; not a decoder LLM config.")
+    if args.target_backend == "megatron":
+        from ..target import hf_target_spec
+
+        try:
+            hf_target_spec(target_config)
+        except ValueError as err:
+            raise ArgumentError(f"--target-backend megatron: {err}") from None
+    tokenizer_dir = args.tokenizer or target_dir
+    tokenizer = _load_tokenizer(tokenizer_dir)
+
+    mask = None
+    if args.dflash_init_from is None:
+        mask = _resolve_mask_token(args, tokenizer, tokenizer_dir)
+    try:
+        if args.dflash_init_from is not None:
+            config = _config_from_init(args, variant, target_config)
+        else:
+            config = draft_config_from_target(
+                target_config,
+                config_cls=variant.config_cls,
+                num_layers=args.dflash_num_layers or DEFAULT_DRAFT_LAYERS,
+                block_size=args.dflash_block_size or DEFAULT_BLOCK_SIZE,
+                mask_token_id=mask,
+                target_layer_ids=args.dflash_target_layer_ids_list,
+                **variant.config_overrides(args),
+            )
+        config.validate_tensor_parallel(args.tensor_model_parallel_size)
+    except ValueError as err:
+        if isinstance(err, ArgumentError):
+            raise
+        raise ArgumentError(f"draft configuration: {err}") from None
+    if args.dflash_anchors_per_sample > args.seq_length:
+        raise ArgumentError(
+            f"--dflash-anchors-per-sample={args.dflash_anchors_per_sample} exceeds --seq-length={args.seq_length}."
+        )
+    if args.seq_length < config.block_size + 1:
+        raise ArgumentError(
+            f"--seq-length={args.seq_length} is too short for block size {config.block_size}: a block needs "
+            "context before its anchor and block_size - 1 tokens after it."
+        )
+    if args.seq_length > config.max_position_embeddings:
+        raise ArgumentError(
+            f"--seq-length={args.seq_length} exceeds the target's max_position_embeddings="
+            f"{config.max_position_embeddings}."
+        )
+    decay = args.dflash_decay_gamma
+    decay_gamma = None if decay == 0 else (float(decay) if decay is not None else float(config.block_size - 1))
+
+    # export directory
+    if args.dflash_export is not None:
+        export_dir = args.dflash_export
+    elif args.save is not None:
+        export_dir = os.path.join(args.save, "hf")
+    else:
+        stamp = env.get("DFLASH_RUN_NAME") or time.strftime("dflash-%Y%m%d-%H%M%S")
+        export_dir = os.path.join("runs", stamp, "hf")
+
+    # evaluation prompts
+    eval_prompts = None
+    skip = None
+    source = args.dflash_eval_prompts
+    if source is None and args.data_format == "synthetic":
+        source = str(DEFAULT_SYNTHETIC_EVAL_PROMPTS)
+    if source is None and args.data_format == "chat" and args.valid_data:
+        # the prompts of the first held-out chats (everything before their last assistant turn)
+        eval_prompts = load_eval_prompts(args.valid_data, tokenizer, limit=DEFAULT_SYNTHETIC_EVAL_PROMPTS)
+    elif source is None:
+        skip = "no --dflash-eval-prompts given (nor chat --valid-data to take prompts from)"
+    elif source.strip().lstrip("-").isdigit():
+        n = int(source)
+        if n == 0:
+            skip = "--dflash-eval-prompts 0"
+        else:
+            eval_prompts = synthetic_eval_prompts(tokenizer, n)
+    else:
+        eval_prompts = load_eval_prompts(source, tokenizer)
+    if eval_prompts is not None and args.target_backend != "hf":
+        skip = ("the target runs as a megatron model (--target-backend megatron); measure acceptance with "
+                f"tools/evaluate_acceptance.py --target {target_dir} --draft {export_dir}")
+        eval_prompts = None
+    stop = _token_ids(getattr(tokenizer, "eos_token_id", None)) or _token_ids(target_config.get("eos_token_id"))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stop[0] if stop else 0)
+    return Job(
+        args=args,
+        world_size=world_size,
+        target_dir=target_dir,
+        tokenizer_dir=tokenizer_dir,
+        tokenizer=tokenizer,
+        target_config=target_config,
+        draft_config=config,
+        variant=variant,
+        export_dir=export_dir,
+        decay_gamma=decay_gamma,
+        eval_prompts=eval_prompts,
+        eval_skip_reason=skip,
+        stop_token_ids=stop,
+        pad_token_id=int(pad),
+        init_from=args.dflash_init_from,
+    )

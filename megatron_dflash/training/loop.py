@@ -1,0 +1,608 @@
+"""The DFlash training loop: data -> plan -> target taps -> draft body -> loss -> optimizer.
+
+`main(argv)` is what `pretrain_dflash.py` runs: parse, validate (identically on every rank,
+before any collective), initialise `torch.distributed` and megatron's `parallel_state`, train,
+checkpoint, evaluate, export. `train(job)` is the in-process API the tests call.
+
+One optimizer step (iteration `t`, counted from 0)::
+
+    for each of the G / (M * DP) micro-batches of this DP rank:
+        batch  = next(MicroBatchIterator)                 # deterministic order, resumable at t
+        plan   = build_dflash_batch_plan(..., optimizer_step=t, seed)
+        taps   = target(batch)                            # frozen, no grad
+        blocks = target.embedding([anchor, MASK, ...])    # frozen
+        loss_sum, weight_sum = variant.loss(body(taps, blocks, plan), ...)
+        loss_sum.backward()                               # unnormalised
+    gradients: sum over DP, then / (global sum of weight_sum)  (engine.finish_grads)
+    clip (global norm), Adam, scheduler step
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .arguments import EMBEDDED_SYNTHETIC_HELDOUT_SEED, EMBEDDED_SYNTHETIC_TRAIN_SEED, ArgumentError, parse_args
+from .job import Job, prepare_job
+
+__all__ = ["TrainResult", "DistContext", "initialize_distributed", "train", "run", "main"]
+
+
+# ------------------------------------------------------------------------------------------ distributed
+
+
+@dataclass
+class DistContext:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    owns_process_group: bool
+    owns_model_parallel: bool
+    tmpdir: Optional[tempfile.TemporaryDirectory] = None
+
+    def close(self) -> None:
+        from megatron.core import parallel_state
+
+        if self.owns_model_parallel and parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        if self.owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+        if self.tmpdir is not None:
+            self.tmpdir.cleanup()
+            self.tmpdir = None
+
+
+def initialize_distributed(job: Job, env=None) -> DistContext:
+    """Join (or create) the process group and set up megatron's parallel_state for TP/PP.
+
+    * already initialised (e.g. by a test harness): reused;
+    * torchrun / SLURM (`RANK`, `WORLD_SIZE`, `MASTER_ADDR` set): `env://` rendezvous;
+    * a plain single process: a 1-rank group over a `file://` rendezvous in a temporary directory
+      (megatron's dist_checkpointing needs `torch.distributed`).
+
+    Backend: nccl with CUDA, gloo without.
+    """
+    from megatron.core import parallel_state
+
+    env = os.environ if env is None else env
+    args = job.args
+    use_cuda = args.use_cuda
+    local_rank = int(env.get("LOCAL_RANK", "0"))
+    if use_cuda:
+        torch.cuda.set_device(local_rank % max(1, torch.cuda.device_count()))
+    owns_pg = False
+    tmpdir = None
+    if not dist.is_initialized():
+        backend = "nccl" if use_cuda else "gloo"
+        timeout = datetime.timedelta(minutes=30)
+        if "RANK" in env and "WORLD_SIZE" in env and "MASTER_ADDR" in env:
+            dist.init_process_group(backend, init_method="env://", rank=int(env["RANK"]),
+                                    world_size=int(env["WORLD_SIZE"]), timeout=timeout)
+        else:
+            if job.world_size != 1:
+                raise RuntimeError(
+                    f"world size {job.world_size} but no torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR); "
+                    "launch with torchrun."
+                )
+            tmpdir = tempfile.TemporaryDirectory(prefix="dflash-rdzv-")
+            dist.init_process_group(backend, init_method=f"file://{os.path.join(tmpdir.name, 'rendezvous')}",
+                                    rank=0, world_size=1, timeout=timeout)
+        owns_pg = True
+    world = dist.get_world_size()
+    if world != job.world_size:
+        raise RuntimeError(f"the process group has {world} ranks but the job was validated for {job.world_size}.")
+    tp, pp = job.tp, job.pp
+    owns_mp = False
+    if parallel_state.model_parallel_is_initialized():
+        same = (parallel_state.get_tensor_model_parallel_world_size() == tp
+                and parallel_state.get_pipeline_model_parallel_world_size() == pp)
+        if not same:
+            parallel_state.destroy_model_parallel()
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        owns_mp = True
+    if use_cuda:
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(args.seed)
+    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+    return DistContext(dist.get_rank(), world, local_rank, device, owns_pg, owns_mp, tmpdir)
+
+
+# ------------------------------------------------------------------------------------------ target
+
+
+class _Target:
+    """The frozen target as the loop uses it: `taps(batch)`, `embedding`, `head`, `hf_model`."""
+
+    def __init__(self, job: Job, device: torch.device, dtype: torch.dtype):
+        from ..target import HFTarget, MegatronTarget
+
+        self.backend = job.args.target_backend
+        self.device = device
+        self.pack = job.args.pack_sequences
+        self.hf_model = None
+        if self.backend == "hf":
+            self.hf_model = _load_hf_model(job.target_dir, dtype).to(device)
+            self.module = HFTarget.from_config(self.hf_model, job.draft_config)
+        else:
+            self.module = MegatronTarget.from_pretrained(job.target_dir, config=job.draft_config, params_dtype=dtype)
+            if device.type == "cuda":
+                self.module.cuda()
+        self.embedding = self.module.embedding
+        self.head = self.module.output_head
+        self.dtype = dtype
+
+    @torch.no_grad()
+    def __call__(self, batch: dict):
+        tokens = batch["tokens"]
+        positions = batch["position_ids"]
+        B, S = tokens.shape
+        if self.backend == "hf":
+            mask = None
+            if self.pack:
+                allowed = _packed_allowed(batch["document_ids"])  # [B, 1, S, S] True = attend
+                mask = torch.zeros(allowed.shape, dtype=self.dtype, device=tokens.device)
+                mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
+            out = self.module(tokens, attention_mask=mask, position_ids=positions)
+            return out.taps, out.final_hidden
+        # megatron: True = masked. Explicit masks on CPU (megatron builds its default on CUDA only).
+        if self.pack:
+            mask = ~_packed_allowed(batch["document_ids"])
+        elif tokens.is_cuda:
+            mask = None
+        else:
+            mask = torch.ones(S, S, dtype=torch.bool, device=tokens.device).triu(1)[None, None]
+        out = self.module(tokens, attention_mask=mask, position_ids=positions)
+        from ..target import concat_taps
+
+        return concat_taps(out.taps, self.module.target_layer_ids), out.final_hidden
+
+
+def _packed_allowed(document_ids: torch.Tensor) -> torch.Tensor:
+    """[B, 1, S, S] bool: causal and same document (padding, id -1, attends to padding only)."""
+    S = document_ids.shape[1]
+    causal = torch.ones(S, S, dtype=torch.bool, device=document_ids.device).tril()
+    same = document_ids[:, :, None] == document_ids[:, None, :]
+    return (causal[None] & same)[:, None]
+
+
+def _load_hf_model(directory: str, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
+    except TypeError:  # transformers < 4.56
+        model = AutoModelForCausalLM.from_pretrained(directory, torch_dtype=dtype)
+    model.eval()
+    return model
+
+
+# ------------------------------------------------------------------------------------------ data
+
+
+def build_datasets(job: Job):
+    """(train, valid or None) map-style datasets of `data.py`."""
+    from .. import data
+
+    args, tok = job.args, job.tokenizer
+    fmt = args.data_format
+
+    def one(path):
+        if fmt == "chat":
+            return data.ChatJSONLDataset(path, tok, args.seq_length)
+        if fmt == "text":
+            return data.TextJSONLDataset(path, tok, args.seq_length)
+        return data.IndexedDataset(path, args.seq_length)
+
+    if fmt == "synthetic":
+        train = data.SyntheticChatDataset(EMBEDDED_SYNTHETIC_TRAIN_SEED, args.synthetic_train_samples, tok,
+                                          args.seq_length)
+        valid = data.SyntheticChatDataset(EMBEDDED_SYNTHETIC_HELDOUT_SEED, args.synthetic_valid_samples, tok,
+                                          args.seq_length)
+        return train, valid
+    try:
+        train = one(args.train_path)
+        valid = one(args.valid_data) if args.valid_data else None
+    except (ValueError, FileNotFoundError) as err:
+        raise ArgumentError(str(err)) from None
+    return train, valid
+
+
+# ------------------------------------------------------------------------------------------ one step
+
+
+@dataclass
+class _Totals:
+    """Additive statistics of one step on this rank (reduced over DP before logging)."""
+
+    loss_sum: float = 0.0
+    weight_sum: float = 0.0
+    supervised_tokens: float = 0.0
+    correct_tokens: float = 0.0
+    acceptance_sum: float = 0.0
+    valid_blocks: float = 0.0
+    tokens: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+class _StepRunner:
+    def __init__(self, job: Job, body, model, target: _Target, device):
+        self.job, self.body, self.model, self.target, self.device = job, body, model, target, device
+        self.args = job.args
+        self.config = job.draft_config
+        self.ratios: dict = {}
+
+    def micro_batch(self, batch: dict, step: int, seed: int, backward: bool) -> list:
+        """Forward (+ backward) of one micro-batch; returns the additive statistics as tensors."""
+        from ..data import attach_dflash_plan
+        from ..objectives import embed_blocks
+
+        args, cfg = self.args, self.config
+        batch = {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+        # Packed rows: blocks stay inside their document. Unpacked rows hold one document followed by
+        # padding; a block may then run into the padding (those slots are unsupervised), so the last
+        # tokens of a document are trained as anchors too, as decoding meets them.
+        attach_dflash_plan(batch, optimizer_step=step, seed=seed, anchors_per_sample=args.dflash_anchors_per_sample,
+                           block_size=cfg.block_size, use_documents=args.pack_sequences)
+        plan = batch["dflash_plan"]
+        prefix = None
+        if args.dflash_variable_prefix is not None:
+            from ..variable_prefix import sample_prefix_lengths
+
+            prefix = sample_prefix_lengths(plan, seed=seed, optimizer_step=step, base=args.dflash_variable_prefix,
+                                           sample_ids=batch["sample_ids"])
+        taps, final_hidden = self.target(batch)
+        with torch.no_grad():
+            blocks = embed_blocks(batch["tokens"], plan, self.target.embedding, mask_token_id=cfg.mask_token_id,
+                                  input_embedding_scale=cfg.input_embedding_scale, prefix_lengths=prefix)
+        with torch.set_grad_enabled(backward):
+            hidden = self.model(taps, blocks, plan)
+            out = self.job.variant.loss(
+                self.body, hidden, plan, batch["tokens"], self.target.head, decay_gamma=self.job.decay_gamma,
+                chunk_slots=args.dflash_loss_chunk, prefix_lengths=prefix, final_hidden=final_hidden,
+                args=args, step=step, embedding=self.target.embedding, input_mask=batch["loss_mask"],
+            )
+            if backward:
+                out.loss_sum.backward()
+        self.ratios = out.ratios
+        m = out.metrics
+        values = [out.loss_sum.detach(), out.weight_sum, m.supervised_tokens, m.correct_tokens, m.acceptance_sum,
+                  m.valid_blocks, (batch["document_ids"] >= 0).sum()]
+        values += [out.extra[k] for k in sorted(out.extra)]
+        return [torch.as_tensor(v, dtype=torch.float64, device=self.device).detach().reshape(()) for v in values], \
+            sorted(out.extra)
+
+    def reduce(self, sums: list, names: list) -> _Totals:
+        stacked = torch.stack(sums)
+        from megatron.core import parallel_state
+
+        if dist.is_initialized() and parallel_state.get_data_parallel_world_size() > 1:
+            dist.all_reduce(stacked, group=parallel_state.get_data_parallel_group())
+        v = stacked.tolist()
+        return _Totals(*v[:7], extra=dict(zip(names, v[7:])))
+
+
+def _accumulate(acc: Optional[list], values: list) -> list:
+    return values if acc is None else [a + b for a, b in zip(acc, values)]
+
+
+def _metrics(t: _Totals, ratios: dict) -> dict:
+    out = {
+        "loss": t.loss_sum / t.weight_sum if t.weight_sum > 0 else float("nan"),
+        "accuracy": t.correct_tokens / max(1.0, t.supervised_tokens),
+        "acceptance": t.acceptance_sum / max(1.0, t.valid_blocks),
+    }
+    for name, (num, den) in ratios.items():
+        if num in t.extra and den in t.extra:
+            out[name] = t.extra[num] / max(1e-12, t.extra[den])
+    return out
+
+
+# ------------------------------------------------------------------------------------------ evaluation
+
+
+def validation_loss(runner: _StepRunner, dataset, job: Job) -> dict:
+    """Loss / accuracy / block acceptance on `--eval-iters` global batches of the validation data (no grad).
+
+    The plans use a fixed step (0) and a derived seed, so every evaluation sees the same blocks.
+    """
+    from megatron.core import parallel_state
+
+    from ..data import Collator, MicroBatchIterator
+
+    args = job.args
+    it = MicroBatchIterator(dataset, micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
+                            dp_rank=parallel_state.get_data_parallel_rank(), dp_size=job.dp, seed=args.seed + 1,
+                            start_step=0, collate_fn=Collator(job.pad_token_id, args.seq_length, args.pack_sequences))
+    acc, names = None, []
+    runner.body.eval()
+    try:
+        for _ in range(args.eval_iters * args.num_micro_batches):
+            values, names = runner.micro_batch(next(it), step=0, seed=args.seed + 1, backward=False)
+            acc = _accumulate(acc, values)
+    finally:
+        runner.body.train()
+    return _metrics(runner.reduce(acc, names), runner.ratios)
+
+
+@torch.no_grad()
+def acceptance_length(target_model, draft, prompts: list, job: Job, batch_size: int = 8) -> dict:
+    """Greedy speculative decoding of `prompts`: mean committed tokens per target forward."""
+    from ..generate import spec_generate
+
+    lengths, generated, forwards = [], 0, 0
+    was_training = draft.training
+    draft.eval()
+    try:
+        for start in range(0, len(prompts), batch_size):
+            out = spec_generate(target_model, draft, prompts[start:start + batch_size],
+                                max_new_tokens=job.args.dflash_eval_max_new_tokens,
+                                stop_token_ids=None if job.args.dflash_eval_ignore_eos else (job.stop_token_ids or None),
+                                pad_token_id=job.pad_token_id,
+                                attention_backend="chunked")
+            lengths += [a for row in out.acceptance_lengths for a in row]
+            generated += int(out.num_generated.sum())
+            # per row: one prefill forward (its first token) plus one verify forward per cycle
+            forwards += sum(len(row) for row in out.acceptance_lengths) + int((out.num_generated > 0).sum())
+    finally:
+        draft.train(was_training)
+    mean = sum(lengths) / len(lengths) if lengths else float("nan")
+    return {"acceptance_length": mean, "cycles": len(lengths), "generated_tokens": generated,
+            "tokens_per_target_forward": generated / max(1, forwards), "prompts": len(prompts)}
+
+
+def _acceptance_line(result: dict) -> str:
+    return (f"acceptance length {result['acceptance_length']:.3f} (autoregressive baseline 1.0) over "
+            f"{result['prompts']} held-out prompts, {result['cycles']} verify cycles, "
+            f"{result['tokens_per_target_forward']:.2f} tokens per target forward per sequence")
+
+
+# ------------------------------------------------------------------------------------------ train
+
+
+@dataclass
+class TrainResult:
+    iterations: int
+    start_iteration: int
+    losses: list                      # per iteration run here
+    learning_rates: list
+    grad_norms: list
+    metrics: list                     # per iteration dicts
+    validation: list                  # (iteration, dict)
+    acceptance: list                  # (iteration, dict) periodic + final
+    final_acceptance: Optional[dict]
+    export_dir: Optional[str]
+    checkpoint_dir: Optional[str]
+    wall_time_s: float
+    exited_early: bool = False
+
+
+def _log(ctx_rank: int, text: str) -> None:
+    if ctx_rank == 0:
+        print(text, flush=True)
+
+
+def _args_snapshot(args) -> dict:
+    return {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, type(None), list))}
+
+
+def train(job: Job, *, hooks: Optional[dict] = None, env=None) -> TrainResult:
+    """Run the whole job in this process (one rank of the launch). Collective over all ranks."""
+    from megatron.core import parallel_state
+
+    from ..body import default_parallel_config
+    from ..data import Collator, MicroBatchIterator
+    from ..parallel import SingleRankGroup
+    from .checkpointing import load_checkpoint, save_checkpoint
+    from .monitor import Monitor, format_metrics
+    from .optim import build_engine
+
+    hooks = hooks or {}
+    args = job.args
+    t_start = time.time()
+    ctx = initialize_distributed(job, env)
+    monitor = None
+    try:
+        rank = ctx.rank
+        dtype = torch.bfloat16 if args.bf16 else torch.float32
+        cfg = job.draft_config
+        _log(rank, f"[dflash] variant {job.variant.name}: {cfg.num_hidden_layers} draft layer(s), hidden "
+             f"{cfg.hidden_size}, block size {cfg.block_size}, target layers {cfg.target_layer_ids} of "
+             f"{cfg.num_target_layers}, MASK {cfg.mask_token_id}; target {job.target_dir} ({args.target_backend}); "
+             f"world {ctx.world_size} = TP {job.tp} x PP {job.pp} x DP {job.dp}; global batch "
+             f"{args.global_batch_size} = micro {args.micro_batch_size} x {args.num_micro_batches} x DP {job.dp}; "
+             f"device {ctx.device.type}")
+
+        # ---- models
+        target = _Target(job, ctx.device, dtype)
+        torch.manual_seed(args.seed)
+        parallel_config = default_parallel_config(params_dtype=dtype, bf16=args.bf16)
+        body = job.variant.build_body(cfg, parallel_config, args.dflash_attention_backend)
+        if job.init_from is not None:
+            from ..checkpoint import load_hf_state_dict_into, read_safetensors
+
+            load_hf_state_dict_into(body, read_safetensors(job.init_from))
+            _log(rank, f"[dflash] initialised the draft from {job.init_from}")
+        body.to(ctx.device)
+        body.train()
+        engine = build_engine(body, args, cfg, use_cuda=args.use_cuda)
+        runner = _StepRunner(job, body, engine.model, target, ctx.device)
+
+        # ---- resume
+        start_iteration = 0
+        if args.load is not None:
+            state = load_checkpoint(args.load, body, engine, log=lambda t: _log(rank, t))
+            if state is None:
+                _log(rank, f"[checkpoint] no checkpoint in {args.load}; training from scratch.")
+            else:
+                start_iteration = int(state["iteration"])
+                saved = state.get("args", {})
+                for key in ("global_batch_size", "seed", "data_format", "dflash_block_size", "dflash_variant"):
+                    if key in saved and saved[key] != getattr(args, key):
+                        _log(rank, f"[checkpoint] warning: --{key.replace('_', '-')} was {saved[key]} in the "
+                             f"checkpoint and is {getattr(args, key)} now; the run does not continue exactly.")
+                _log(rank, f"[checkpoint] resumed from {state['directory']} at iteration {start_iteration}")
+
+        # ---- data
+        train_ds, valid_ds = build_datasets(job)
+        collate = Collator(job.pad_token_id, args.seq_length, args.pack_sequences)
+        data_iter = MicroBatchIterator(
+            train_ds, micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
+            dp_rank=parallel_state.get_data_parallel_rank(), dp_size=job.dp, seed=args.seed,
+            start_step=start_iteration, collate_fn=collate,
+        )
+
+        monitor = Monitor(args, rank=rank, total_iters=args.train_iters, start_iter=start_iteration,
+                          config=_args_snapshot(args))
+        log = monitor.print
+        eval_here = rank == 0 and job.eval_prompts is not None and job.tp == 1 and target.hf_model is not None
+        if job.eval_prompts is None:
+            log(f"[eval] acceptance evaluation skipped: {job.eval_skip_reason}.")
+
+        result = TrainResult(iterations=start_iteration, start_iteration=start_iteration, losses=[],
+                             learning_rates=[], grad_norms=[], metrics=[], validation=[], acceptance=[],
+                             final_acceptance=None, export_dir=None, checkpoint_dir=None, wall_time_s=0.0)
+        last_saved = start_iteration if args.load is not None and start_iteration > 0 else None
+
+        def checkpoint(iteration: int) -> None:
+            nonlocal last_saved
+            common = {
+                "iteration": iteration,
+                "consumed_train_samples": iteration * args.global_batch_size,
+                "scheduler": engine.scheduler.state_dict(),
+                "args": _args_snapshot(args),
+                "data": {"format": args.data_format, "seed": args.seed, "next_step": iteration},
+            }
+            t0 = time.time()
+            result.checkpoint_dir = save_checkpoint(args.save, iteration, body, engine, common=common, log=log)
+            last_saved = iteration
+            log(f"[checkpoint] saved iteration {iteration} to {result.checkpoint_dir} ({time.time() - t0:.1f}s)")
+
+        def evaluate(iteration: int) -> None:
+            if valid_ds is not None:
+                values = validation_loss(runner, valid_ds, job)
+                result.validation.append((iteration, values))
+                log(f"[eval] iteration {iteration} validation | {format_metrics(values)}")
+                monitor.scalars(values, iteration, prefix="valid")
+            if eval_here:
+                acc = acceptance_length(target.hf_model, body, job.eval_prompts, job)
+                result.acceptance.append((iteration, acc))
+                log(f"[eval] iteration {iteration} | {_acceptance_line(acc)}")
+                monitor.scalars({"acceptance length": acc["acceptance_length"]}, iteration, prefix="valid")
+            if dist.is_initialized() and ctx.world_size > 1:
+                dist.barrier()
+
+        # ---- train
+        window_t0, window_tokens = time.time(), 0.0
+        iteration = start_iteration
+        exited = False
+        while iteration < args.train_iters:
+            step_t0 = time.time()
+            engine.zero_grad()
+            acc, names = None, []
+            weight = torch.zeros((), dtype=torch.float64, device=ctx.device)
+            for _ in range(args.num_micro_batches):
+                values, names = runner.micro_batch(next(data_iter), step=iteration, seed=args.seed, backward=True)
+                weight = weight + values[1]
+                acc = _accumulate(acc, values)
+            lr = engine.lr
+            engine.finish_grads(weight)
+            grad_norm = engine.step()
+            totals = runner.reduce(acc, names)
+            iteration += 1
+            values = _metrics(totals, runner.ratios)
+            tps = totals.tokens / max(1e-9, time.time() - step_t0)
+            values.update({"learning rate": lr, "grad norm": grad_norm, "tokens per second": tps})
+            result.losses.append(values["loss"])
+            result.learning_rates.append(lr)
+            result.grad_norms.append(grad_norm)
+            result.metrics.append(values)
+            result.iterations = iteration
+            window_tokens += totals.tokens
+            monitor.scalars(values, iteration)
+            monitor.advance(f"loss {values['loss']:.3f} acc {values['accuracy']:.2f}")
+            if iteration % args.log_interval == 0 or iteration == args.train_iters:
+                elapsed = time.time() - window_t0
+                line = {"iteration": f"{iteration:6d}/{args.train_iters}",
+                        "consumed samples": iteration * args.global_batch_size,
+                        "elapsed time per iteration (ms)": 1000.0 * elapsed / max(1, args.log_interval)}
+                line.update(values)
+                line["tokens per second"] = window_tokens / max(1e-9, elapsed)
+                log(format_metrics(line))
+                window_t0, window_tokens = time.time(), 0.0
+            if "on_step" in hooks:
+                hooks["on_step"](iteration, values, body)
+            if args.save and args.save_interval and iteration % args.save_interval == 0:
+                checkpoint(iteration)
+            if args.eval_interval and iteration % args.eval_interval == 0 and iteration < args.train_iters:
+                evaluate(iteration)
+            if getattr(args, "exit_interval", None) and iteration % args.exit_interval == 0 \
+                    and iteration < args.train_iters:
+                exited = True
+                break
+
+        # ---- the end
+        if args.save and last_saved != iteration:
+            checkpoint(iteration)
+        result.exited_early = exited
+        if exited:
+            log(f"[dflash] exiting at iteration {iteration} (--exit-interval {args.exit_interval}); resume with "
+                f"--load {args.save}.")
+            result.wall_time_s = time.time() - t_start
+            return result
+        monitor.close()
+        if valid_ds is not None:
+            values = validation_loss(runner, valid_ds, job)
+            result.validation.append((iteration, values))
+            _log(rank, f"[eval] final validation | {format_metrics(values)}")
+        job.variant.save_hf(body, job.export_dir, overwrite=True)
+        result.export_dir = job.export_dir
+        _log(rank, f"[export] HF draft written to {job.export_dir}")
+        if dist.is_initialized() and ctx.world_size > 1:
+            dist.barrier()
+        if job.eval_prompts is not None and rank == 0:
+            exported = job.variant.load_hf(job.export_dir, tp_group=SingleRankGroup(),
+                                           attention_backend="chunked").to(ctx.device)
+            hf_model = target.hf_model if target.hf_model is not None else _load_hf_model(job.target_dir, dtype)
+            final = acceptance_length(hf_model.to(ctx.device), exported, job.eval_prompts, job)
+            result.final_acceptance = final
+            result.acceptance.append((iteration, final))
+            print(f"[final] {_acceptance_line(final)}", flush=True)
+        elif job.eval_prompts is None:
+            _log(rank, f"[final] acceptance evaluation skipped: {job.eval_skip_reason}.")
+        if dist.is_initialized() and ctx.world_size > 1:
+            dist.barrier()
+        result.wall_time_s = time.time() - t_start
+        _log(rank, f"[dflash] done: {iteration} iterations in {result.wall_time_s:.0f}s")
+        return result
+    finally:
+        if monitor is not None:
+            monitor.close()
+        ctx.close()
+
+
+def run(argv: Optional[Sequence[str]] = None, *, hooks: Optional[dict] = None, env=None,
+        world_size: Optional[int] = None) -> TrainResult:
+    """Parse, validate, train. Raises `ArgumentError` for a bad command line (before any collective)."""
+    args = parse_args(argv)
+    job = prepare_job(args, world_size, env)
+    return train(job, hooks=hooks, env=env)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    try:
+        run(argv)
+    except ArgumentError as err:
+        print(f"pretrain_dflash.py: error: {err}", file=sys.stderr, flush=True)
+        return 2
+    return 0

@@ -1,0 +1,152 @@
+"""Build (and cache) the tiny Qwen3-architecture target of the embedded default job.
+
+`ensure_tiny_target()` returns a HF directory (config, safetensors weights, tokenizer
+with chat template) of a small Qwen3 model trained on `synthetic_corpus`. Training takes
+a couple of minutes on a CPU and happens once: the directory is cached under a key that
+covers every setting, and written atomically so an interrupted build never leaves a
+half-written target behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import torch
+
+from . import synthetic_corpus
+
+
+@dataclass(frozen=True)
+class TinyTargetRecipe:
+    seed: int = 1234
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_hidden_layers: int = 6
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 32
+    max_position_embeddings: int = 512
+    train_steps: int = 600
+    batch_size: int = 32
+    seq_length: int = 96
+    lr: float = 3e-3
+    version: int = 1  # bump when the corpus or the training changes
+
+    def key(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+
+
+def default_cache_dir() -> str:
+    root = os.environ.get("MEGATRON_DFLASH_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "megatron_dflash"
+    )
+    return root
+
+
+def tokenize_conversation(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """Token ids and the assistant mask (1 on assistant tokens) of one chat."""
+    out = tokenizer.apply_chat_template(
+        messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
+    return list(out["input_ids"]), list(out["assistant_masks"])
+
+
+def _batches(tokenizer, recipe: TinyTargetRecipe):
+    """Endless [batch, seq] id tensors of packed chats (the target learns whole chats)."""
+    pad = tokenizer.pad_token_id
+    stream: list[int] = []
+    chats = synthetic_corpus.conversations(recipe.seed, 10**9)
+    while True:
+        rows = []
+        for _ in range(recipe.batch_size):
+            while len(stream) < recipe.seq_length:
+                ids, _ = tokenize_conversation(tokenizer, next(chats))
+                stream.extend(ids)
+            rows.append(stream[: recipe.seq_length])
+            stream = stream[recipe.seq_length :]
+        yield torch.tensor(rows, dtype=torch.long)
+    del pad
+
+
+def train_tiny_target(recipe: TinyTargetRecipe, out_dir: str, log=print) -> None:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    tokenizer = synthetic_corpus.build_tokenizer()
+    vocab = 64 * math.ceil(len(tokenizer) / 64)
+    torch.manual_seed(recipe.seed)
+    config = Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=recipe.hidden_size,
+        intermediate_size=recipe.intermediate_size,
+        num_hidden_layers=recipe.num_hidden_layers,
+        num_attention_heads=recipe.num_attention_heads,
+        num_key_value_heads=recipe.num_key_value_heads,
+        head_dim=recipe.head_dim,
+        max_position_embeddings=recipe.max_position_embeddings,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
+    model = Qwen3ForCausalLM(config)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=0.0, betas=(0.9, 0.98))
+    warmup = max(1, recipe.train_steps // 20)
+
+    def lr_at(step: int) -> float:
+        if step < warmup:
+            return recipe.lr * (step + 1) / warmup
+        progress = (step - warmup) / max(1, recipe.train_steps - warmup)
+        return recipe.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+    start = time.time()
+    batches = _batches(tokenizer, recipe)
+    for step in range(recipe.train_steps):
+        ids = next(batches)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step)
+        loss = model(input_ids=ids, labels=ids).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        if step % 100 == 0 or step == recipe.train_steps - 1:
+            log(f"[tiny target] step {step:4d}/{recipe.train_steps} loss {loss.item():.3f} ({time.time() - start:.0f}s)")
+    model.eval()
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    with open(os.path.join(out_dir, "recipe.json"), "w") as f:
+        json.dump(asdict(recipe), f, indent=2)
+
+
+def ensure_tiny_target(
+    cache_dir: Optional[str] = None, recipe: TinyTargetRecipe = TinyTargetRecipe(), log=print
+) -> str:
+    """Path of the cached tiny target, training it first if it is not there yet."""
+    cache_dir = cache_dir or default_cache_dir()
+    final = os.path.join(cache_dir, f"tiny-qwen3-target-{recipe.key()}")
+    if os.path.isfile(os.path.join(final, "recipe.json")):
+        return final
+    os.makedirs(cache_dir, exist_ok=True)
+    log(f"[tiny target] building {final} (once; a few minutes on a CPU)")
+    tmp = tempfile.mkdtemp(prefix=".tiny-target-", dir=cache_dir)
+    try:
+        train_tiny_target(recipe, tmp, log=log)
+        try:
+            os.replace(tmp, final)
+        except OSError:
+            # Another process finished first: keep its copy.
+            if not os.path.isfile(os.path.join(final, "recipe.json")):
+                raise
+    finally:
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
