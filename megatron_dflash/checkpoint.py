@@ -21,13 +21,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
-import tempfile
 from typing import Mapping, Optional
 
 import torch
 import torch.distributed as dist
 
+from .atomic import atomic_directory
 from .body import DFlashBody, default_parallel_config
 from .config import DFLASH_ARCHITECTURE, DFlashConfig
 from .parallel import is_distributed_group
@@ -200,30 +199,11 @@ def _write_directory(
 
     directory = os.path.abspath(directory)
     _check_target_directory(directory, overwrite)
-    parent = os.path.dirname(directory)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(directory)}.tmp-", dir=parent)
-    try:
+    with atomic_directory(directory, replace=overwrite) as tmp:
         config.save_pretrained(tmp, architecture=architecture)
         save_file(tensors, os.path.join(tmp, SAFETENSORS_NAME), metadata={"format": "pt"})
         for name in (CONFIG_NAME, SAFETENSORS_NAME):
             _fsync(os.path.join(tmp, name))
-        # mkdtemp creates the directory private (0700); give it the usual permissions.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)
-        if os.path.isdir(directory) and os.listdir(directory):
-            # overwrite=True: swap the old directory out, the new one in, then delete the old.
-            old = tempfile.mkdtemp(prefix=f".{os.path.basename(directory)}.old-", dir=parent)
-            os.rmdir(old)
-            os.rename(directory, old)
-            os.rename(tmp, directory)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, directory)  # onto a missing or empty directory
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def _agree_on_success(ok: bool, group, device, directory: str) -> None:

@@ -80,10 +80,11 @@ import importlib
 import json
 import os
 import re
-import shutil
 import sys
 import tempfile
 from typing import Any, Iterator, Mapping, Optional, Union
+
+from .atomic import atomic_directory
 
 __all__ = [
     "TRACKER_FILENAME",
@@ -863,34 +864,6 @@ def _check_output(output: str, force: bool, source: str) -> None:
         )
 
 
-@contextlib.contextmanager
-def _atomic_output(output: str, force: bool) -> Iterator[str]:
-    """Yield a temporary directory next to `output`; on success it replaces `output` (only
-    then is a non-empty `output` removed), on error it is deleted and `output` is untouched."""
-    output = os.path.abspath(output)
-    parent = os.path.dirname(output)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(output)}.tmp-", dir=parent)
-    try:
-        yield tmp
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private
-        if os.path.isdir(output) and os.listdir(output):
-            if not force:  # appeared while we were writing
-                raise FileExistsError(f"{output} became non-empty while converting; pass --force to replace it.")
-            old = tempfile.mkdtemp(prefix=f".{os.path.basename(output)}.old-", dir=parent)
-            os.rmdir(old)
-            os.rename(output, old)
-            os.rename(tmp, output)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, output)  # onto a missing or empty directory
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
 def _compare_exact(expected: Mapping[str, Any], got: Mapping[str, Any], what: str) -> None:
     """Every tensor of `expected` is in `got` with the same dtype, shape and values."""
     import torch
@@ -979,7 +952,7 @@ def convert_megatron_to_hf(
         load_megatron_draft_into(body, iteration_dir)
         # The source as stored, read without the body, for the comparison.
         source = _convert_dtype(read_megatron_draft_state(iteration_dir), out_dtype) if validate else None
-    with _atomic_output(output, force) as tmp:
+    with atomic_directory(output, replace=force) as tmp:
         save_hf_checkpoint(body, tmp, dtype=out_dtype, architecture=architecture.name, overwrite=True)
         if validate:
             written = read_safetensors(tmp)
@@ -1061,7 +1034,7 @@ def convert_hf_to_megatron(
             if hint:
                 message += f" Also: {hint}."
             raise ValueError(message) from None
-        with _atomic_output(output, force) as tmp:
+        with atomic_directory(output, replace=force) as tmp:
             iteration_dir = os.path.join(tmp, iteration_dir_name(iteration))
             save_megatron_draft(body, iteration_dir)
             write_tracker(tmp, iteration)

@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.tensor_parallel.layers import (
@@ -27,28 +26,8 @@ from torch import nn
 from .attention import BlockVisibility, block_attention
 from .config import DFlashConfig
 from .norm import RMSNorm
+from .parallel import reduce_grad_over_group
 from .rope import apply_rope
-
-
-class _ReduceGradOverGroup(torch.autograd.Function):
-    """Identity forward; all-reduce of the gradient over the TP group in backward.
-
-    For replicated parameters that only see the rank's local heads (the per-head q/k
-    norms): each rank's gradient is a partial sum over its heads, the true gradient is
-    the sum over ranks.
-    """
-
-    @staticmethod
-    def forward(ctx, tensor: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        return tensor.view_as(tensor)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        if ctx.group.size() > 1:
-            grad = grad.contiguous()
-            dist.all_reduce(grad, group=ctx.group)
-        return grad, None
 
 
 def _init_method(std: float):
@@ -172,8 +151,8 @@ class DFlashAttention(nn.Module):
         S = context.shape[1]
         D = self.head_dim
         cos_block, sin_block, cos_ctx, sin_ctx = rope
-        q_norm_w = _ReduceGradOverGroup.apply(self.q_norm.weight, self.tp_group)
-        k_norm_w = _ReduceGradOverGroup.apply(self.k_norm.weight, self.tp_group)
+        q_norm_w = reduce_grad_over_group(self.q_norm.weight, self.tp_group)
+        k_norm_w = reduce_grad_over_group(self.k_norm.weight, self.tp_group)
 
         q = self.q_proj(hidden)[0].view(B, N, W, self.num_heads, D)
         q = apply_rope(self.q_norm(q, q_norm_w), cos_block, sin_block)

@@ -42,7 +42,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .config import DFlashConfig
-from .parallel import SingleRankGroup, is_distributed_group, tensor_parallel_group
+from .parallel import SingleRankGroup, is_distributed_group, reduce_grad_over_group, tensor_parallel_group
 from .plan import DFlashBatchPlan
 
 __all__ = [
@@ -67,22 +67,6 @@ _NO_INDEX = torch.iinfo(torch.int64).max
 # --------------------------------------------------------------------------------------------------
 # The output head
 # --------------------------------------------------------------------------------------------------
-
-
-class _ReduceGradOverGroup(torch.autograd.Function):
-    """Identity forward; all-reduce (sum) of the gradient over ``group`` in backward."""
-
-    @staticmethod
-    def forward(ctx, tensor: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        return tensor.view_as(tensor)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        if is_distributed_group(ctx.group):
-            grad = grad.contiguous()
-            dist.all_reduce(grad, group=ctx.group)
-        return grad, None
 
 
 def _is_column_parallel(layer: nn.Module) -> bool:
@@ -196,7 +180,7 @@ class OutputHead:
         bias = getattr(self.layer, "bias", None)
         # The matmul is done here rather than by the module: megatron's layer resolves its gradient
         # all-reduce through parallel_state (and fails outside an initialised launch); the group is explicit here.
-        hidden = _ReduceGradOverGroup.apply(hidden.to(weight.dtype), self.tp_group)
+        hidden = reduce_grad_over_group(hidden.to(weight.dtype), self.tp_group)
         logits = F.linear(hidden, weight, bias)
         logits = logits.float()
         if self.output_multiplier != 1.0:

@@ -99,3 +99,29 @@ def agree_or_raise(local_error: Optional[str], signature: Sequence[int], group, 
         "DFlash body input rejected on every tensor-parallel rank: " + "; ".join(lines)
         + ". Every TP rank must receive the same batch."
     )
+
+
+class _ReduceGradOverGroup(torch.autograd.Function):
+    """Identity forward; all-reduce (sum) of the gradient over ``group`` in backward."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        if is_distributed_group(ctx.group):
+            grad = grad.contiguous()
+            dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def reduce_grad_over_group(tensor: torch.Tensor, group) -> torch.Tensor:
+    """`tensor` unchanged, but its gradient is summed over `group` in backward.
+
+    For a replicated tensor that each rank uses only for its own shard of the work (the
+    per-head q/k norms under TP, hidden states entering a vocab-parallel head): each rank's
+    gradient is a partial sum, the true gradient is the sum over ranks.
+    """
+    return _ReduceGradOverGroup.apply(tensor, group)

@@ -82,7 +82,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..body import DFlashBody, default_parallel_config
 from ..config import DFLASH_ARCHITECTURE, DFlashConfig
-from ..parallel import is_distributed_group
+from ..parallel import is_distributed_group, reduce_grad_over_group
 from ..plan import DFlashBatchPlan
 from .dflash2 import GREEDY_TEMPERATURE_EPS
 
@@ -241,22 +241,6 @@ def domino_lambda(step: int, total_steps: int, *, lambda_start: float, decay_rat
 # ================================================================================== the head
 
 
-class _ReduceGradOverGroup(torch.autograd.Function):
-    """Identity forward; gradient summed over `group` in backward (replicated input, sharded use)."""
-
-    @staticmethod
-    def forward(ctx, tensor: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        return tensor.view_as(tensor)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        if is_distributed_group(ctx.group):
-            grad = grad.contiguous()
-            dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
 class DominoHead(nn.Module):
     """The Domino correction head: ``prefix_gru`` and ``embed_proj`` (published names and shapes).
 
@@ -398,7 +382,7 @@ class DominoHead(nn.Module):
         """
         weight = self.embed_proj[2].weight
         if group is not None:
-            weight = _ReduceGradOverGroup.apply(weight, group)
+            weight = reduce_grad_over_group(weight, group)
         start, end = head.vocab_range
         rows = weight[min(start, self.vocab_size) : min(end, self.vocab_size)]
         missing = (end - start) - rows.shape[0]
@@ -715,7 +699,7 @@ def _domino_chunk(head, domino: DominoHead):
 
     def run(h, features, weight, labels, weights):
         base = head.local_logits(h)
-        features = _ReduceGradOverGroup.apply(features, group)  # each rank's gradient covers its shard
+        features = reduce_grad_over_group(features, group)  # each rank's gradient covers its shard
         final = base + domino.local_delta(features, head, weight)
         zero = torch.zeros((), device=base.device)
         sums, argmaxes = [], []
