@@ -32,6 +32,7 @@ shard: ``V / TP``), M = B * N * (W - 1) predicted slots.
 from __future__ import annotations
 
 import math
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -369,8 +370,44 @@ def _f64(value, device=None) -> torch.Tensor:
     return torch.as_tensor(value, dtype=torch.float64, device=device).detach()
 
 
+class AdditiveMetrics:
+    """Base of dataclasses whose fields are fp64 scalar sums.
+
+    They add up over micro-batches (`+`) and over ranks (`all_reduce`, one collective for all
+    fields); ratios are derived only after summing, so a micro-batch with few tokens is not
+    over-weighted. Subclasses are dataclasses whose fields are all such sums.
+    """
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def zeros(cls, device=None):
+        return cls(*(torch.zeros((), dtype=torch.float64, device=device) for _ in cls.field_names()))
+
+    def _stack(self) -> torch.Tensor:
+        return torch.stack([_f64(getattr(self, name)) for name in self.field_names()])
+
+    def __add__(self, other):
+        if type(other) is not type(self):
+            return NotImplemented
+        mine = self._stack()
+        return type(self)(*(mine + other._stack().to(mine.device)).unbind())
+
+    def all_reduce(self, group=None):
+        """Sum over the ranks of ``group`` (torch.distributed's default group when None) in one all-reduce."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return self
+        if isinstance(group, SingleRankGroup) or dist.get_world_size(group) == 1:
+            return self
+        stacked = self._stack().clone()
+        dist.all_reduce(stacked, op=dist.ReduceOp.SUM, group=group)
+        return type(self)(*stacked.unbind())
+
+
 @dataclass
-class DFlashMetrics:
+class DFlashMetrics(AdditiveMetrics):
     """Additive fp64 scalar statistics: sum them over micro-batches, all-reduce them over data parallelism.
 
     Fields:
@@ -387,31 +424,6 @@ class DFlashMetrics:
     acceptance_sum: torch.Tensor
     valid_blocks: torch.Tensor
 
-    _FIELDS = ("supervised_tokens", "correct_tokens", "acceptance_sum", "valid_blocks")
-
-    @classmethod
-    def zeros(cls, device=None) -> "DFlashMetrics":
-        return cls(*(torch.zeros((), dtype=torch.float64, device=device) for _ in cls._FIELDS))
-
-    def _stack(self) -> torch.Tensor:
-        return torch.stack([_f64(getattr(self, name)) for name in self._FIELDS])
-
-    def __add__(self, other: "DFlashMetrics") -> "DFlashMetrics":
-        if not isinstance(other, DFlashMetrics):
-            return NotImplemented
-        mine = self._stack()
-        return DFlashMetrics(*(mine + other._stack().to(mine.device)).unbind())
-
-    def all_reduce(self, group=None) -> "DFlashMetrics":
-        """Sum over the ranks of ``group`` (torch.distributed's default group when None) in one all-reduce."""
-        if not (dist.is_available() and dist.is_initialized()):
-            return self
-        if isinstance(group, SingleRankGroup) or dist.get_world_size(group) == 1:
-            return self
-        stacked = self._stack().clone()
-        dist.all_reduce(stacked, op=dist.ReduceOp.SUM, group=group)
-        return DFlashMetrics(*stacked.unbind())
-
     @property
     def accuracy(self) -> torch.Tensor:
         """``correct_tokens / supervised_tokens`` (0 when nothing is supervised)."""
@@ -424,7 +436,7 @@ class DFlashMetrics:
 
     def to_dict(self) -> dict:
         """Python floats for logging (synchronises with the device)."""
-        out = {name: float(getattr(self, name)) for name in self._FIELDS}
+        out = {name: float(getattr(self, name)) for name in self.field_names()}
         out["accuracy"] = float(self.accuracy)
         out["acceptance_length"] = float(self.acceptance_length)
         return out

@@ -151,7 +151,7 @@ def grads_of(loss, tensors):
 
 
 def metrics_dict(metrics: DFlashMetrics) -> dict:
-    return {k: float(v) for k, v in metrics.to_dict().items() if k in DFlashMetrics._FIELDS}
+    return {k: float(v) for k, v in metrics.to_dict().items() if k in DFlashMetrics.field_names()}
 
 
 def assert_close(a, b, **kw):

@@ -67,7 +67,7 @@ def _tp_vs_single(rank: int, world_size: int) -> dict:
                 hidden = hidden0.clone().requires_grad_()
                 out = dflash_loss(hidden, plan, ids, head, chunk_slots=chunk, **kwargs)
                 out.loss_sum.backward()
-                metrics = torch.stack([getattr(out.metrics, f) for f in out.metrics._FIELDS])
+                metrics = torch.stack([getattr(out.metrics, f) for f in out.metrics.field_names()])
                 results.append((out.loss_sum.detach(), out.weight_sum, metrics, hidden.grad, tp_layer.weight.grad.clone()))
             (ref_loss, ref_wsum, ref_m, ref_gh, ref_gw), (loss, wsum, m, gh, gw) = results
             ref_gw_shard = ref_gw[rank * shard : (rank + 1) * shard]

@@ -42,6 +42,7 @@ from torch.utils.checkpoint import checkpoint
 from ..body import DFlashBody, default_parallel_config
 from ..config import DFLASH_ARCHITECTURE, DFlashConfig
 from ..parallel import is_distributed_group, tensor_parallel_group
+from ..objectives import AdditiveMetrics
 from ..plan import DFlashBatchPlan
 
 __all__ = [
@@ -562,23 +563,8 @@ def build_dflash2_body(
 # ================================================================================== objective
 
 
-_METRIC_FIELDS = (
-    "supervised_tokens",
-    "valid_blocks",
-    "correct_tokens",
-    "acceptance_sum",
-    "base_correct_tokens",
-    "base_acceptance_sum",
-    "candidate_hits",
-    "teacher_forced_correct",
-    "base_loss_sum",
-    "selector_loss_sum",
-    "loss_weight_sum",
-)
-
-
 @dataclass
-class DFlash2Metrics:
+class DFlash2Metrics(AdditiveMetrics):
     """Additive fp64 statistics of DFlash 2 training (sum over micro-batches, all-reduce over DP).
 
     The primary `correct_tokens` / `acceptance_sum` describe the **selector walk**: the path the
@@ -611,32 +597,6 @@ class DFlash2Metrics:
     base_loss_sum: torch.Tensor
     selector_loss_sum: torch.Tensor
     loss_weight_sum: torch.Tensor
-
-    @classmethod
-    def zeros(cls, device=None) -> "DFlash2Metrics":
-        return cls(*(torch.zeros((), dtype=torch.float64, device=device) for _ in _METRIC_FIELDS))
-
-    def _stack(self) -> torch.Tensor:
-        return torch.stack([torch.as_tensor(getattr(self, n), dtype=torch.float64).detach() for n in _METRIC_FIELDS])
-
-    def __add__(self, other: "DFlash2Metrics") -> "DFlash2Metrics":
-        if not isinstance(other, DFlash2Metrics):
-            return NotImplemented
-        mine = self._stack()
-        return DFlash2Metrics(*(mine + other._stack().to(mine.device)).unbind())
-
-    def all_reduce(self, group=None) -> "DFlash2Metrics":
-        """Sum over the ranks of `group` (the default group when None) in one all-reduce."""
-        if not (dist.is_available() and dist.is_initialized()):
-            return self
-        if group is None:
-            if dist.get_world_size() == 1:
-                return self
-        elif not is_distributed_group(group):
-            return self
-        stacked = self._stack().clone()
-        dist.all_reduce(stacked, op=dist.ReduceOp.SUM, group=group)
-        return DFlash2Metrics(*stacked.unbind())
 
     @property
     def accuracy(self) -> torch.Tensor:
@@ -681,7 +641,7 @@ class DFlash2Metrics:
 
     def to_dict(self) -> dict:
         """Python floats for logging (synchronises with the device)."""
-        out = {name: float(getattr(self, name)) for name in _METRIC_FIELDS}
+        out = {name: float(getattr(self, name)) for name in self.field_names()}
         for name in (
             "accuracy",
             "acceptance_length",

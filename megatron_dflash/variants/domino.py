@@ -83,6 +83,7 @@ from torch.utils.checkpoint import checkpoint
 from ..body import DFlashBody, default_parallel_config
 from ..config import DFLASH_ARCHITECTURE, DFlashConfig
 from ..parallel import is_distributed_group, reduce_grad_over_group
+from ..objectives import AdditiveMetrics
 from ..plan import DFlashBatchPlan
 from .dflash2 import GREEDY_TEMPERATURE_EPS
 
@@ -520,21 +521,8 @@ def domino_block_targets(
 # ================================================================================== metrics
 
 
-_METRIC_FIELDS = (
-    "supervised_tokens",
-    "valid_blocks",
-    "correct_tokens",
-    "acceptance_sum",
-    "base_correct_tokens",
-    "base_acceptance_sum",
-    "final_loss_sum",
-    "base_loss_sum",
-    "loss_weight_sum",
-)
-
-
 @dataclass
-class DominoMetrics:
+class DominoMetrics(AdditiveMetrics):
     """Additive fp64 statistics of the Domino objective (sum over micro-batches and data parallelism).
 
     Fields:
@@ -558,32 +546,6 @@ class DominoMetrics:
     final_loss_sum: torch.Tensor
     base_loss_sum: torch.Tensor
     loss_weight_sum: torch.Tensor
-
-    @classmethod
-    def zeros(cls, device=None) -> "DominoMetrics":
-        return cls(*(torch.zeros((), dtype=torch.float64, device=device) for _ in _METRIC_FIELDS))
-
-    def _stack(self) -> torch.Tensor:
-        return torch.stack([torch.as_tensor(getattr(self, n), dtype=torch.float64).detach() for n in _METRIC_FIELDS])
-
-    def __add__(self, other: "DominoMetrics") -> "DominoMetrics":
-        if not isinstance(other, DominoMetrics):
-            return NotImplemented
-        mine = self._stack()
-        return DominoMetrics(*(mine + other._stack().to(mine.device)).unbind())
-
-    def all_reduce(self, group=None) -> "DominoMetrics":
-        """Sum over the ranks of `group` (the default group when None) in one all-reduce."""
-        if not (dist.is_available() and dist.is_initialized()):
-            return self
-        if group is None:
-            if dist.get_world_size() == 1:
-                return self
-        elif not is_distributed_group(group):
-            return self
-        stacked = self._stack().clone()
-        dist.all_reduce(stacked, op=dist.ReduceOp.SUM, group=group)
-        return DominoMetrics(*stacked.unbind())
 
     @property
     def accuracy(self) -> torch.Tensor:
@@ -619,7 +581,7 @@ class DominoMetrics:
 
     def to_dict(self) -> dict:
         """Python floats for logging (synchronises with the device)."""
-        out = {name: float(getattr(self, name)) for name in _METRIC_FIELDS}
+        out = {name: float(getattr(self, name)) for name in self.field_names()}
         for name in (
             "accuracy", "acceptance_length", "base_accuracy", "base_acceptance_length", "final_loss", "base_loss"
         ):
