@@ -564,7 +564,7 @@ def _flex_attention(query, context_key, context_value, block_key, block_value, v
         # (CPU) even under no_grad.
         q, k, v = q.detach(), k.detach(), v.detach()
     elif not query.is_cuda and any(t.requires_grad for t in (q, k, v)):
-        raise NotImplementedError(
+        raise ValueError(
             f"backend='flex' has no backward on {query.device.type}; "
             "use backend='chunked' for training there."
         )

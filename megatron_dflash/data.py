@@ -26,6 +26,7 @@ a pure function of ``(seed, epoch)`` and resumes exactly at any optimizer step.
 
 from __future__ import annotations
 
+import abc
 import hashlib
 import json
 import os
@@ -282,7 +283,7 @@ def _check_messages(messages, where: str) -> list:
 # --------------------------------------------------------------------------------------------------
 
 
-class _JSONLDataset(torch.utils.data.Dataset):
+class _JSONLDataset(torch.utils.data.Dataset, abc.ABC):
     """Map-style dataset over the non-blank lines of a JSONL file.
 
     The file is scanned once at construction: every line is parsed and checked (clear ``file:line``
@@ -325,8 +326,9 @@ class _JSONLDataset(torch.utils.data.Dataset):
             raise ValueError(f"{self._where(lineno)}: expected a JSON object, got {type(record).__name__}.")
         return record
 
+    @abc.abstractmethod
     def _validate(self, record: dict, lineno: int) -> None:
-        raise NotImplementedError
+        """Raise `ValueError` (naming the file and line) if `record` is not a sample of this format."""
 
     def __len__(self) -> int:
         return len(self._offsets)

@@ -498,5 +498,5 @@ def test_flex_without_backward_on_cpu_says_so():
     if _flex_cpu_skip_reason() is not None:
         pytest.skip(_flex_cpu_skip_reason())
     inputs = make_inputs()
-    with pytest.raises(NotImplementedError, match="chunked"):
+    with pytest.raises(ValueError, match="chunked"):
         block_attention(*(inputs[n] for n in NAMES), make_visibility(), scale=0.1, backend="flex")
