@@ -33,7 +33,7 @@ import torch
 from .objectives import DFlashLossOutput, OutputHead, dflash_loss
 from .plan import DFlashBatchPlan
 
-# The plan's 32-bit hashing helpers (private to plan.py, reused so both draws share one audited hash).
+# The 32-bit hashing shared with the plan, so both draws rest on one audited hash.
 from .hashing import M32 as _M32
 from .hashing import absorb, mix32, seed_step_hash  # noqa: E402
 
