@@ -727,7 +727,8 @@ def _process_group_if_needed() -> Iterator[None]:
             yield
 
 
-def save_megatron_draft(body, iteration_dir: str, *, extra_state: Optional[dict] = None, strategy=None) -> None:
+def save_megatron_draft(body, iteration_dir: str, *, extra_state: Optional[dict] = None, strategy=None,
+                        draft_config: Optional[dict] = None) -> None:
     """Write `body` (any TP size) as one megatron checkpoint directory of the layout above.
 
     A collective over every rank of `torch.distributed` (a one-rank gloo group is set up when
@@ -739,13 +740,18 @@ def save_megatron_draft(body, iteration_dir: str, *, extra_state: Optional[dict]
 
     Args:
         strategy: a megatron `SaveShardedStrategy`; default `in_process_save_strategy()`.
+        draft_config: with ``body=None`` (a pipeline-parallel rank off the draft's stage, which joins
+            the collective with no draft shards, only `extra_state`): the draft's `draft_config_dict`,
+            written by global rank 0 when it holds no draft itself.
     """
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedBase
 
-    state: dict = {"model": body.sharded_state_dict(prefix=MODEL_PREFIX)}
+    if body is None and draft_config is None:
+        raise ValueError("save_megatron_draft: body=None (no draft on this rank) needs draft_config=.")
+    state: dict = {"model": body.sharded_state_dict(prefix=MODEL_PREFIX)} if body is not None else {}
     if extra_state:
         if "model" in extra_state:
             raise ValueError("extra_state must not have the key 'model': it holds the draft weights.")
@@ -758,7 +764,7 @@ def save_megatron_draft(body, iteration_dir: str, *, extra_state: Optional[dict]
                 "use another prefix (e.g. 'optimizer.')."
             )
         state.update(extra_state)
-    config = draft_config_dict(body)
+    config = draft_config_dict(body) if body is not None else draft_config
     with _process_group_if_needed():
         os.makedirs(iteration_dir, exist_ok=True)
         dist_checkpointing.save(state, iteration_dir, sharded_strategy=strategy or in_process_save_strategy())

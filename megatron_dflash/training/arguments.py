@@ -249,13 +249,6 @@ def validate_args(
             f"--dflash-pipeline-stage={stage} is outside the {pp} pipeline stage(s): use -1 (the last "
             f"stage, default) or a stage index in 0..{pp - 1}."
         )
-    if pp > 1:
-        raise ArgumentError(
-            f"--pipeline-model-parallel-size={pp}: pipeline-parallel training (routing the target's taps to "
-            "the draft's stage) is not supported by this training loop yet; use "
-            "--pipeline-model-parallel-size 1 and scale with --tensor-model-parallel-size and data "
-            "parallelism."
-        )
     if args.target_backend == "hf" and (tp > 1 or pp > 1):
         raise ArgumentError(
             f"--target-backend hf runs the target as one transformers model and needs "

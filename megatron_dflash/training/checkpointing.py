@@ -22,6 +22,11 @@ Exact resume: the batch plans are a pure function of (step, seed), the data orde
 and the RNG states are restored. Training continues as if it had never stopped (bitwise on CPU).
 The sharded keys carry global shapes, so a checkpoint also resumes at another TP / DP size (then
 without the per-rank RNG states, which nothing in the loop draws from anyway).
+
+Pipeline parallelism: megatron's `dist_checkpointing` (0.16) is collective over the whole world and its
+global rank 0 writes the common state, so every rank calls `save_checkpoint` / `load_checkpoint`; ranks off
+the draft's stage pass `body=None, engine=None` and take part with their RNG state only, and the common
+state (scheduler, optimizer step) and `dflash_config.json` come from the draft's stage (one broadcast).
 """
 
 from __future__ import annotations
@@ -151,6 +156,27 @@ def _rng_sharded(state: Optional[dict]):
     return ShardedObject("rng_state", state, (_world(),), (_rank(),), replica_id=0)
 
 
+def _pipeline_parallel() -> bool:
+    """Whether the job has several pipeline stages (the draft then lives on one of them only)."""
+    from megatron.core import parallel_state
+
+    return (_world() > 1 and parallel_state.model_parallel_is_initialized()
+            and parallel_state.get_pipeline_model_parallel_world_size() > 1)
+
+
+def _from_a_draft_rank(payload, holds_draft: bool):
+    """`payload` of the lowest global rank that holds the draft, on every rank (collective over the world).
+
+    Pipeline parallelism: global rank 0 writes the checkpoint's common state and `dflash_config.json`
+    but may sit on a stage without the draft (no optimizer, no scheduler)."""
+    device = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
+    src = torch.tensor([_rank() if holds_draft else _world()], dtype=torch.int64, device=device)
+    dist.all_reduce(src, op=dist.ReduceOp.MIN)
+    box = [payload if holds_draft else None]
+    dist.broadcast_object_list(box, src=int(src.item()))
+    return box[0]
+
+
 def _extra_state(body, engine, *, common: dict, for_load: bool = False, include_rng: bool = True) -> dict:
     """Everything of a training checkpoint besides the draft weights (optimizer, RNG, common state).
 
@@ -204,11 +230,31 @@ def save_checkpoint(
     if not _all_ok(ok):
         raise RuntimeError(f"saving checkpoint {final} failed: could not create {tmp} (see rank 0's log).")
 
-    extra = _extra_state(body, engine, common=dict(common, checkpoint_version=CHECKPOINT_VERSION,
-                                                   world_size=_world()))
+    common = dict(common, checkpoint_version=CHECKPOINT_VERSION, world_size=_world())
+    draft_config = None
+    if body is not None:
+        extra = _extra_state(body, engine, common=common)
+    if _pipeline_parallel():
+        # Only the draft's stage has the draft and its optimizer; the other stages join the collective
+        # save with no shards but their RNG state, and the common state of the draft's stage (global
+        # rank 0, which writes it, may be on another stage).
+        from megatron.core.dist_checkpointing.dict_utils import extract_matching_values
+        from megatron.core.dist_checkpointing.mapping import ShardedBase
+
+        from ..convert import draft_config_dict
+
+        payload = None
+        if body is not None:
+            payload = (extract_matching_values(extra, lambda v: isinstance(v, ShardedBase))[1],
+                       draft_config_dict(body))
+        shared, draft_config = _from_a_draft_rank(payload, body is not None)
+        if body is None:
+            extra = dict(shared, rng_state=_rng_sharded(_rng_state()))
+    elif body is None:
+        raise ValueError("save_checkpoint: body=None is only for pipeline stages without the draft.")
     error: Optional[BaseException] = None
     try:
-        save_megatron_draft(body, tmp, extra_state=extra)
+        save_megatron_draft(body, tmp, extra_state=extra, draft_config=draft_config)
     except BaseException as err:  # noqa: BLE001 - every rank must learn about any rank's failure
         error = err
     if not _all_ok(error is None):
@@ -255,6 +301,8 @@ def load_checkpoint(load_dir: str, body, engine, *, log: Callable = print) -> Op
     if iteration is None:
         return None
     directory = os.path.join(load_dir, iteration_dir_name(iteration))
+    if body is None:  # a pipeline stage without the draft: join the collective load, nothing to restore
+        return _load_off_draft_stage(directory, iteration)
     if iteration == RELEASE:
         load_megatron_draft_into(body, directory)
         log(f"[checkpoint] loaded the draft weights of {directory} (release: new run, fresh optimizer)")
@@ -276,6 +324,25 @@ def load_checkpoint(load_dir: str, body, engine, *, log: Callable = print) -> Op
     load_sharded_state_dict_into(body, model, prefix=MODEL_PREFIX)
     engine.load_state(loaded)
     engine.scheduler.load_state_dict(loaded["scheduler"])
+    if same_world and loaded.get("rng_state") is not None:
+        _set_rng_state(loaded["rng_state"])
+    out = {k: v for k, v in loaded.items() if k not in ("model", "rng_state") and not k.startswith("optimizer.")}
+    out["directory"] = directory
+    return out
+
+
+def _load_off_draft_stage(directory: str, iteration) -> dict:
+    """`load_checkpoint` on a pipeline stage without the draft: the same collectives, only the RNG state."""
+    from megatron.core import dist_checkpointing
+
+    if iteration == RELEASE:
+        dist_checkpointing.load({}, directory)
+        return {"iteration": 0, "directory": directory, "release": True}
+    common = dist_checkpointing.load_common_state_dict(directory)
+    if "scheduler" not in common:
+        raise ValueError(f"{directory} holds draft weights but no training state (no optimizer/scheduler).")
+    same_world = common.get("world_size") == _world()
+    loaded = dist_checkpointing.load({"rng_state": _rng_sharded(None)} if same_world else {}, directory)
     if same_world and loaded.get("rng_state") is not None:
         _set_rng_state(loaded["rng_state"])
     out = {k: v for k, v in loaded.items() if k not in ("model", "rng_state") and not k.startswith("optimizer.")}

@@ -15,6 +15,16 @@ One optimizer step (iteration `t`, counted from 0)::
         loss_sum.backward()                               # unnormalised
     gradients: sum over DP, then / (global sum of weight_sum)  (engine.finish_grads)
     clip (global norm), Adam, scheduler step
+
+Pipeline parallelism (`--pipeline-model-parallel-size > 1`, megatron target): every rank builds its own
+stage of the target; the draft body and its optimizer exist only on the stage `--dflash-pipeline-stage`
+(default the last), which gets frozen copies of the target's embedding and output layer
+(`pipeline.copy_frozen_target_heads`). Every rank runs every micro-batch through
+`pipeline.run_target_pipeline` (same data on every stage: the DP rank comes from `parallel_state`); the
+other stages contribute zero statistics, and the step statistics are summed over DP, then over the
+pipeline group, so every rank (rank 0 included) logs the draft's numbers. The grad norm is reduced over
+TP only. Checkpoints: every rank joins the collective save / load, the draft's stage with the draft and
+optimizer shards, the others with their RNG state only; the HF export is written by the draft's stage.
 """
 
 from __future__ import annotations
@@ -122,7 +132,13 @@ def initialize_distributed(job: Job, env=None) -> DistContext:
 
 
 class _Target:
-    """The frozen target as the loop uses it: `taps(batch)`, `embedding`, `head`, `hf_model`."""
+    """The frozen target as the loop uses it: `taps(batch)`, `embedding`, `head`, `hf_model`.
+
+    Under pipeline parallelism (`--pipeline-model-parallel-size > 1`, megatron backend) every rank holds
+    its own stage of the target; `placement` says which stage holds the draft (`is_draft`), and only
+    there are `embedding` and `head` set (frozen copies of the first / last stage's, see `pipeline.py`).
+    `__call__` is then collective over the pipeline and returns None off the draft's stage.
+    """
 
     def __init__(self, job: Job, device: torch.device, dtype: torch.dtype):
         from ..target import HFTarget, MegatronTarget
@@ -131,6 +147,9 @@ class _Target:
         self.device = device
         self.pack = job.args.pack_sequences
         self.hf_model = None
+        self.placement = None
+        self.is_draft = True
+        self.need_final_hidden = bool(job.variant.needs_final_hidden)
         if self.backend == "hf":
             self.hf_model = _load_hf_model(job.target_dir, dtype).to(device)
             self.module = HFTarget.from_config(self.hf_model, job.draft_config)
@@ -138,9 +157,16 @@ class _Target:
             self.module = MegatronTarget.from_pretrained(job.target_dir, config=job.draft_config, params_dtype=dtype)
             if device.type == "cuda":
                 self.module.cuda()
+        self.dtype = dtype
+        if job.pp > 1:
+            from ..pipeline import copy_frozen_target_heads, resolve_draft_stage
+
+            self.placement = resolve_draft_stage(job.args.dflash_pipeline_stage, job.pp)
+            self.embedding, self.head = copy_frozen_target_heads(self.module, self.placement)  # every rank
+            self.is_draft = self.placement.holds_draft()
+            return
         self.embedding = self.module.embedding
         self.head = self.module.output_head
-        self.dtype = dtype
 
     @torch.no_grad()
     def __call__(self, batch: dict):
@@ -162,6 +188,12 @@ class _Target:
             mask = None
         else:
             mask = torch.ones(S, S, dtype=torch.bool, device=tokens.device).triu(1)[None, None]
+        if self.placement is not None:
+            from ..pipeline import run_target_pipeline
+
+            out = run_target_pipeline(self.module, batch, draft_stage=self.placement, attention_mask=mask,
+                                      need_final_hidden=self.need_final_hidden)
+            return None if out is None else (out.taps, out.final_hidden)
         out = self.module(tokens, attention_mask=mask, position_ids=positions)
         from ..target import concat_taps
 
@@ -233,6 +265,7 @@ class _Totals:
     valid_blocks: float = 0.0
     tokens: float = 0.0
     extra: dict = field(default_factory=dict)
+    scalars: dict = field(default_factory=dict)
 
 
 class _StepRunner:
@@ -261,7 +294,11 @@ class _StepRunner:
 
             prefix = sample_prefix_lengths(plan, seed=seed, optimizer_step=step, base=args.dflash_variable_prefix,
                                            sample_ids=batch["sample_ids"])
-        taps, final_hidden = self.target(batch)
+        from_target = self.target(batch)  # collective over the pipeline when PP > 1
+        if from_target is None:  # off the draft's stage: no body here, zero statistics
+            zeros = [torch.zeros((), dtype=torch.float64, device=self.device) for _ in range(_N_TOTALS)]
+            return zeros, []
+        taps, final_hidden = from_target
         with torch.no_grad():
             blocks = embed_blocks(batch["tokens"], plan, self.target.embedding, mask_token_id=cfg.mask_token_id,
                                   input_embedding_scale=cfg.input_embedding_scale, prefix_lengths=prefix)
@@ -282,14 +319,30 @@ class _StepRunner:
         return [torch.as_tensor(v, dtype=torch.float64, device=self.device).detach().reshape(()) for v in values], \
             sorted(out.extra)
 
-    def reduce(self, sums: list, names: list) -> _Totals:
+    def reduce(self, sums: list, names: list, scalars: Optional[dict] = None) -> _Totals:
+        """Sum the statistics over DP, then (PP > 1) over the pipeline group, where only the draft's stage
+        contributes: every rank, rank 0 included, gets the real numbers. `scalars` (learning rate, grad
+        norm: known on the draft's stage only) come back from the draft's stage as they are."""
         stacked = torch.stack(sums)
         from megatron.core import parallel_state
 
         if dist.is_initialized() and parallel_state.get_data_parallel_world_size() > 1:
             dist.all_reduce(stacked, group=parallel_state.get_data_parallel_group())
+        scalars = dict(scalars or {})
+        if self.target.placement is not None:
+            group = parallel_state.get_pipeline_model_parallel_group()
+            src = dist.get_global_rank(group, self.target.placement.draft_stage)
+            meta = [names, self.ratios, scalars] if self.target.is_draft else [None, None, None]
+            dist.broadcast_object_list(meta, src=src, group=group)
+            names, self.ratios, scalars = meta
+            if not self.target.is_draft:
+                stacked = torch.zeros(_N_TOTALS + len(names), dtype=torch.float64, device=self.device)
+            dist.all_reduce(stacked, group=group)  # SUM: the other stages contribute zeros
         v = stacked.tolist()
-        return _Totals(*v[:7], extra=dict(zip(names, v[7:])))
+        return _Totals(*v[:_N_TOTALS], extra=dict(zip(names, v[_N_TOTALS:])), scalars=scalars)
+
+
+_N_TOTALS = 7  # the fixed fields of _Totals, before `extra`
 
 
 def _accumulate(acc: Optional[list], values: list) -> list:
@@ -325,13 +378,15 @@ def validation_loss(runner: _StepRunner, dataset, job: Job) -> dict:
                             dp_rank=parallel_state.get_data_parallel_rank(), dp_size=job.dp, seed=args.seed + 1,
                             start_step=0, collate_fn=Collator(job.pad_token_id, args.seq_length, args.pack_sequences))
     acc, names = None, []
-    runner.body.eval()
+    if runner.body is not None:
+        runner.body.eval()
     try:
         for _ in range(args.eval_iters * args.num_micro_batches):
             values, names = runner.micro_batch(next(it), step=0, seed=args.seed + 1, backward=False)
             acc = _accumulate(acc, values)
     finally:
-        runner.body.train()
+        if runner.body is not None:
+            runner.body.train()
     return _metrics(runner.reduce(acc, names), runner.ratios)
 
 
@@ -425,18 +480,24 @@ def train(job: Job, *, hooks: Optional[dict] = None, env=None) -> TrainResult:
 
         # ---- models
         target = _Target(job, ctx.device, dtype)
+        # PP > 1: the draft (body, optimizer) lives on one stage only; the other stages run the target.
+        is_draft = target.is_draft
+        if target.placement is not None:
+            _log(rank, f"[dflash] pipeline: the draft is on stage {target.placement.draft_stage} of {job.pp}")
         torch.manual_seed(args.seed)
-        parallel_config = default_parallel_config(params_dtype=dtype, bf16=args.bf16)
-        body = job.variant.build_body(cfg, parallel_config, args.dflash_attention_backend)
-        if job.init_from is not None:
-            from ..checkpoint import load_hf_state_dict_into, read_safetensors
+        body = engine = None
+        if is_draft:
+            parallel_config = default_parallel_config(params_dtype=dtype, bf16=args.bf16)
+            body = job.variant.build_body(cfg, parallel_config, args.dflash_attention_backend)
+            if job.init_from is not None:
+                from ..checkpoint import load_hf_state_dict_into, read_safetensors
 
-            load_hf_state_dict_into(body, read_safetensors(job.init_from))
-            _log(rank, f"[dflash] initialised the draft from {job.init_from}")
-        body.to(ctx.device)
-        body.train()
-        engine = build_engine(body, args, cfg, use_cuda=args.use_cuda)
-        runner = _StepRunner(job, body, engine.model, target, ctx.device)
+                load_hf_state_dict_into(body, read_safetensors(job.init_from))
+                _log(rank, f"[dflash] initialised the draft from {job.init_from}")
+            body.to(ctx.device)
+            body.train()
+            engine = build_engine(body, args, cfg, use_cuda=args.use_cuda)
+        runner = _StepRunner(job, body, engine.model if engine is not None else None, target, ctx.device)
 
         # ---- resume
         start_iteration = 0
@@ -479,7 +540,8 @@ def train(job: Job, *, hooks: Optional[dict] = None, env=None) -> TrainResult:
             common = {
                 "iteration": iteration,
                 "consumed_train_samples": iteration * args.global_batch_size,
-                "scheduler": engine.scheduler.state_dict(),
+                # off the draft's stage there is no scheduler: save_checkpoint takes the draft stage's
+                "scheduler": engine.scheduler.state_dict() if engine is not None else None,
                 "args": _args_snapshot(args),
                 "data": {"format": args.data_format, "seed": args.seed, "next_step": iteration},
             }
@@ -508,17 +570,21 @@ def train(job: Job, *, hooks: Optional[dict] = None, env=None) -> TrainResult:
         exited = False
         while iteration < args.train_iters:
             step_t0 = time.time()
-            engine.zero_grad()
+            if engine is not None:
+                engine.zero_grad()
             acc, names = None, []
             weight = torch.zeros((), dtype=torch.float64, device=ctx.device)
             for _ in range(args.num_micro_batches):
                 values, names = runner.micro_batch(next(data_iter), step=iteration, seed=args.seed, backward=True)
                 weight = weight + values[1]
                 acc = _accumulate(acc, values)
-            lr = engine.lr
-            engine.finish_grads(weight)
-            grad_norm = engine.step()
-            totals = runner.reduce(acc, names)
+            lr = grad_norm = float("nan")
+            if engine is not None:
+                lr = engine.lr
+                engine.finish_grads(weight)
+                grad_norm = engine.step()
+            totals = runner.reduce(acc, names, {"lr": lr, "grad_norm": grad_norm})
+            lr, grad_norm = totals.scalars["lr"], totals.scalars["grad_norm"]
             iteration += 1
             values = _metrics(totals, runner.ratios)
             tps = totals.tokens / max(1e-9, time.time() - step_t0)
@@ -565,7 +631,8 @@ def train(job: Job, *, hooks: Optional[dict] = None, env=None) -> TrainResult:
             values = validation_loss(runner, valid_ds, job)
             result.validation.append((iteration, values))
             _log(rank, f"[eval] final validation | {format_metrics(values)}")
-        job.variant.save_hf(body, job.export_dir, overwrite=True)
+        if body is not None:  # the draft stage's ranks (collective over their TP group)
+            job.variant.save_hf(body, job.export_dir, overwrite=True)
         result.export_dir = job.export_dir
         _log(rank, f"[export] HF draft written to {job.export_dir}")
         if dist.is_initialized() and ctx.world_size > 1:

@@ -11,7 +11,8 @@ Two engines with the same semantics; the loop only talks to `Engine`:
   fp32 `main_grad` per parameter (gradients accumulate there across micro-batches, also under
   bf16), one all-reduce (sum) of the flat gradient buffer over the data-parallel group, scaling by
   1 / (global sum of the loss weights), megatron's grad norm (squares of tensor-parallel shards
-  summed over the model-parallel group, replicated parameters counted once) and clip
+  summed over the tensor-parallel group, replicated parameters counted once; the draft lives on one
+  pipeline stage, so the pipeline group takes no part) and clip
   (`coeff = clip / (norm + 1e-6)`), `torch.optim.AdamW` (decoupled weight decay; biases and 1-D
   parameters without weight decay, megatron's default) over fp32 master parameters, and the same
   `OptimizerParamScheduler`.
@@ -259,7 +260,8 @@ class MegatronEngine(Engine):
             num_query_groups=draft_config.num_key_value_heads,
             kv_channels=draft_config.head_dim,
             tensor_model_parallel_size=args.tensor_model_parallel_size,
-            pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+            # The draft lives on one pipeline stage: its DDP / optimizer never talk to other stages.
+            pipeline_model_parallel_size=1,
             params_dtype=dtype,
             bf16=args.bf16,
             calculate_per_token_loss=True,
@@ -272,6 +274,7 @@ class MegatronEngine(Engine):
             use_distributed_optimizer=args.use_distributed_optimizer,
             check_for_nan_in_grad=True,
         )
+        self.pp = int(args.pipeline_model_parallel_size)
         self.model = DistributedDataParallel(transformer_config, ddp_config, body)
         opt_config = OptimizerConfig(
             optimizer="adam",
@@ -294,6 +297,14 @@ class MegatronEngine(Engine):
         except ImportError:
             pass
         self.optimizer = get_megatron_optimizer(opt_config, [self.model], config_overrides=overrides)
+        if self.pp > 1:
+            # The body is on one stage: the grad norm is reduced over TP only (megatron's default, the
+            # model-parallel TP x PP group, would wait for the other stages forever).
+            from megatron.core import parallel_state
+
+            tp_group = parallel_state.get_tensor_model_parallel_group()
+            for opt in [self.optimizer] + list(getattr(self.optimizer, "chained_optimizers", [])):
+                opt.grad_stats_parallel_group = tp_group
         self.scheduler = build_scheduler(self.optimizer, args)
 
     def zero_grad(self) -> None:
@@ -304,6 +315,18 @@ class MegatronEngine(Engine):
         from megatron.core.distributed import finalize_model_grads
 
         num_tokens = local_weight.detach().to(torch.float32).reshape(()).clone().cuda()
+        if self.pp > 1:
+            # finalize_model_grads would talk over the pipeline group (embedding grads, num_tokens
+            # broadcast); the draft is on one stage: DP grad sync, DP sum of the weight, scale.
+            from megatron.core import parallel_state
+
+            self.model.finish_grad_sync()
+            dp_group = parallel_state.get_data_parallel_group()
+            if _group_size(dp_group) > 1:
+                dist.all_reduce(num_tokens, group=dp_group)
+            if float(num_tokens.item()) > 0:
+                self.model.scale_gradients(1.0 / num_tokens)
+            return float(num_tokens.item())
         finalize_model_grads([self.model], num_tokens=num_tokens)  # all-reduces num_tokens over DP
         return float(num_tokens.item())
 
@@ -335,6 +358,8 @@ def build_engine(body: nn.Module, args, draft_config, *, use_cuda: bool) -> Engi
         return MegatronEngine(body, args, draft_config)
     initialised = dist.is_available() and dist.is_initialized() and parallel_state.model_parallel_is_initialized()
     dp_group = parallel_state.get_data_parallel_group() if initialised else None
-    mp_group = parallel_state.get_model_parallel_group() if initialised else None
+    # The grad norm's group: TP only. The body lives on one pipeline stage (PP > 1: the other stages hold
+    # no body and would never join a model-parallel all-reduce); at PP = 1 the two groups are the same.
+    mp_group = parallel_state.get_tensor_model_parallel_group() if initialised else None
     tp_rank = parallel_state.get_tensor_model_parallel_rank() if initialised else 0
     return LocalEngine(body, args, dp_group=dp_group, mp_group=mp_group, tp_rank=tp_rank)
