@@ -391,6 +391,39 @@ def _mismatch_hints(body: DFlashBody, state_dict: Mapping[str, torch.Tensor], un
     return hints
 
 
+def check_tensor_shapes(body: DFlashBody, given: Mapping[str, tuple], what: str, extra_hints=()) -> None:
+    """Raise `ValueError` naming missing, unexpected and mis-shaped tensors of `given`
+    (`{name: full shape}`) against `body`, with a hint when the config is the likely cause.
+
+    `extra_hints` (callables of the unexpected names returning a hint or None) let callers
+    add what they know, e.g. that the tensors belong to another variant.
+    """
+    expected = {name: shape for name, (shape, _) in _full_shapes(body).items()}
+    missing = sorted(set(expected) - set(given))
+    unexpected = sorted(set(given) - set(expected))
+    mis_shaped = [
+        f"{name}: checkpoint {_describe(given[name])} vs model {_describe(shape)}"
+        for name, shape in expected.items()
+        if name in given and tuple(given[name]) != tuple(shape)
+    ]
+    if not (missing or unexpected or mis_shaped):
+        return
+    parts = []
+    if missing:
+        parts.append(f"missing tensors {missing}")
+    if unexpected:
+        parts.append(f"unexpected tensors {unexpected}")
+    if mis_shaped:
+        parts.append("shape mismatches: " + "; ".join(mis_shaped))
+    shapes_only = {name: torch.empty(shape, device="meta") for name, shape in given.items()}
+    hints = _mismatch_hints(body, shapes_only, unexpected)
+    hints += [h for h in (extra(unexpected) for extra in extra_hints) if h]
+    message = f"{what} does not match the draft config: " + "; ".join(parts) + "."
+    if hints:
+        message += " Likely cause: " + "; ".join(hints) + "."
+    raise ValueError(message)
+
+
 def load_hf_state_dict_into(body: DFlashBody, state_dict: Mapping[str, torch.Tensor]) -> None:
     """Copy full (unsharded) weights under the published names into `body`, each rank
     taking its own shard. Values are cast to the parameters' dtype.
@@ -403,26 +436,7 @@ def load_hf_state_dict_into(body: DFlashBody, state_dict: Mapping[str, torch.Ten
     tp, rank = _tp_size_rank(body)
     expected = _full_shapes(body)
     given = dict(state_dict)
-    missing = sorted(set(expected) - set(given))
-    unexpected = sorted(set(given) - set(expected))
-    mis_shaped = [
-        f"{name}: checkpoint {_describe(given[name].shape)} vs model {_describe(shape)}"
-        for name, (shape, _) in expected.items()
-        if name in given and tuple(given[name].shape) != shape
-    ]
-    if missing or unexpected or mis_shaped:
-        parts = []
-        if missing:
-            parts.append(f"missing tensors {missing}")
-        if unexpected:
-            parts.append(f"unexpected tensors {unexpected}")
-        if mis_shaped:
-            parts.append("shape mismatches: " + "; ".join(mis_shaped))
-        hints = _mismatch_hints(body, given, unexpected)
-        message = "the checkpoint does not match the draft config: " + "; ".join(parts) + "."
-        if hints:
-            message += " Likely cause: " + "; ".join(hints) + "."
-        raise ValueError(message)
+    check_tensor_shapes(body, {name: tuple(t.shape) for name, t in given.items()}, "the checkpoint")
     for bad in (name for name, t in given.items() if not t.is_floating_point()):
         raise ValueError(f"{bad} has dtype {given[bad].dtype}; draft weights must be floating point.")
     local = _local_tensors(body)

@@ -684,36 +684,9 @@ def _architecture_hint(architecture: Optional["DraftArchitecture"], unexpected: 
 def _check_tensors(body, given: Mapping[str, tuple], what: str, architecture=None) -> None:
     """Raise ValueError naming missing, unexpected and mis-shaped tensors of `given`
     (`{name: shape}`, full shapes) against `body`, with a hint when the config is the cause."""
-    import torch
+    from .checkpoint import check_tensor_shapes
 
-    from .checkpoint import _describe, _full_shapes, _mismatch_hints
-
-    expected = {name: shape for name, (shape, _) in _full_shapes(body).items()}
-    missing = sorted(set(expected) - set(given))
-    unexpected = sorted(set(given) - set(expected))
-    mis_shaped = [
-        f"{name}: checkpoint {_describe(given[name])} vs model {_describe(shape)}"
-        for name, shape in expected.items()
-        if name in given and tuple(given[name]) != tuple(shape)
-    ]
-    if not (missing or unexpected or mis_shaped):
-        return
-    parts = []
-    if missing:
-        parts.append(f"missing tensors {missing}")
-    if unexpected:
-        parts.append(f"unexpected tensors {unexpected}")
-    if mis_shaped:
-        parts.append("shape mismatches: " + "; ".join(mis_shaped))
-    shapes_only = {name: torch.empty(shape, device="meta") for name, shape in given.items()}
-    hints = _mismatch_hints(body, shapes_only, unexpected)
-    hint = _architecture_hint(architecture, unexpected)
-    if hint:
-        hints.append(hint)
-    message = f"{what} does not match the draft config: " + "; ".join(parts) + "."
-    if hints:
-        message += " Likely cause: " + "; ".join(hints) + "."
-    raise ValueError(message)
+    check_tensor_shapes(body, given, what, extra_hints=(lambda unexpected: _architecture_hint(architecture, unexpected),))
 
 
 @contextlib.contextmanager

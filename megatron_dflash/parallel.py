@@ -63,6 +63,30 @@ def check_parallel_layout(sequence_parallel: bool, context_parallel_size: Option
         )
 
 
+def gather_disagreement(local_error: Optional[str], signature: Sequence[int], group, device):
+    """None when no rank of `group` erred and all signatures agree; else `(per_rank, mismatch)`.
+
+    One all-reduce (MAX of `[error flag, signature, -signature]`) decides, so the common case
+    costs one tiny collective; only on failure are `(error, signature)` of every rank gathered.
+    The signature is padded to a fixed length so that ranks whose inputs have a different
+    number of dimensions still enter the same collective.
+    """
+    values = [len(signature)] + [int(v) for v in signature][: _SIGNATURE_SLOTS - 1]
+    values += [-1] * (_SIGNATURE_SLOTS - len(values))
+    sig = torch.tensor(values, dtype=torch.int64, device=device)
+    flag = torch.tensor([0 if local_error is None else 1], dtype=torch.int64, device=device)
+    summary = torch.cat([flag, sig, -sig])
+    dist.all_reduce(summary, op=dist.ReduceOp.MAX, group=group)
+    n = sig.numel()
+    any_error = bool(summary[0].item())
+    mismatch = not torch.equal(summary[1 : 1 + n], -summary[1 + n :])
+    if not any_error and not mismatch:
+        return None
+    per_rank: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(per_rank, (local_error, list(signature)), group=group)
+    return per_rank, mismatch
+
+
 def agree_or_raise(local_error: Optional[str], signature: Sequence[int], group, device) -> None:
     """Make every rank of `group` raise the same error if any rank's input is bad.
 
@@ -76,21 +100,10 @@ def agree_or_raise(local_error: Optional[str], signature: Sequence[int], group, 
         if local_error is not None:
             raise ValueError(local_error)
         return
-    # Fixed length on every rank: a rank whose tensors have another number of
-    # dimensions must still take part in the same collective.
-    values = [len(signature)] + [int(v) for v in signature][: _SIGNATURE_SLOTS - 1]
-    values += [-1] * (_SIGNATURE_SLOTS - len(values))
-    sig = torch.tensor(values, dtype=torch.int64, device=device)
-    flag = torch.tensor([0 if local_error is None else 1], dtype=torch.int64, device=device)
-    summary = torch.cat([flag, sig, -sig])
-    dist.all_reduce(summary, op=dist.ReduceOp.MAX, group=group)
-    n = sig.numel()
-    any_error = bool(summary[0].item())
-    mismatch = not torch.equal(summary[1 : 1 + n], -summary[1 + n :])
-    if not any_error and not mismatch:
+    disagreement = gather_disagreement(local_error, signature, group, device)
+    if disagreement is None:
         return
-    messages: list = [None] * group.size()
-    dist.all_gather_object(messages, (local_error, list(signature)), group=group)
+    messages, mismatch = disagreement
     lines = [f"rank {r}: {err}" for r, (err, _) in enumerate(messages) if err is not None]
     if mismatch:
         shapes = ", ".join(f"rank {r}: {sig_r}" for r, (_, sig_r) in enumerate(messages))

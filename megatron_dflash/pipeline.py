@@ -52,6 +52,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .objectives import OutputHead
+from .parallel import gather_disagreement
 from .target import MegatronTarget, concat_taps
 
 __all__ = [
@@ -63,7 +64,6 @@ __all__ = [
     "copy_frozen_target_heads",
 ]
 
-_SIGNATURE_SLOTS = 24
 _HASH_MOD = (1 << 61) - 1
 
 
@@ -277,19 +277,10 @@ def _agree(local_error: Optional[str], signature: Sequence[int], what: str, devi
         if local_error is not None:
             raise ValueError(f"{what}: {local_error}")
         return
-    values = [len(signature)] + [int(v) for v in signature][: _SIGNATURE_SLOTS - 1]
-    values += [-1] * (_SIGNATURE_SLOTS - len(values))
-    sig = torch.tensor(values, dtype=torch.int64, device=device)
-    flag = torch.tensor([0 if local_error is None else 1], dtype=torch.int64, device=device)
-    summary = torch.cat([flag, sig, -sig])
-    dist.all_reduce(summary, op=dist.ReduceOp.MAX, group=group)
-    n = sig.numel()
-    any_error = bool(summary[0].item())
-    mismatch = not torch.equal(summary[1 : 1 + n], -summary[1 + n :])
-    if not any_error and not mismatch:
+    disagreement = gather_disagreement(local_error, signature, group, device)
+    if disagreement is None:
         return
-    gathered: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, (local_error, list(signature)), group=group)
+    gathered, mismatch = disagreement
     errors = [(r, err) for r, (err, _) in enumerate(gathered) if err is not None]
     if errors and len({err for _, err in errors}) == 1 and not mismatch:
         ranks = "every rank" if len(errors) == len(gathered) else "rank(s) " + ", ".join(str(r) for r, _ in errors)
