@@ -42,7 +42,7 @@ from torch.utils.checkpoint import checkpoint
 from ..body import DFlashBody, default_parallel_config
 from ..config import DFLASH_ARCHITECTURE, DFlashConfig
 from ..parallel import is_distributed_group, tensor_parallel_group
-from ..objectives import AdditiveMetrics
+from ..objectives import EmittedPathMetrics
 from ..plan import DFlashBatchPlan
 
 __all__ = [
@@ -564,7 +564,7 @@ def build_dflash2_body(
 
 
 @dataclass
-class DFlash2Metrics(AdditiveMetrics):
+class DFlash2Metrics(EmittedPathMetrics):
     """Additive fp64 statistics of DFlash 2 training (sum over micro-batches, all-reduce over DP).
 
     The primary `correct_tokens` / `acceptance_sum` describe the **selector walk**: the path the
@@ -586,35 +586,13 @@ class DFlash2Metrics(AdditiveMetrics):
         loss_weight_sum: their shared denominator `sum(w * mask)`.
     """
 
-    supervised_tokens: torch.Tensor
-    valid_blocks: torch.Tensor
-    correct_tokens: torch.Tensor
-    acceptance_sum: torch.Tensor
-    base_correct_tokens: torch.Tensor
-    base_acceptance_sum: torch.Tensor
     candidate_hits: torch.Tensor
     teacher_forced_correct: torch.Tensor
     base_loss_sum: torch.Tensor
     selector_loss_sum: torch.Tensor
     loss_weight_sum: torch.Tensor
 
-    @property
-    def accuracy(self) -> torch.Tensor:
-        """Selector-walk token accuracy."""
-        return self.correct_tokens / self.supervised_tokens.clamp(min=1)
-
-    @property
-    def acceptance_length(self) -> torch.Tensor:
-        """Selector-walk mean acceptance length (bonus included): what decoding would accept."""
-        return self.acceptance_sum / self.valid_blocks.clamp(min=1)
-
-    @property
-    def base_accuracy(self) -> torch.Tensor:
-        return self.base_correct_tokens / self.supervised_tokens.clamp(min=1)
-
-    @property
-    def base_acceptance_length(self) -> torch.Tensor:
-        return self.base_acceptance_sum / self.valid_blocks.clamp(min=1)
+    derived = EmittedPathMetrics.derived + ("candidate_recall", "teacher_forced_accuracy", "base_loss", "selector_loss")
 
     @property
     def candidate_recall(self) -> torch.Tensor:
@@ -632,28 +610,6 @@ class DFlash2Metrics(AdditiveMetrics):
     @property
     def selector_loss(self) -> torch.Tensor:
         return self.selector_loss_sum / self.loss_weight_sum.clamp(min=1e-12)
-
-    def as_dflash_metrics(self):
-        """The selector walk as plain `objectives.DFlashMetrics` (what a generic loop logs)."""
-        from ..objectives import DFlashMetrics
-
-        return DFlashMetrics(self.supervised_tokens, self.correct_tokens, self.acceptance_sum, self.valid_blocks)
-
-    def to_dict(self) -> dict:
-        """Python floats for logging (synchronises with the device)."""
-        out = {name: float(getattr(self, name)) for name in self.field_names()}
-        for name in (
-            "accuracy",
-            "acceptance_length",
-            "base_accuracy",
-            "base_acceptance_length",
-            "candidate_recall",
-            "teacher_forced_accuracy",
-            "base_loss",
-            "selector_loss",
-        ):
-            out[name] = float(getattr(self, name))
-        return out
 
 
 @dataclass

@@ -83,7 +83,7 @@ from torch.utils.checkpoint import checkpoint
 from ..body import DFlashBody, default_parallel_config
 from ..config import DFLASH_ARCHITECTURE, DFlashConfig
 from ..parallel import is_distributed_group, reduce_grad_over_group
-from ..objectives import AdditiveMetrics
+from ..objectives import EmittedPathMetrics
 from ..plan import DFlashBatchPlan
 from .dflash2 import GREEDY_TEMPERATURE_EPS
 
@@ -522,7 +522,7 @@ def domino_block_targets(
 
 
 @dataclass
-class DominoMetrics(AdditiveMetrics):
+class DominoMetrics(EmittedPathMetrics):
     """Additive fp64 statistics of the Domino objective (sum over micro-batches and data parallelism).
 
     Fields:
@@ -537,33 +537,11 @@ class DominoMetrics(AdditiveMetrics):
             denominator ``sum(w * mask)``.
     """
 
-    supervised_tokens: torch.Tensor
-    valid_blocks: torch.Tensor
-    correct_tokens: torch.Tensor
-    acceptance_sum: torch.Tensor
-    base_correct_tokens: torch.Tensor
-    base_acceptance_sum: torch.Tensor
     final_loss_sum: torch.Tensor
     base_loss_sum: torch.Tensor
     loss_weight_sum: torch.Tensor
 
-    @property
-    def accuracy(self) -> torch.Tensor:
-        """Teacher-forced accuracy of the corrected logits."""
-        return self.correct_tokens / self.supervised_tokens.clamp(min=1)
-
-    @property
-    def acceptance_length(self) -> torch.Tensor:
-        """Mean greedy acceptance length of the corrected walk (bonus included)."""
-        return self.acceptance_sum / self.valid_blocks.clamp(min=1)
-
-    @property
-    def base_accuracy(self) -> torch.Tensor:
-        return self.base_correct_tokens / self.supervised_tokens.clamp(min=1)
-
-    @property
-    def base_acceptance_length(self) -> torch.Tensor:
-        return self.base_acceptance_sum / self.valid_blocks.clamp(min=1)
+    derived = EmittedPathMetrics.derived + ("final_loss", "base_loss")
 
     @property
     def final_loss(self) -> torch.Tensor:
@@ -572,21 +550,6 @@ class DominoMetrics(AdditiveMetrics):
     @property
     def base_loss(self) -> torch.Tensor:
         return self.base_loss_sum / self.loss_weight_sum.clamp(min=1e-12)
-
-    def as_dflash_metrics(self):
-        """The corrected walk as plain `objectives.DFlashMetrics` (what a generic loop logs)."""
-        from ..objectives import DFlashMetrics
-
-        return DFlashMetrics(self.supervised_tokens, self.correct_tokens, self.acceptance_sum, self.valid_blocks)
-
-    def to_dict(self) -> dict:
-        """Python floats for logging (synchronises with the device)."""
-        out = {name: float(getattr(self, name)) for name in self.field_names()}
-        for name in (
-            "accuracy", "acceptance_length", "base_accuracy", "base_acceptance_length", "final_loss", "base_loss"
-        ):
-            out[name] = float(getattr(self, name))
-        return out
 
 
 @dataclass
