@@ -424,6 +424,8 @@ class DFlashMetrics(AdditiveMetrics):
     acceptance_sum: torch.Tensor
     valid_blocks: torch.Tensor
 
+    derived = ("accuracy", "acceptance_length")  # ratios reported next to the sums
+
     @property
     def accuracy(self) -> torch.Tensor:
         """``correct_tokens / supervised_tokens`` (0 when nothing is supervised)."""
@@ -436,40 +438,23 @@ class DFlashMetrics(AdditiveMetrics):
 
     def to_dict(self) -> dict:
         """Python floats for logging (synchronises with the device)."""
-        out = {name: float(getattr(self, name)) for name in self.field_names()}
-        out["accuracy"] = float(self.accuracy)
-        out["acceptance_length"] = float(self.acceptance_length)
-        return out
+        return {name: float(getattr(self, name)) for name in self.field_names() + tuple(self.derived)}
 
 
 @dataclass
-class EmittedPathMetrics(AdditiveMetrics):
+class EmittedPathMetrics(DFlashMetrics):
     """Statistics of a variant whose emitted tokens differ from the backbone's argmax (DFlash 2's
     selector walk, Domino's corrected walk).
 
-    `correct_tokens` / `acceptance_sum` describe the path the draft emits at decode time and
-    `base_*` the backbone's own argmax, on the same denominators, so the two compare directly.
-    Subclasses add their own fields and list their ratios in `derived`.
+    The inherited `correct_tokens` / `acceptance_sum` (and `accuracy` / `acceptance_length`)
+    describe the path the draft emits at decode time, `base_*` the backbone's own argmax, on the
+    same denominators, so the two compare directly. Subclasses add fields and extend `derived`.
     """
 
-    supervised_tokens: torch.Tensor
-    valid_blocks: torch.Tensor
-    correct_tokens: torch.Tensor
-    acceptance_sum: torch.Tensor
     base_correct_tokens: torch.Tensor
     base_acceptance_sum: torch.Tensor
 
-    derived = ("accuracy", "acceptance_length", "base_accuracy", "base_acceptance_length")
-
-    @property
-    def accuracy(self) -> torch.Tensor:
-        """Token accuracy of the emitted path."""
-        return self.correct_tokens / self.supervised_tokens.clamp(min=1)
-
-    @property
-    def acceptance_length(self) -> torch.Tensor:
-        """Mean acceptance length of the emitted path (bonus included): what decoding would accept."""
-        return self.acceptance_sum / self.valid_blocks.clamp(min=1)
+    derived = DFlashMetrics.derived + ("base_accuracy", "base_acceptance_length")
 
     @property
     def base_accuracy(self) -> torch.Tensor:
@@ -479,13 +464,9 @@ class EmittedPathMetrics(AdditiveMetrics):
     def base_acceptance_length(self) -> torch.Tensor:
         return self.base_acceptance_sum / self.valid_blocks.clamp(min=1)
 
-    def as_dflash_metrics(self) -> "DFlashMetrics":
+    def as_dflash_metrics(self) -> DFlashMetrics:
         """The emitted path as plain `DFlashMetrics` (what a generic loop logs)."""
         return DFlashMetrics(self.supervised_tokens, self.correct_tokens, self.acceptance_sum, self.valid_blocks)
-
-    def to_dict(self) -> dict:
-        """Python floats for logging (synchronises with the device)."""
-        return {name: float(getattr(self, name)) for name in self.field_names() + tuple(self.derived)}
 
 
 def acceptance_lengths(
