@@ -30,6 +30,8 @@ from megatron_dflash.checkpoint import (
 from megatron_dflash.config import DFlashConfig
 from megatron_dflash.plan import DFlashBatchPlan
 
+from builders import tiny_draft_kwargs
+
 dflash_model = pytest.importorskip("dflash.model", reason="the reference modeling code (`dflash`) is not installed")
 
 TOL = 1e-5
@@ -39,23 +41,7 @@ ANCHORS = torch.tensor([[3, 9, 14, 20], [6, 1, 17, 11]])
 
 
 def tiny_config(**overrides) -> DFlashConfig:
-    kwargs = dict(
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        block_size=4,
-        mask_token_id=3,
-        vocab_size=100,
-        num_target_layers=8,
-        target_layer_ids=[1, 3, 5],
-        rope_theta=5000.0,  # not the default: a config that drops it shows up as a mismatch
-        rms_norm_eps=1e-5,
-    )
-    kwargs.update(overrides)
-    return DFlashConfig(**kwargs)
+    return DFlashConfig(**tiny_draft_kwargs(**overrides))
 
 
 def perturb_norms(module: torch.nn.Module, seed: int) -> None:

@@ -30,6 +30,8 @@ from megatron_dflash.config import DFlashConfig
 from megatron_dflash.plan import DFlashBatchPlan
 from megatron_dflash.variants.dflash2 import DFlash2Body, DFlash2Config
 
+from builders import tiny_draft_kwargs
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(ROOT, "tools", "convert_checkpoint.py")
 VARIANTS = ("dflash", "dflash2")
@@ -43,25 +45,9 @@ ANCHORS = torch.tensor([[2, 7, 12, 16], [5, 1, 14, 9]])
 
 def config_kwargs(**overrides) -> dict:
     # 4 KV heads: TP 1, 2 and 4 all split the draft.
-    kwargs = dict(
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=8,
-        block_size=4,
-        mask_token_id=3,
-        vocab_size=48,
-        num_target_layers=8,
-        target_layer_ids=[1, 3, 5],
-        rope_theta=5000.0,
-        rms_norm_eps=1e-5,
-        layer_types=["sliding_attention", "full_attention"],
-        sliding_window=6,
-    )
-    kwargs.update(overrides)
-    return kwargs
+    layout = dict(num_attention_heads=8, num_key_value_heads=4, head_dim=8, vocab_size=48,
+                  layer_types=["sliding_attention", "full_attention"], sliding_window=6)
+    return tiny_draft_kwargs(**{**layout, **overrides})
 
 
 def make_config(variant: str, **overrides):

@@ -36,33 +36,16 @@ from megatron_dflash.variants.dflash2 import (
     topk_vocab_parallel,
 )
 
+from builders import tiny_draft_kwargs
+
 TOL = 1e-5
 SEQ = 20
 ANCHORS = torch.tensor([[2, 7, 12, 16], [5, 0, 14, 9]])
 
 
 def tiny_config(**overrides) -> DFlash2Config:
-    kwargs = dict(
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        block_size=4,
-        mask_token_id=3,
-        vocab_size=48,
-        num_target_layers=8,
-        target_layer_ids=[1, 3, 5],
-        rope_theta=5000.0,
-        rms_norm_eps=1e-5,
-        conv_kernel_size=2,
-        conv_group_size=8,
-        selector_rank=8,
-        selector_top_k=6,
-    )
-    kwargs.update(overrides)
-    return DFlash2Config(**kwargs)
+    selector = dict(vocab_size=48, conv_kernel_size=2, conv_group_size=8, selector_rank=8, selector_top_k=6)
+    return DFlash2Config(**tiny_draft_kwargs(**{**selector, **overrides}))
 
 
 def randomize_dflash2(module: torch.nn.Module, seed: int) -> None:
