@@ -110,6 +110,10 @@ def initialize_distributed(job: Job, env=None) -> DistContext:
     world = dist.get_world_size()
     if world != job.world_size:
         raise RuntimeError(f"the process group has {world} ranks but the job was validated for {job.world_size}.")
+    # before megatron's groups and any other collective: every rank resolved the same job
+    from .agreement import agree_on_job
+
+    agree_on_job(job)
     tp, pp = job.tp, job.pp
     owns_mp = False
     if parallel_state.model_parallel_is_initialized():
@@ -461,6 +465,7 @@ def train(job: Job, *, hooks: Optional[dict] = None, env=None) -> TrainResult:
     from .checkpointing import load_checkpoint, save_checkpoint
     from .monitor import Monitor, format_metrics
     from .optim import build_engine
+    from .resume import agree_on_resume_point
 
     hooks = hooks or {}
     args = job.args
@@ -502,14 +507,21 @@ def train(job: Job, *, hooks: Optional[dict] = None, env=None) -> TrainResult:
         # ---- resume
         start_iteration = 0
         if args.load is not None:
-            state = load_checkpoint(args.load, body, engine, log=lambda t: _log(rank, t))
+            # read on rank 0 and broadcast: every rank resumes at the same iteration or raises the same error
+            point = agree_on_resume_point(args.load, cfg, override_config=args.dflash_override_checkpoint_config,
+                                          log=lambda t: _log(rank, t))
+            state = None
+            if point is not None:
+                state = load_checkpoint(args.load, body, engine, point=point, log=lambda t: _log(rank, t))
             if state is None:
-                _log(rank, f"[checkpoint] no checkpoint in {args.load}; training from scratch.")
+                _log(rank, f"[checkpoint] WARNING: --load={args.load} is {'empty' if os.path.isdir(args.load) else 'absent'}"
+                     ": no checkpoint to resume from, TRAINING FROM SCRATCH.")
             else:
                 start_iteration = int(state["iteration"])
                 saved = state.get("args", {})
-                for key in ("global_batch_size", "seed", "data_format", "dflash_block_size", "dflash_variant"):
-                    if key in saved and saved[key] != getattr(args, key):
+                # the draft's own settings were compared with its dflash_config.json; these set the data order
+                for key in ("global_batch_size", "seed", "data_format"):
+                    if saved.get(key) is not None and saved[key] != getattr(args, key):
                         _log(rank, f"[checkpoint] warning: --{key.replace('_', '-')} was {saved[key]} in the "
                              f"checkpoint and is {getattr(args, key)} now; the run does not continue exactly.")
                 _log(rank, f"[checkpoint] resumed from {state['directory']} at iteration {start_iteration}")
