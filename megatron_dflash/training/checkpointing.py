@@ -301,7 +301,9 @@ def load_checkpoint(load_dir: str, body, engine, *, point: Optional[ResumePoint]
     out = None
     try:
         out = _load(point.directory, point.iteration, body, engine, log)
-    except Exception as err:  # noqa: BLE001 - every rank must learn about any rank's failure
+    except BaseException as err:  # noqa: BLE001 - every rank must learn about any rank's failure
+        if isinstance(err, (KeyboardInterrupt, SystemExit)):  # torch's CheckpointException is a BaseException
+            raise
         error = err
     if not _all_ok(error is None):
         hint = ("resume from an earlier checkpoint (write its iteration into "
@@ -310,12 +312,23 @@ def load_checkpoint(load_dir: str, body, engine, *, point: Optional[ResumePoint]
             raise CheckpointError(f"loading {point.directory} failed on another rank (see its error); {hint}.")
         if isinstance(error, CheckpointError):
             raise error
-        detail = (str(error).strip().splitlines() or [""])[0][:300]
         raise CheckpointError(
-            f"cannot load {point.directory}: {type(error).__name__}: {detail}; the checkpoint is damaged or was not "
-            f"written for this draft: {hint}."
+            f"cannot load {point.directory}: {_describe(error)}; the checkpoint is damaged or was not written for this "
+            f"draft: {hint}."
         ) from error
     return out
+
+
+def _describe(error: BaseException) -> str:
+    """`Type: first line` of an exception; for torch's CheckpointException, of the first rank's cause."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, cause = next(iter(sorted(failures.items(), key=lambda kv: kv[0])))
+        cause = cause[0] if isinstance(cause, tuple) else cause
+        if isinstance(cause, BaseException):
+            return f"{_describe(cause)} (rank {rank})"
+    first = (str(error).strip().splitlines() or [""])[0][:300]
+    return f"{type(error).__name__}: {first}" if first else type(error).__name__
 
 
 def _load(directory: str, iteration, body, engine, log: Callable) -> dict:

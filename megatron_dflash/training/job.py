@@ -21,6 +21,7 @@ from .arguments import (
     validate_args,
     world_size_from_env,
 )
+from .outputs import check_outputs
 from .variants import VariantSpec, get_variant
 
 __all__ = ["Job", "prepare_job", "draft_config_from_target", "load_eval_prompts", "resolve_target_dir"]
@@ -326,6 +327,7 @@ def prepare_job(
     else:
         stamp = env.get("DFLASH_RUN_NAME") or time.strftime("dflash-%Y%m%d-%H%M%S")
         export_dir = os.path.join("runs", stamp, "hf")
+    check_outputs(args, export_dir)
 
     # evaluation prompts
     eval_prompts = None

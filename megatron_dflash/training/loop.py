@@ -446,6 +446,23 @@ class TrainResult:
     exited_early: bool = False
 
 
+def _export(job: Job, body) -> None:
+    """The HF export. Every rank (also off the draft's pipeline stage) checks again that the directory is
+    empty or this run's own earlier export (it may have filled up during training): file reads only, so
+    all ranks raise alike. Then the draft's stage writes it and records the run in it."""
+    from megatron.core import parallel_state
+
+    from .outputs import check_export_directory, mark_export, run_name
+
+    check_export_directory(job.export_dir, run_name(job.args))
+    if body is None:
+        return
+    job.variant.save_hf(body, job.export_dir, overwrite=True)  # collective over the draft's TP group
+    if not parallel_state.model_parallel_is_initialized() or (
+            parallel_state.get_tensor_model_parallel_rank() == 0 and parallel_state.get_data_parallel_rank() == 0):
+        mark_export(job.export_dir, job.args)
+
+
 def _log(ctx_rank: int, text: str) -> None:
     if ctx_rank == 0:
         print(text, flush=True)
@@ -643,8 +660,7 @@ def train(job: Job, *, hooks: Optional[dict] = None, env=None) -> TrainResult:
             values = validation_loss(runner, valid_ds, job)
             result.validation.append((iteration, values))
             _log(rank, f"[eval] final validation | {format_metrics(values)}")
-        if body is not None:  # the draft stage's ranks (collective over their TP group)
-            job.variant.save_hf(body, job.export_dir, overwrite=True)
+        _export(job, body)
         result.export_dir = job.export_dir
         _log(rank, f"[export] HF draft written to {job.export_dir}")
         if dist.is_initialized() and ctx.world_size > 1:
@@ -678,10 +694,25 @@ def run(argv: Optional[Sequence[str]] = None, *, hooks: Optional[dict] = None, e
     return train(job, hooks=hooks, env=env)
 
 
+def _debug_requested(argv: Optional[Sequence[str]]) -> bool:
+    from .errors import DEBUG_ENV
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    return "--debug" in argv or os.environ.get(DEBUG_ENV, "").lower() in ("1", "true", "yes")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """The command line: expected failures (arguments, checkpoints, data) end in one line on stderr
+    (exit 2 for arguments, 1 otherwise) on every rank; bugs keep their traceback."""
+    from .errors import RunError
+
     try:
         run(argv)
-    except ArgumentError as err:
-        print(f"pretrain_dflash.py: error: {err}", file=sys.stderr, flush=True)
-        return 2
+    except RunError as err:
+        if _debug_requested(argv):
+            import traceback
+
+            traceback.print_exc()
+        print(f"pretrain_dflash.py: error: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
+        return 2 if isinstance(err, ArgumentError) else 1
     return 0

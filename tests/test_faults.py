@@ -1,0 +1,297 @@
+"""The fault suite: nothing lost, nothing hung, every failure explained.
+
+Outputs that would replace what the run did not write, `--load` at the wrong kind of directory,
+trackers naming missing checkpoints, ranks launched with different arguments or seeing different
+trackers, resumes with another draft, data with nothing to learn, damaged checkpoints, stale
+temporaries. Multi-rank cases run on the gloo pool with a timeout, so a hang fails the test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+
+import pytest
+import torch
+
+from megatron_dflash.training.arguments import ArgumentError, parse_args
+from megatron_dflash.training.errors import CheckpointError, DataError
+from megatron_dflash.training.job import prepare_job
+from test_training import STEPS_ARGS, _base, _run, tiny_target  # noqa: F401 - the module fixture
+
+MULTI_RANK_TIMEOUT_S = 300.0  # generous (a shared, loaded machine), but a hang fails instead of blocking
+SHORT = ["--train-iters", "2", "--micro-batch-size", "4", "--global-batch-size", "4", "--dflash-eval-prompts", "0"]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_target, tmp_path_factory):
+    """A save directory with the checkpoints of iterations 1 and 2 of a short run."""
+    root = tmp_path_factory.mktemp("trained")
+    save = root / "ckpt"
+    _run(_base(tiny_target, root, *SHORT, "--save", str(save), "--save-interval", "1"))
+    return save
+
+
+def _copy(save, tmp_path, name="copy"):
+    out = tmp_path / name
+    shutil.copytree(save, out)
+    return out
+
+
+def _job_error(tiny_target, tmp_path, *argv):
+    with pytest.raises(ArgumentError) as info:
+        prepare_job(parse_args(["--target", tiny_target, "--data-format", "synthetic", *argv]), 1, env={}, cuda=False)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+# ------------------------------------------------------------------------------------------ 1. data loss
+
+
+def test_export_never_replaces_the_checkpoints_or_foreign_files(tiny_target, tmp_path, trained):
+    save = _copy(trained, tmp_path)
+    before = sorted(os.listdir(save))
+    # the export directory may not be the --save directory, nor contain it or any input
+    assert "is or contains --save" in _job_error(tiny_target, tmp_path, "--save", str(save),
+                                                 "--dflash-export", str(save))
+    assert "is or contains --save" in _job_error(tiny_target, tmp_path, "--save", str(save),
+                                                 "--dflash-export", str(tmp_path))
+    assert "is or contains --load" in _job_error(tiny_target, tmp_path, "--load", str(save),
+                                                 "--dflash-export", str(save))
+    assert "is or contains --target" in _job_error(tiny_target, tmp_path, "--dflash-export", tiny_target)
+    # a directory with files the run did not write is never replaced
+    foreign = tmp_path / "results"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    assert "holds files this run did not write" in _job_error(tiny_target, tmp_path, "--dflash-export", str(foreign))
+    # an output path under a regular file fails before training, not after it
+    (tmp_path / "file").write_text("x")
+    assert "is a file, not a directory" in _job_error(tiny_target, tmp_path, "--dflash-export",
+                                                      str(tmp_path / "file" / "hf"))
+    assert "is a file, not a directory" in _job_error(tiny_target, tmp_path, "--save", str(tmp_path / "file" / "c"))
+    assert sorted(os.listdir(save)) == before and (foreign / "notes.txt").read_text() == "mine"
+
+
+def test_export_replaces_only_its_own_runs_export(tiny_target, tmp_path):
+    save, export = tmp_path / "ckpt", tmp_path / "export"
+    argv = ["--target", tiny_target, *STEPS_ARGS, *SHORT, "--save", str(save), "--dflash-export", str(export)]
+    _run(argv)
+    mode = stat.S_IMODE(os.stat(export / "model.safetensors").st_mode)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert mode == 0o666 & ~umask  # readable by the cluster (0644 with the usual umask), not 0600
+    # the same run, restarted for more steps: its own export is replaced
+    again = _run(argv[:argv.index("--train-iters")] + ["--train-iters", "3"] + argv[argv.index("--train-iters") + 2:]
+                 + ["--load", str(save)])
+    assert again.start_iteration == 2 and again.export_dir == str(export)
+    # another run (another --save) may not replace it
+    other = ["--target", tiny_target, *STEPS_ARGS, *SHORT, "--save", str(tmp_path / "other"),
+             "--dflash-export", str(export)]
+    with pytest.raises(ArgumentError, match=r"holds the export of another run \(--save "):
+        _run(other)
+
+
+def test_load_layouts_are_recognised(tiny_target, tmp_path, trained):
+    from megatron_dflash.training.resume import find_resume_point
+
+    assert find_resume_point(str(tmp_path / "absent")) is None
+    (tmp_path / "empty").mkdir()
+    assert find_resume_point(str(tmp_path / "empty")) is None
+    point = find_resume_point(str(trained))
+    assert point.iteration == 2 and point.directory.endswith("iter_0000002")
+
+    def refused(path, *expected):
+        with pytest.raises(CheckpointError) as info:
+            find_resume_point(str(path))
+        for text in expected:
+            assert text in str(info.value), str(info.value)
+        assert "\n" not in str(info.value)
+
+    refused(trained / "iter_0000002", "is one checkpoint, not a save directory", f"--load {trained}")
+    no_tracker = _copy(trained, tmp_path, "no_tracker")
+    os.remove(no_tracker / "latest_checkpointed_iteration.txt")
+    refused(no_tracker, "no latest_checkpointed_iteration.txt", "complete checkpoints are [1, 2]", "echo 2 >")
+    hf = tmp_path / "hf"
+    _run(_base(tiny_target, tmp_path, *SHORT))
+    refused(hf, "is a HF drafter directory", f"--dflash-init-from {hf}")
+    (tmp_path / "typo").mkdir()
+    (tmp_path / "typo" / "data.bin").write_text("x")
+    refused(tmp_path / "typo", "holds no checkpoint (data.bin)")
+    # a tracker naming a missing or incomplete checkpoint is an error, never an older one or scratch
+    missing = _copy(trained, tmp_path, "missing")
+    shutil.rmtree(missing / "iter_0000002")
+    refused(missing, "names iteration 2 but", "does not exist", "complete checkpoints are [1]")
+    incomplete = _copy(trained, tmp_path, "incomplete")
+    os.remove(incomplete / "iter_0000002" / "common.pt")
+    refused(incomplete, "is incomplete")
+    only = _copy(trained, tmp_path, "only")
+    shutil.rmtree(only / "iter_0000001")
+    shutil.rmtree(only / "iter_0000002")
+    refused(only, "names iteration 2 but", "holds no complete checkpoint")
+    binary = _copy(trained, tmp_path, "binary")
+    (binary / "latest_checkpointed_iteration.txt").write_bytes(b"\xff\xfe\x00garbage")
+    refused(binary, "is not a text file")
+    # the temporaries of an interrupted first save do not count as content
+    first = tmp_path / "first"
+    (first / ".iter_0000001.tmp").mkdir(parents=True)
+    assert find_resume_point(str(first)) is None
+
+
+def test_load_at_a_wrong_directory_never_overwrites_the_checkpoints(tiny_target, tmp_path, trained):
+    """--load at an iter_* directory with --save on the real directory: refused, nothing rewound."""
+    save = _copy(trained, tmp_path)
+    tracker = (save / "latest_checkpointed_iteration.txt").read_text()
+    listing = sorted(os.listdir(save))
+    with pytest.raises(CheckpointError, match="is one checkpoint, not a save directory"):
+        _run(_base(tiny_target, tmp_path, *SHORT, "--save", str(save), "--load", str(save / "iter_0000001")))
+    assert (save / "latest_checkpointed_iteration.txt").read_text() == tracker
+    assert sorted(os.listdir(save)) == listing
+
+
+def test_load_of_an_absent_directory_trains_from_scratch_loudly(tiny_target, tmp_path, capsys):
+    result = _run(_base(tiny_target, tmp_path, *SHORT, "--load", str(tmp_path / "new"), "--save",
+                        str(tmp_path / "new")))
+    assert result.start_iteration == 0 and result.iterations == 2
+    assert "TRAINING FROM SCRATCH" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------------------ 3. draft config
+
+
+def test_resume_refuses_a_different_draft(tiny_target, tmp_path, trained):
+    save = _copy(trained, tmp_path)
+    more = [a if a != "2" else "3" for a in SHORT]  # --train-iters 3
+    mask = prepare_job(parse_args(["--target", tiny_target, "--data-format", "synthetic"]), 1, env={},
+                       cuda=False).draft_config.mask_token_id
+    for flag, value, field in (("--dflash-target-layer-ids", "1,2", "target_layer_ids"),
+                               ("--dflash-mask-token-id", str(mask - 1), "mask_token_id"),
+                               ("--dflash-block-size", "4", "block_size")):
+        with pytest.raises(CheckpointError) as info:
+            _run(_base(tiny_target, tmp_path, *more, "--load", str(save), flag, value))
+        message = str(info.value)
+        assert f"{field}: checkpoint" in message and "--dflash-override-checkpoint-config" in message, message
+        assert "was None in the checkpoint" not in message
+    # the explicit override resumes (the weights' shapes do not depend on the MASK token)
+    result = _run(_base(tiny_target, tmp_path, *more, "--load", str(save), "--dflash-mask-token-id", str(mask - 1),
+                        "--dflash-override-checkpoint-config"))
+    assert result.start_iteration == 2 and result.iterations == 3
+
+
+# ------------------------------------------------------------------------------------------ 2. ranks agree
+
+
+def _rank_run(rank, world_size, target, out_dir, per_rank: dict, patch_rank=None):
+    """One DP rank of a launch; `per_rank[rank]` extra arguments; returns the error line or the result."""
+    import pathlib
+
+    from megatron_dflash.training import checkpointing, resume
+
+    torch.set_num_threads(1)
+    if rank == patch_rank:
+        # this rank would see no checkpoint (a stale view of a shared file system): it must not matter,
+        # the tracker is read on rank 0 only
+        checkpointing.read_latest_iteration = lambda *a, **k: None
+        resume.find_resume_point = lambda *a, **k: (_ for _ in ()).throw(AssertionError("rank 1 read the tracker"))
+    argv = _base(target, pathlib.Path(out_dir), "--micro-batch-size", "4", "--global-batch-size", "8",
+                 "--dflash-eval-prompts", "0", *per_rank.get(rank, []))
+    try:
+        result = _run(argv)
+    except (ArgumentError, CheckpointError) as err:
+        return "error", str(err)
+    return "ok", (result.start_iteration, result.iterations, result.losses)
+
+
+def test_ranks_launched_with_different_arguments_stop_alike(tp_pool, tiny_target, tmp_path):
+    pool = tp_pool(2)
+    results = pool.run(_rank_run, tiny_target, str(tmp_path / "a"),
+                       {0: ["--train-iters", "2"], 1: ["--train-iters", "2", "--lr", "3e-3", "--seed", "7"]},
+                       tp=1, timeout=MULTI_RANK_TIMEOUT_S)
+    assert results[0] == results[1] and results[0][0] == "error", results
+    message = results[0][1]
+    assert "--lr (rank 0: 0.002; rank 1: 0.003)" in message and "--seed (rank 0: 1234; rank 1: 7)" in message
+    # a shape-changing difference (block size) is caught the same way, before any collective of the model
+    results = pool.run(_rank_run, tiny_target, str(tmp_path / "b"),
+                       {0: ["--train-iters", "2"], 1: ["--train-iters", "2", "--dflash-block-size", "4"]},
+                       tp=1, timeout=MULTI_RANK_TIMEOUT_S)
+    assert results[0] == results[1] and results[0][0] == "error"
+    assert "draft config block_size (rank 0: 8; rank 1: 4)" in results[0][1]
+
+
+def test_resume_iteration_is_read_once_and_shared(tp_pool, tiny_target, tmp_path, trained):
+    """Rank 1 sees no checkpoint; both ranks still resume at iteration 2 (rank 0's reading)."""
+    save = _copy(trained, tmp_path)
+    extra = ["--train-iters", "3", "--load", str(save)]
+    results = tp_pool(2).run(_rank_run, tiny_target, str(tmp_path / "r"), {0: extra, 1: extra}, 1,
+                             tp=1, timeout=MULTI_RANK_TIMEOUT_S)
+    assert results[0] == results[1], results
+    assert results[0][0] == "ok" and results[0][1][:2] == (2, 3)
+    # an unusable checkpoint: the same one-line error on every rank, no hang
+    missing = _copy(trained, tmp_path, "missing")
+    shutil.rmtree(missing / "iter_0000002")
+    extra = ["--train-iters", "3", "--load", str(missing)]
+    results = tp_pool(2).run(_rank_run, tiny_target, str(tmp_path / "m"), {0: extra, 1: extra},
+                             tp=1, timeout=MULTI_RANK_TIMEOUT_S)
+    assert results[0] == results[1] and results[0][0] == "error" and "names iteration 2 but" in results[0][1]
+
+
+# ------------------------------------------------------------------------------------------ 7. explained
+
+
+def _main(argv, capsys, monkeypatch, debug=False):
+    """`pretrain_dflash.py ARGV` in this process: (exit status, stderr)."""
+    from megatron_dflash.training.errors import DEBUG_ENV
+    from megatron_dflash.training.loop import main
+
+    monkeypatch.setenv(DEBUG_ENV, "1" if debug else "0")
+    capsys.readouterr()
+    status = main(argv)
+    return status, capsys.readouterr().err
+
+
+def test_damaged_checkpoints_end_in_one_line(tiny_target, tmp_path, trained, capsys, monkeypatch):
+    """Zero-length shard, missing common.pt, binary tracker, garbage shard: one line naming the file, exit 1."""
+    zero = _copy(trained, tmp_path, "zero")
+    shard = next(p for p in sorted(os.listdir(zero / "iter_0000002")) if p.endswith(".distcp"))
+    (zero / "iter_0000002" / shard).write_bytes(b"")
+    common = _copy(trained, tmp_path, "common")
+    os.remove(common / "iter_0000002" / "common.pt")
+    binary = _copy(trained, tmp_path, "binary")
+    (binary / "latest_checkpointed_iteration.txt").write_bytes(b"\x80\x81\x82")
+    bad = _copy(trained, tmp_path, "bad")
+    (bad / "iter_0000002" / shard).write_bytes(b"not a torch file")
+    for directory, expected in ((zero, f"{shard} is empty"), (common, "is incomplete"), (binary, "not a text file"),
+                                (bad, f"cannot load {bad / 'iter_0000002'}: EOFError")):
+        status, err = _main(_base(tiny_target, tmp_path, *SHORT, "--load", str(directory)), capsys, monkeypatch)
+        lines = err.strip().splitlines()
+        assert status == 1 and "Traceback" not in err, err[-2000:]
+        assert lines[-1].startswith("pretrain_dflash.py: error:") and expected in lines[-1], err[-2000:]
+    # --debug (or MEGATRON_DFLASH_DEBUG=1) shows the traceback as well
+    status, err = _main(_base(tiny_target, tmp_path, *SHORT, "--load", str(bad)), capsys, monkeypatch, debug=True)
+    assert status == 1 and "Traceback" in err and "EOFError" in err
+
+
+# ------------------------------------------------------------------------------------------ 8. housekeeping
+
+
+def test_the_next_save_removes_stale_temporaries(tiny_target, tmp_path, trained):
+    save = _copy(trained, tmp_path)
+    (save / ".latest_checkpointed_iteration.txt.tmp-abc123").write_text("3")
+    (save / ".iter_0000003.tmp").mkdir()
+    stale_export = tmp_path / ".hf.tmp-xyz"
+    stale_export.mkdir()
+    (stale_export / "model.safetensors").write_bytes(b"partial")
+    more = [a if a != "2" else "3" for a in SHORT]
+    _run(_base(tiny_target, tmp_path, *more, "--load", str(save), "--save", str(save)))
+    assert sorted(p for p in os.listdir(save) if p.startswith(".")) == []
+    assert not stale_export.exists()
