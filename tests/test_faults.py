@@ -295,3 +295,63 @@ def test_the_next_save_removes_stale_temporaries(tiny_target, tmp_path, trained)
     _run(_base(tiny_target, tmp_path, *more, "--load", str(save), "--save", str(save)))
     assert sorted(p for p in os.listdir(save) if p.startswith(".")) == []
     assert not stale_export.exists()
+
+
+# ------------------------------------------------------------------------------------------ 4. nothing to learn
+
+
+def _chats(path, with_answer: list):
+    from megatron_dflash.training.synthetic_corpus import conversations
+
+    chats = list(conversations(7, len(with_answer)))
+    with open(path, "w") as f:
+        for chat, answer in zip(chats, with_answer):
+            f.write(json.dumps({"messages": chat if answer else chat[:1]}) + "\n")
+
+
+def _chat_args(tiny_target, tmp_path, data, *extra):
+    return ["--target", tiny_target, "--no-progress-bar", "--seq-length", "48", "--dflash-anchors-per-sample", "4",
+            "--lr-warmup-iters", "1", "--dflash-eval-prompts", "0", "--data-format", "chat", "--train-data", str(data),
+            "--dflash-export", str(tmp_path / "hf"), *extra]
+
+
+def test_nothing_to_learn_fails_before_training(tiny_target, tmp_path):
+    _chats(tmp_path / "prompts_only.jsonl", [False] * 6)
+    with pytest.raises(DataError, match="has nothing to learn: none of its 6 samples"):
+        _run(_chat_args(tiny_target, tmp_path, tmp_path / "prompts_only.jsonl", "--train-iters", "2",
+                        "--micro-batch-size", "2"))
+    # packed documents all shorter than a block
+    (tmp_path / "short.jsonl").write_text("".join(json.dumps({"text": "a b"}) + "\n" for _ in range(4)))
+    argv = _chat_args(tiny_target, tmp_path, tmp_path / "short.jsonl", "--train-iters", "2", "--micro-batch-size", "2",
+                      "--pack-sequences")
+    argv[argv.index("chat")] = "text"
+    with pytest.raises(DataError, match="in its own document"):
+        _run(argv)
+    assert not (tmp_path / "hf").exists()  # no export of an untrained draft
+
+
+def test_global_batch_without_supervised_slot_does_not_step(tiny_target, tmp_path):
+    """Micro-batches without a supervised slot are counted; a global batch of only those does not step the
+    optimizer: the weights and the learning-rate schedule stay where they were."""
+    _chats(tmp_path / "mixed.jsonl", [True, False, False, True, False, False, True, False])
+    snapshots = []
+
+    def on_step(iteration, values, body):
+        snapshots.append({k: v.detach().clone() for k, v in body.state_dict().items() if torch.is_tensor(v)})
+
+    from megatron_dflash.training.loop import run
+
+    result = run(_chat_args(tiny_target, tmp_path, tmp_path / "mixed.jsonl", "--train-iters", "8",
+                            "--micro-batch-size", "1", "--lr-decay-style", "linear"), hooks={"on_step": on_step})
+    skipped = [i for i, loss in enumerate(result.losses) if loss != loss]  # nan: no supervised slot
+    assert 0 < len(skipped) < 8 and result.skipped_steps == len(skipped) == result.empty_micro_batches
+    stepped = [i for i in range(8) if i not in skipped]
+    for i in skipped:
+        before = snapshots[i - 1] if i > 0 else None
+        if before is not None:
+            assert all(torch.equal(before[k], snapshots[i][k]) for k in before)  # no update
+    for i in stepped[1:]:
+        assert any(not torch.equal(snapshots[i - 1][k], snapshots[i][k]) for k in snapshots[i])
+    # the learning rate (read before each step) moves after a real step and only then
+    lrs = result.learning_rates
+    assert [lrs[i] != lrs[i - 1] for i in range(1, 8)] == [i - 1 in stepped for i in range(1, 8)], (lrs, skipped)

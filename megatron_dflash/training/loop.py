@@ -254,6 +254,20 @@ def build_datasets(job: Job):
     return train, valid
 
 
+def _check_data(job: Job, train_ds, collate, log=print) -> None:
+    """Token ids of pre-tokenised data inside the target's vocabulary; something to learn in the training data
+    (JSONL and synthetic data come from a tokenizer that `prepare_job` checked against the vocabulary)."""
+    from .data_checks import check_indexed_token_range, check_something_to_learn
+
+    args = job.args
+    if args.data_format == "indexed":
+        for path in [args.train_path] + ([args.valid_data] if args.valid_data else []):
+            check_indexed_token_range(path, int(job.target_config["vocab_size"]))
+    check_something_to_learn(train_ds, collate, block_size=job.draft_config.block_size,
+                             use_documents=args.pack_sequences, seed=args.seed,
+                             what=f"the training data ({args.train_path or 'synthetic'})", log=log)
+
+
 # ------------------------------------------------------------------------------------------ one step
 
 
@@ -347,6 +361,7 @@ class _StepRunner:
 
 
 _N_TOTALS = 7  # the fixed fields of _Totals, before `extra`
+_EMPTY_MICRO_BATCHES = "empty_micro_batches"  # appended by the training loop to the statistics of each micro-batch
 
 
 def _accumulate(acc: Optional[list], values: list) -> list:
@@ -444,6 +459,8 @@ class TrainResult:
     checkpoint_dir: Optional[str]
     wall_time_s: float
     exited_early: bool = False
+    skipped_steps: int = 0            # global batches without a supervised slot: no optimizer step
+    empty_micro_batches: int = 0      # micro-batches without a supervised slot (summed over DP)
 
 
 def _export(job: Job, body) -> None:
@@ -500,6 +517,11 @@ def train(job: Job, *, hooks: Optional[dict] = None, env=None) -> TrainResult:
              f"{args.global_batch_size} = micro {args.micro_batch_size} x {args.num_micro_batches} x DP {job.dp}; "
              f"device {ctx.device.type}")
 
+        # ---- data, checked before anything is built: same verdict on every rank (file reads only)
+        train_ds, valid_ds = build_datasets(job)
+        collate = Collator(job.pad_token_id, args.seq_length, args.pack_sequences)
+        _check_data(job, train_ds, collate, log=lambda t: _log(rank, t))
+
         # ---- models
         target = _Target(job, ctx.device, dtype)
         # PP > 1: the draft (body, optimizer) lives on one stage only; the other stages run the target.
@@ -544,8 +566,6 @@ def train(job: Job, *, hooks: Optional[dict] = None, env=None) -> TrainResult:
                 _log(rank, f"[checkpoint] resumed from {state['directory']} at iteration {start_iteration}")
 
         # ---- data
-        train_ds, valid_ds = build_datasets(job)
-        collate = Collator(job.pad_token_id, args.seq_length, args.pack_sequences)
         data_iter = MicroBatchIterator(
             train_ds, micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
             dp_rank=parallel_state.get_data_parallel_rank(), dp_size=job.dp, seed=args.seed,
@@ -605,19 +625,32 @@ def train(job: Job, *, hooks: Optional[dict] = None, env=None) -> TrainResult:
             weight = torch.zeros((), dtype=torch.float64, device=ctx.device)
             for _ in range(args.num_micro_batches):
                 values, names = runner.micro_batch(next(data_iter), step=iteration, seed=args.seed, backward=True)
+                # a micro-batch without a supervised slot (no valid anchor) adds nothing: counted, not an error
+                values, names = values + [(values[1] == 0).to(torch.float64)], names + [_EMPTY_MICRO_BATCHES]
                 weight = weight + values[1]
                 acc = _accumulate(acc, values)
             lr = grad_norm = float("nan")
             if engine is not None:
                 lr = engine.lr
-                engine.finish_grads(weight)
-                grad_norm = engine.step()
+                # No supervised slot in the whole global batch (the weight is summed over DP, so every rank
+                # decides alike): no optimizer step, so neither Adam's moments nor the schedule move.
+                if engine.finish_grads(weight) > 0:
+                    grad_norm = engine.step()
             totals = runner.reduce(acc, names, {"lr": lr, "grad_norm": grad_norm})
             lr, grad_norm = totals.scalars["lr"], totals.scalars["grad_norm"]
             iteration += 1
+            empty = int(round(totals.extra.pop(_EMPTY_MICRO_BATCHES, 0.0)))
+            result.empty_micro_batches += empty
+            if totals.weight_sum <= 0:
+                result.skipped_steps += 1
+                log(f"[dflash] iteration {iteration}: no supervised slot in the global batch ({empty} empty "
+                    f"micro-batch(es)); optimizer step skipped ({result.skipped_steps} skipped so far).")
             values = _metrics(totals, runner.ratios)
             tps = totals.tokens / max(1e-9, time.time() - step_t0)
             values.update({"learning rate": lr, "grad norm": grad_norm, "tokens per second": tps})
+            if result.empty_micro_batches:
+                values.update({"empty micro-batches": result.empty_micro_batches,
+                               "skipped steps": result.skipped_steps})
             result.losses.append(values["loss"])
             result.learning_rates.append(lr)
             result.grad_norms.append(grad_norm)
@@ -678,7 +711,11 @@ def train(job: Job, *, hooks: Optional[dict] = None, env=None) -> TrainResult:
         if dist.is_initialized() and ctx.world_size > 1:
             dist.barrier()
         result.wall_time_s = time.time() - t_start
-        _log(rank, f"[dflash] done: {iteration} iterations in {result.wall_time_s:.0f}s")
+        skipped = ""
+        if result.empty_micro_batches:
+            skipped = (f" ({result.empty_micro_batches} micro-batch(es) without a supervised slot, "
+                       f"{result.skipped_steps} optimizer step(s) skipped)")
+        _log(rank, f"[dflash] done: {iteration} iterations in {result.wall_time_s:.0f}s{skipped}")
         return result
     finally:
         if monitor is not None:
