@@ -355,3 +355,43 @@ def test_global_batch_without_supervised_slot_does_not_step(tiny_target, tmp_pat
     # the learning rate (read before each step) moves after a real step and only then
     lrs = result.learning_rates
     assert [lrs[i] != lrs[i - 1] for i in range(1, 8)] == [i - 1 in stepped for i in range(1, 8)], (lrs, skipped)
+
+
+# ------------------------------------------------------------------------------------------ 5. vocabulary
+
+
+def test_token_ids_are_checked_against_the_vocabulary(tiny_target, tmp_path):
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_target)
+    vocab = json.load(open(os.path.join(tiny_target, "config.json")))["vocab_size"]
+    # a tokenizer larger than the target's vocabulary
+    big = AutoTokenizer.from_pretrained(tiny_target)
+    big.add_tokens([f"<extra_{i}>" for i in range(vocab - len(tok) + 1)])
+    big.save_pretrained(str(tmp_path / "big"))
+    assert f"but the target's vocabulary has {vocab} rows" in _job_error(tiny_target, tmp_path, "--tokenizer",
+                                                                         str(tmp_path / "big"))
+    # evaluation prompts
+    (tmp_path / "prompts.jsonl").write_text(json.dumps({"input_ids": [3, vocab + 5]}) + "\n")
+    assert f"prompt 1 has token id {vocab + 5}, outside the target's vocabulary" in _job_error(
+        tiny_target, tmp_path, "--dflash-eval-prompts", str(tmp_path / "prompts.jsonl"))
+    # pre-tokenised (indexed) data: refused before training, naming the file and the token
+    prefix = str(tmp_path / "indexed")
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
+    for n in range(4):
+        ids = list(range(3, 40)) + ([vocab] if n == 2 else [])
+        builder.add_document(torch.tensor(ids, dtype=torch.int32), [len(ids)])
+    builder.finalize(prefix + ".idx")
+    argv = ["--target", tiny_target, "--no-progress-bar", "--seq-length", "48", "--train-iters", "1",
+            "--micro-batch-size", "2", "--dflash-eval-prompts", "0", "--data-format", "indexed", "--data-path", prefix,
+            "--dflash-export", str(tmp_path / "hf")]
+    with pytest.raises(DataError, match=rf"indexed.bin: token \d+ has id {vocab}, outside the target's vocabulary"):
+        _run(argv)
+
+
+def test_megatron_target_without_cuda_is_refused_up_front(tiny_target, tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    assert "--target-backend megatron needs CUDA" in _job_error(tiny_target, tmp_path, "--target-backend", "megatron")
