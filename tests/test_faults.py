@@ -395,3 +395,51 @@ def test_megatron_target_without_cuda_is_refused_up_front(tiny_target, tmp_path)
     if torch.cuda.is_available():
         pytest.skip("CUDA is available here")
     assert "--target-backend megatron needs CUDA" in _job_error(tiny_target, tmp_path, "--target-backend", "megatron")
+
+
+# ------------------------------------------------------------------------------------------ 6. decoding inputs
+
+
+def test_spec_generate_inputs_and_cache_growth(monkeypatch):
+    from test_generate import PROMPTS, make_draft, qwen3_target
+
+    from megatron_dflash import generate
+    from megatron_dflash.generate import spec_generate
+
+    vocab = 96
+    target, draft = qwen3_target(vocab=vocab), make_draft(vocab, backend="chunked")
+    greedy = spec_generate(target, draft, PROMPTS, max_new_tokens=12)
+    # the draft KV cache follows what is generated: a huge budget that stops after one token allocates little
+    sizes = []
+    real = generate.DraftKVCache.__init__
+
+    def record(self, draft, batch_size, capacity, *args, **kwargs):
+        sizes.append(capacity)
+        real(self, draft, batch_size, capacity, *args, **kwargs)
+
+    monkeypatch.setattr(generate.DraftKVCache, "__init__", record)
+    first = int(greedy.tokens[0, len(PROMPTS[0])])
+    out = spec_generate(target, draft, PROMPTS[:1], max_new_tokens=10**8, stop_token_ids=first)  # one id: accepted
+    assert out.lengths.tolist() == [len(PROMPTS[0]) + 1] and sizes[-1] < 64
+    # and grows past its first size without changing the result
+    long = spec_generate(target, draft, PROMPTS, max_new_tokens=40)
+    for b, n in enumerate(greedy.lengths.tolist()):
+        assert torch.equal(long.tokens[b, :n], greedy.tokens[b, :n])
+    # 0 < temperature < 1e-5 decodes greedily (softmax(logits / T) would overflow)
+    tiny = spec_generate(target, draft, PROMPTS, max_new_tokens=12, temperature=1e-7)
+    assert torch.equal(tiny.tokens, greedy.tokens)
+    for kwargs, message in (
+        (dict(temperature=float("inf")), "temperature=inf must be a finite number"),
+        (dict(temperature=float("nan")), "temperature=nan must be a finite number"),
+        (dict(stop_token_ids="5"), "must hold integer token ids"),
+        (dict(stop_token_ids=2.5), "must be a token id or a sequence"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            spec_generate(target, draft, PROMPTS, max_new_tokens=4, **kwargs)
+    with pytest.raises(ValueError, match=rf"prompt 1 has token id {vocab}, outside the target's vocabulary"):
+        spec_generate(target, draft, [[1, 2], [3, vocab]], max_new_tokens=4)
+    with pytest.raises(ValueError, match="prompt 0 has 512 tokens, but the model has 512 positions"):
+        spec_generate(target, draft, [[1] * 512], max_new_tokens=4)
+    small = make_draft(vocab - 8, backend="chunked")
+    with pytest.raises(ValueError, match=f"the draft's vocab_size={vocab - 8} differs from the target's {vocab}"):
+        spec_generate(target, small, PROMPTS, max_new_tokens=4)
