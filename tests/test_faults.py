@@ -443,3 +443,104 @@ def test_spec_generate_inputs_and_cache_growth(monkeypatch):
     small = make_draft(vocab - 8, backend="chunked")
     with pytest.raises(ValueError, match=f"the draft's vocab_size={vocab - 8} differs from the target's {vocab}"):
         spec_generate(target, small, PROMPTS, max_new_tokens=4)
+
+
+# ------------------------------------------------------------------------------------------ 7. HF drafters
+
+
+def test_bad_hf_drafters_are_explained(tmp_path):
+    from builders import tiny_draft_kwargs
+    from safetensors.torch import load_file, save_file
+
+    from megatron_dflash.body import DFlashBody
+    from megatron_dflash.checkpoint import load_hf_checkpoint, save_hf_checkpoint
+    from megatron_dflash.config import DFlashConfig
+
+    good = tmp_path / "good"
+    save_hf_checkpoint(DFlashBody(DFlashConfig(**tiny_draft_kwargs())), str(good))
+
+    def variant(name, edit_config=None, edit_weights=None):
+        out = tmp_path / name
+        shutil.copytree(good, out)
+        if edit_config is not None:
+            data = json.load(open(out / "config.json"))
+            edit_config(data)
+            (out / "config.json").write_text(json.dumps(data))
+        if edit_weights is not None:
+            edit_weights(out / "model.safetensors")
+        return str(out)
+
+    def truncate(path):
+        path.write_bytes(path.read_bytes()[:100])
+
+    def poison(path):
+        tensors = load_file(str(path))
+        name = sorted(tensors)[0]
+        tensors[name] = tensors[name].clone()
+        tensors[name].view(-1)[0] = float("nan")
+        save_file(tensors, str(path))
+
+    cases = [
+        (variant("truncated", edit_weights=truncate), "model.safetensors is not a readable safetensors file"),
+        (variant("nan", edit_weights=poison), "holds NaN or inf values"),
+        (variant("unknown", lambda d: d.update(architectures=["LlamaForCausalLM"])),
+         "has architectures=['LlamaForCausalLM'], not a draft model"),
+        (variant("malformed", lambda d: d.update(dflash_config="oops")), "config.json is not a valid"),
+    ]
+    for directory, message in cases:
+        with pytest.raises(ValueError) as info:
+            load_hf_checkpoint(directory)
+        assert message in str(info.value), str(info.value)
+        assert directory in str(info.value)
+
+
+# ------------------------------------------------------------------------------------------ plan bounds
+
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_HUGE = st.one_of(st.integers(-(2**63), 2**63 - 1), st.sampled_from([2**62, 2**63 - 1, 2**40, -(2**63)]))
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batch=st.integers(1, 3), seq_length=st.integers(1, 40),
+       block_size=st.one_of(st.integers(-2, 48), st.sampled_from([2**12, 2**12 + 1, 2**40])),
+       anchors_per_sample=st.one_of(st.integers(0, 48), st.sampled_from([2**20, 2**20 + 1, 2**40])),
+       step=st.integers(0, 2**64 - 1), seed=st.integers(-(2**63), 2**64 - 1), data=st.data())
+def test_plan_fuzz_with_upper_bounds(batch, seq_length, block_size, anchors_per_sample, step, seed, data):
+    """Any input gives a plan that keeps the invariants or a ValueError, never an allocation failure or an
+    overflow; `from_anchors` refuses anchors out of range however large."""
+    from megatron_dflash.plan import (
+        MAX_BLOCK_SIZE,
+        MAX_BLOCKS_PER_ROW,
+        MAX_PLAN_SLOTS,
+        DFlashBatchPlan,
+        build_dflash_batch_plan,
+    )
+
+    mask = torch.tensor(data.draw(st.lists(st.booleans(), min_size=batch * seq_length, max_size=batch * seq_length)))
+    mask = mask.reshape(batch, seq_length)
+    sids = torch.arange(batch, dtype=torch.int64) * 7919
+    bad = (not (2 <= block_size <= MAX_BLOCK_SIZE) or not (1 <= anchors_per_sample <= MAX_BLOCKS_PER_ROW)
+           or batch * anchors_per_sample * block_size > MAX_PLAN_SLOTS)
+    if bad:
+        with pytest.raises(ValueError):
+            build_dflash_batch_plan(mask, sids, anchors_per_sample=anchors_per_sample, block_size=block_size,
+                                    optimizer_step=step, seed=seed)
+        return
+    plan = build_dflash_batch_plan(mask, sids, anchors_per_sample=anchors_per_sample, block_size=block_size,
+                                   optimizer_step=step, seed=seed)
+    assert tuple(plan.anchor_positions.shape) == (batch, anchors_per_sample)
+    valid = plan.block_valid
+    anchors = plan.anchor_positions
+    assert bool(((anchors >= 0) & (anchors <= seq_length - block_size) | ~valid).all())
+    assert not bool(plan.loss_mask[~valid].any())  # invalid blocks supervise nothing
+    # from_anchors: an anchor anywhere in the int64 range is either in range or refused
+    anchor = data.draw(_HUGE)
+    given_anchors = torch.full((batch, 1), anchor, dtype=torch.int64)
+    if 0 <= anchor <= seq_length - block_size:
+        DFlashBatchPlan.from_anchors(given_anchors, block_size=block_size, input_mask=mask)
+    else:
+        with pytest.raises(ValueError, match="does not fit"):
+            DFlashBatchPlan.from_anchors(given_anchors, block_size=block_size, input_mask=mask)

@@ -536,7 +536,10 @@ def train(job: Job, *, hooks: Optional[dict] = None, env=None) -> TrainResult:
             if job.init_from is not None:
                 from ..checkpoint import load_hf_state_dict_into, read_safetensors
 
-                load_hf_state_dict_into(body, read_safetensors(job.init_from))
+                try:
+                    load_hf_state_dict_into(body, read_safetensors(job.init_from))
+                except ValueError as err:  # damaged weights: the same on every rank (each reads the file)
+                    raise ArgumentError(f"--dflash-init-from={job.init_from}: {err}") from err
                 _log(rank, f"[dflash] initialised the draft from {job.init_from}")
             body.to(ctx.device)
             body.train()
