@@ -292,6 +292,7 @@ class _StepRunner:
         self.args = job.args
         self.config = job.draft_config
         self.ratios: dict = {}
+        self._verified_step: Optional[int] = None  # last step whose plan the TP group compared
 
     def micro_batch(self, batch: dict, step: int, seed: int, backward: bool) -> list:
         """Forward (+ backward) of one micro-batch; returns the additive statistics as tensors."""
@@ -306,6 +307,14 @@ class _StepRunner:
         attach_dflash_plan(batch, optimizer_step=step, seed=seed, anchors_per_sample=args.dflash_anchors_per_sample,
                            block_size=cfg.block_size, use_documents=args.pack_sequences)
         plan = batch["dflash_plan"]
+        if self.job.tp > 1 and backward and step != self._verified_step and (
+                self._verified_step is None or step % args.log_interval == 0):
+            # The TP ranks of a group must hold the same batch and plan (they build them independently): checked
+            # on the first step and then once per logging interval (one small all-reduce over the TP group).
+            from ..data import verify_plan_agreement
+
+            verify_plan_agreement(plan, extra={"tokens": batch["tokens"]})
+            self._verified_step = step
         prefix = None
         if args.dflash_variable_prefix is not None:
             from ..variable_prefix import sample_prefix_lengths
