@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from megatron_dflash.training.arguments import ArgumentError, parse_args
-from megatron_dflash.training.errors import CheckpointError, DataError
+from megatron_dflash.training.errors import CheckpointError, DataError, RunError
 from megatron_dflash.training.job import prepare_job
 from test_training import STEPS_ARGS, _base, _run, tiny_target  # noqa: F401 - the module fixture
 
@@ -326,6 +326,11 @@ def test_nothing_to_learn_fails_before_training(tiny_target, tmp_path):
                       "--pack-sequences")
     argv[argv.index("chat")] = "text"
     with pytest.raises(DataError, match="in its own document"):
+        _run(argv)
+    # texts that tokenise to (almost) nothing: refused before training, naming the file
+    (tmp_path / "blank.jsonl").write_text("".join(json.dumps({"text": " "}) + "\n" for _ in range(4)))
+    argv[argv.index(str(tmp_path / "short.jsonl"))] = str(tmp_path / "blank.jsonl")
+    with pytest.raises(RunError, match=r"blank.jsonl\) has nothing to learn"):
         _run(argv)
     assert not (tmp_path / "hf").exists()  # no export of an untrained draft
 

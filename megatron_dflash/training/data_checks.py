@@ -35,7 +35,11 @@ def check_something_to_learn(dataset, collate, *, block_size: int, use_documents
 
     n = min(len(dataset), MAX_SAMPLES_SCANNED)
     for index in range(n):
-        batch = collate([dataset[index]])
+        try:
+            sample = dataset[index]
+        except ValueError as err:  # a record that tokenises to nothing, ...: named by file and line
+            raise DataError(str(err)) from None
+        batch = collate([sample])
         seq_length = batch["loss_mask"].shape[1]
         attach_dflash_plan(batch, optimizer_step=0, seed=seed, anchors_per_sample=seq_length, block_size=block_size,
                            use_documents=use_documents)

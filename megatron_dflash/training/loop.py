@@ -508,6 +508,7 @@ def train(job: Job, *, hooks: Optional[dict] = None, env=None) -> TrainResult:
     from .checkpointing import load_checkpoint, save_checkpoint
     from .monitor import Monitor, format_metrics
     from .optim import build_engine
+    from .errors import DataError
     from .resume import agree_on_resume_point
 
     hooks = hooks or {}
@@ -636,7 +637,11 @@ def train(job: Job, *, hooks: Optional[dict] = None, env=None) -> TrainResult:
             acc, names = None, []
             weight = torch.zeros((), dtype=torch.float64, device=ctx.device)
             for _ in range(args.num_micro_batches):
-                values, names = runner.micro_batch(next(data_iter), step=iteration, seed=args.seed, backward=True)
+                try:
+                    batch = next(data_iter)
+                except ValueError as err:  # a record that cannot be tokenised (named by file and line)
+                    raise DataError(str(err)) from None
+                values, names = runner.micro_batch(batch, step=iteration, seed=args.seed, backward=True)
                 # a micro-batch without a supervised slot (no valid anchor) adds nothing: counted, not an error
                 values, names = values + [(values[1] == 0).to(torch.float64)], names + [_EMPTY_MICRO_BATCHES]
                 weight = weight + values[1]
