@@ -560,7 +560,8 @@ def train(job: Job, *, hooks: Optional[dict] = None, env=None) -> TrainResult:
         start_iteration = 0
         if args.load is not None:
             # read on rank 0 and broadcast: every rank resumes at the same iteration or raises the same error
-            point = agree_on_resume_point(args.load, cfg, override_config=args.dflash_override_checkpoint_config,
+            point = agree_on_resume_point(args.load, cfg,
+                                          override_config=getattr(args, "dflash_override_checkpoint_config", False),
                                           log=lambda t: _log(rank, t))
             state = None
             if point is not None:
