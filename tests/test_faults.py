@@ -549,3 +549,22 @@ def test_plan_fuzz_with_upper_bounds(batch, seq_length, block_size, anchors_per_
     else:
         with pytest.raises(ValueError, match="does not fit"):
             DFlashBatchPlan.from_anchors(given_anchors, block_size=block_size, input_mask=mask)
+
+
+def test_evaluate_acceptance_explains_a_damaged_draft(tmp_path, capsys, monkeypatch):
+    import test_generate
+
+    sys_path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools")
+    monkeypatch.syspath_prepend(sys_path)
+    import evaluate_acceptance
+
+    _, _, target_dir, draft_dir, prompts = test_generate._write_models(tmp_path, False)
+    weights = draft_dir / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:64])
+    monkeypatch.setenv("MEGATRON_DFLASH_DEBUG", "0")
+    code = evaluate_acceptance.main(["--target", str(target_dir), "--draft", str(draft_dir), "--prompts", str(prompts),
+                                     "--max-new-tokens", "4", "--device", "cpu", "--dtype", "float32"])
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("evaluate_acceptance.py: error: ")
+    assert f"{weights} is not a readable safetensors file" in err
