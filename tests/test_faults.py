@@ -568,3 +568,11 @@ def test_evaluate_acceptance_explains_a_damaged_draft(tmp_path, capsys, monkeypa
     assert code == 1 and "Traceback" not in err
     assert err.strip().splitlines()[-1].startswith("evaluate_acceptance.py: error: ")
     assert f"{weights} is not a readable safetensors file" in err
+
+
+def test_an_empty_directory_named_like_a_checkpoint_starts_from_scratch(tmp_path):
+    from megatron_dflash.training.resume import find_resume_point
+
+    for name in ("iter_0000005", "release", "iter_runs"):
+        (tmp_path / name).mkdir()
+        assert find_resume_point(str(tmp_path / name)) is None

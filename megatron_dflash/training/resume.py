@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -126,7 +127,8 @@ def find_resume_point(load: str) -> Optional[ResumePoint]:
             + _write_tracker_hint(load, [it for it in _complete_iterations(load) if it != iteration]) + "."
         )
     name = os.path.basename(os.path.normpath(load))
-    if os.path.isfile(os.path.join(load, _METADATA)) or name == RELEASE or name.startswith("iter_"):
+    named_like_one = name == RELEASE or re.fullmatch(r"iter_\d{7,}", name) is not None
+    if os.path.isfile(os.path.join(load, _METADATA)) or (named_like_one and os.listdir(load)):
         parent = os.path.dirname(os.path.abspath(load))
         raise CheckpointError(
             f"--load={load} is one checkpoint, not a save directory; pass the directory that holds it and "
