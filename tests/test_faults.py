@@ -576,3 +576,40 @@ def test_an_empty_directory_named_like_a_checkpoint_starts_from_scratch(tmp_path
     for name in ("iter_0000005", "release", "iter_runs"):
         (tmp_path / name).mkdir()
         assert find_resume_point(str(tmp_path / name)) is None
+
+
+def _tp_rank_with_other_data(rank, world_size, target, out_dir):
+    """TP=2 ranks of one group; rank 1 reads different tokens (as from another copy of the data)."""
+    import pathlib
+
+    import megatron_cpu
+
+    from megatron_dflash import data
+
+    torch.set_num_threads(1)
+    if rank == 1:
+        real = data.Collator.__call__
+
+        def shifted(self, samples):
+            batch = real(self, samples)
+            batch["tokens"] = batch["tokens"].roll(1, dims=1)
+            return batch
+
+        data.Collator.__call__ = shifted
+    argv = _base(target, pathlib.Path(out_dir), "--train-iters", "2", "--micro-batch-size", "4",
+                 "--dflash-eval-prompts", "0", "--tensor-model-parallel-size", "2", "--target-backend", "megatron")
+    try:
+        with megatron_cpu.patched():
+            _run(argv)
+    except DataError as err:
+        return str(err)
+    finally:
+        if rank == 1:
+            data.Collator.__call__ = real
+    return None
+
+
+def test_tensor_parallel_ranks_with_different_data_stop_alike(tp_pool, tiny_target, tmp_path):
+    results = tp_pool(2).run(_tp_rank_with_other_data, tiny_target, str(tmp_path), tp=2, timeout=MULTI_RANK_TIMEOUT_S)
+    assert results[0] is not None and results[1] is not None, results
+    assert all("tokens" in r and "read different data" in r for r in results), results

@@ -311,9 +311,14 @@ class _StepRunner:
                 self._verified_step is None or step % args.log_interval == 0):
             # The TP ranks of a group must hold the same batch and plan (they build them independently): checked
             # on the first step and then once per logging interval (one small all-reduce over the TP group).
-            from ..data import verify_plan_agreement
+            from ..data import PlanDisagreementError, verify_plan_agreement
+            from .errors import DataError
 
-            verify_plan_agreement(plan, extra={"tokens": batch["tokens"]})
+            try:
+                verify_plan_agreement(plan, extra={"tokens": batch["tokens"]})
+            except PlanDisagreementError as err:  # raised on every rank of the group alike
+                raise DataError(f"{err} The tensor-parallel ranks read different data: the data files must be "
+                                "identical on every node.") from err
             self._verified_step = step
         prefix = None
         if args.dflash_variable_prefix is not None:
