@@ -291,27 +291,6 @@ def read_safetensors(directory: str) -> dict[str, torch.Tensor]:
     )
 
 
-def _architecture(directory: str) -> Optional[str]:
-    """The first entry of `architectures` in `directory/config.json` (None when absent)."""
-    path = os.path.join(directory, "config.json")
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        architectures = json.load(f).get("architectures") or [None]
-    return architectures[0]
-
-
-def _is_domino(directory: str) -> bool:
-    """`architectures: ["DominoDraftModel"]`, or the older layout with `dflash_config.projector_type: "domino"`."""
-    path = os.path.join(directory, "config.json")
-    if not os.path.isfile(path):
-        return False
-    from .variants.domino import is_domino_hf_config
-
-    with open(path) as f:
-        return is_domino_hf_config(json.load(f))
-
-
 def load_hf_checkpoint(
     directory: str,
     *,
@@ -319,7 +298,11 @@ def load_hf_checkpoint(
     tp_group=None,
     attention_backend: str = "auto",
 ) -> DFlashBody:
-    """Build a `DFlashBody` from a HF draft directory and load its weights.
+    """Build the draft body of a HF draft directory and load its weights.
+
+    The variant is the one `config.json` names (`convert.architecture_for_config`): DFlash,
+    DFlash 2, Domino or JetSpec, in the layout of any published writer (`config.py`), e.g. a
+    NeMo AutoModel `Qwen3DFlash2DraftModel` loads as a `DFlash2Body`.
 
     Every rank reads the file and keeps its own shard, so the TP size may differ from the
     one the checkpoint was trained with. With `parallel_config=None` the body is built by
@@ -330,25 +313,26 @@ def load_hf_checkpoint(
         FileNotFoundError: no config.json / safetensors in `directory`.
         ValueError: the weights do not match the config (names listed).
     """
-    if _architecture(directory) == "DFlash2DraftModel":
-        from .variants.dflash2 import load_dflash2_checkpoint  # the variant builds on this module
+    from .convert import architecture_for_config  # the variant registry builds on this module
 
-        return load_dflash2_checkpoint(
-            directory, parallel_config=parallel_config, tp_group=tp_group, attention_backend=attention_backend
-        )
-    if _is_domino(directory):
-        from .variants.domino import load_domino_checkpoint
-
-        return load_domino_checkpoint(
-            directory, parallel_config=parallel_config, tp_group=tp_group, attention_backend=attention_backend
-        )
-    config = DFlashConfig.from_pretrained(directory)
+    path = os.path.join(directory, CONFIG_NAME)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} does not exist: not a HF draft directory.")
+    with open(path) as f:
+        data = json.load(f)
+    variant = architecture_for_config(data, path)
+    try:
+        config = variant.config_cls().from_hf_dict(data)
+    except ValueError as err:
+        raise ValueError(f"{path} is not a valid {variant.name} config: {err}") from err
     if parallel_config is None:
         # Initialised although every weight is overwritten: megatron only marks its split
         # weights (`tensor_model_parallel`, which its optimizer and grad-norm code read) while
         # initialising them.
         parallel_config = default_parallel_config()
-    body = DFlashBody(config, parallel_config=parallel_config, tp_group=tp_group, attention_backend=attention_backend)
+    body = variant.body_cls()(
+        config, parallel_config=parallel_config, tp_group=tp_group, attention_backend=attention_backend
+    )
     load_hf_state_dict_into(body, read_safetensors(directory))
     return body
 

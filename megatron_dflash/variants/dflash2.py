@@ -40,7 +40,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..body import DFlashBody, default_parallel_config
-from ..config import DFLASH_ARCHITECTURE, DFlashConfig
+from ..config import DFLASH_ARCHITECTURE, DFlashConfig, architecture_name, resolve_causal
 from ..parallel import is_distributed_group, tensor_parallel_group
 from ..objectives import EmittedPathMetrics
 from ..plan import DFlashBatchPlan
@@ -140,14 +140,15 @@ class DFlash2Config(DFlashConfig):
 
     @classmethod
     def from_hf_dict(cls, data: dict[str, Any], **overrides: Any) -> "DFlash2Config":
-        """Read a DFlash 2 `config.json` (fields in `dflash_config`, else at the top level).
+        """Read a DFlash 2 `config.json` (fields in `dflash_config`, else at the top level), ours or
+        NeMo AutoModel's (`Qwen3DFlash2DraftModel`).
 
         Raises:
             ValueError: the file is labelled as another architecture, or lacks a DFlash 2 field.
         """
         data = dict(data)
         architectures = data.get("architectures") or []
-        if architectures and DFLASH2_ARCHITECTURE not in architectures:
+        if architectures and architecture_name(data) != DFLASH2_ARCHITECTURE:
             raise ValueError(
                 f"config.json has architectures={architectures}, not {DFLASH2_ARCHITECTURE!r}: this "
                 "is not a DFlash 2 draft. Load it with DFlashConfig instead."
@@ -165,10 +166,7 @@ class DFlash2Config(DFlashConfig):
                 f"config.json lacks the DFlash 2 fields {missing} (expected in dflash_config); "
                 "the serving runtimes cannot build the draft without them."
             )
-        has_direction = any(
-            source.get(key) is not None for source in (data, dflash) for key in ("is_causal", "causal")
-        )
-        if not has_direction:
+        if resolve_causal(data) is None:
             values["causal"] = None  # the file relies on the reference's per-layer default
         values.update(overrides)
         return super().from_hf_dict(data, **values)
