@@ -337,6 +337,23 @@ def test_config_validation_messages():
         tiny_config(block_size=1)
 
 
+@pytest.mark.parametrize("multiplier", [-1.0, -0.5, 0.0, float("inf"), float("nan")])
+def test_output_multiplier_must_be_positive(multiplier):
+    """A negative multiplier reverses every argmax of the draft: refused, in the config, in a
+    config.json and in the output head alike (the reference refuses it as well)."""
+    from megatron_dflash.objectives import OutputHead
+
+    with pytest.raises(ValueError, match="output_multiplier"):
+        tiny_config(output_multiplier=multiplier)
+    data = tiny_config(output_multiplier=2.0).to_hf_dict()
+    data["dflash_config"]["output_multiplier"] = multiplier
+    with pytest.raises(ValueError, match="output_multiplier"):
+        DFlashConfig.from_hf_dict(data)
+    with pytest.raises(ValueError, match="output_multiplier"):
+        OutputHead(torch.nn.Linear(4, 8, bias=False), 8, output_multiplier=multiplier)
+    assert tiny_config(output_multiplier=0.25).output_multiplier == 0.25
+
+
 # ------------------------------------------------------------------------------ target layers
 
 
