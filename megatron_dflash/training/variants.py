@@ -107,13 +107,14 @@ def _dflash2_loss(body, hidden, plan, input_ids, head, *, decay_gamma, chunk_slo
         "candidate_hits": m.candidate_hits, "supervised_tokens": m.supervised_tokens,
         "valid_blocks": m.valid_blocks, "base_loss_sum": m.base_loss_sum,
         "selector_loss_sum": m.selector_loss_sum, "loss_weight_sum": m.loss_weight_sum,
+        "selector_weight_sum": m.selector_weight_sum,
     }
     ratios = {
         "base accuracy": ("base_correct_tokens", "supervised_tokens"),
         "base acceptance": ("base_acceptance_sum", "valid_blocks"),
         "candidate recall": ("candidate_hits", "supervised_tokens"),
         "base loss": ("base_loss_sum", "loss_weight_sum"),
-        "selector loss": ("selector_loss_sum", "loss_weight_sum"),
+        "selector loss": ("selector_loss_sum", "selector_weight_sum"),
     }
     return VariantLoss(out.loss_sum, out.weight_sum, m.as_dflash_metrics(), extra, ratios)
 
