@@ -375,3 +375,18 @@ def test_our_layout_satisfies_every_reader(variant):
          "domino": "DominoDraftModel"}[variant]
     ]
     assert type(config).from_hf_dict(data) == config
+
+
+# ------------------------------------------------------------------------------ schedules
+
+
+def test_domino_curriculum_equals_the_reference():
+    get_lambda_base = nemo("domino_core").get_lambda_base
+    from megatron_dflash.variants.domino import domino_lambda
+
+    for total in (1, 7, 10, 1000):
+        for ratio in (0.0, 0.05, 0.35, 0.5, 1.0):
+            for start in (0.0, 0.3, 1.0, 1.5):
+                for step in sorted({0, 1, 2, 3, total // 3, total // 2, total - 1, total, total + 5}):
+                    ours = domino_lambda(step, total, lambda_start=start, decay_ratio=ratio)
+                    assert ours == get_lambda_base(step, total, start, ratio), (step, total, ratio, start)
