@@ -101,6 +101,37 @@ def test_output_shape_zero_at_invalid_blocks_and_no_nan():
     assert torch.equal(blocks.grad[1, 2], torch.zeros_like(blocks.grad[1, 2]))
 
 
+def test_unsupervised_slots_are_predictions_the_loss_never_reads():
+    """Why the body does not zero slots outside `plan.loss_mask` (see `DFlashBody.forward`): its
+    output does not depend on the supervision, and no gradient or loss value comes from those slots."""
+    from megatron_dflash.objectives import OutputHead, dflash_loss
+
+    config = tiny_config()
+    body = make_body(config)
+    holes = torch.ones(3, S, dtype=torch.bool)
+    holes[0, 8] = holes[1, 5] = holes[1, 14] = False  # unsupervised slots inside valid blocks
+    plan, full = make_plan(input_mask=holes), make_plan()
+    unsupervised = plan.block_valid[:, :, None] & ~plan.loss_mask
+    unsupervised[:, :, 0] = False
+    assert unsupervised.sum() == 3
+    taps, blocks = make_inputs(config, plan)
+    out = body(taps, blocks, plan)
+    assert torch.equal(out, body(taps, blocks, full))  # the same predictions, supervised or not
+
+    gen = torch.Generator().manual_seed(3)
+    head = OutputHead(torch.nn.Linear(H, config.vocab_size, bias=False), config.vocab_size)
+    ids = torch.randint(config.vocab_size, (3, S), generator=gen)
+    hidden = out.detach().clone().requires_grad_(True)
+    garbage = torch.where(unsupervised[..., None], 1e4 * torch.randn(out.shape, generator=gen), hidden.detach())
+    garbage.requires_grad_(True)
+    first, second = dflash_loss(hidden, plan, ids, head), dflash_loss(garbage, plan, ids, head)
+    assert torch.equal(first.loss_sum, second.loss_sum) and torch.equal(first.weight_sum, second.weight_sum)
+    first.loss_sum.backward()
+    second.loss_sum.backward()
+    assert torch.equal(hidden.grad, garbage.grad)
+    assert torch.equal(hidden.grad[unsupervised], torch.zeros_like(hidden.grad[unsupervised]))
+
+
 def test_batch_with_no_valid_block_at_all():
     config = tiny_config()
     body = make_body(config)
