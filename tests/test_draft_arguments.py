@@ -202,3 +202,37 @@ def test_variable_prefix_base_defaults_to_the_recipe():
     assert args_for().dflash_variable_prefix is None
     soft = args_for("--dflash-soft-target", "kl", "--dflash-distill-temperature", "2")
     assert (soft.dflash_soft_target, soft.dflash_distill_temperature) == ("kl", 2.0)
+
+
+def test_selector_loss_weight_reaches_the_dflash2_loss():
+    import argparse
+
+    import torch
+
+    from megatron_dflash.objectives import OutputHead
+    from megatron_dflash.plan import DFlashBatchPlan
+    from megatron_dflash.variants.dflash2 import DFlash2Body, DFlash2Config
+
+    from builders import tiny_draft_kwargs
+
+    torch.manual_seed(0)
+    config = DFlash2Config(**tiny_draft_kwargs(conv_group_size=16, selector_rank=4, selector_top_k=5))
+    body = DFlash2Body(config)
+    with torch.no_grad():
+        body.candidate_selector.successor_codebook.normal_()  # a selector that is not the identity
+    plan = DFlashBatchPlan.from_anchors(torch.tensor([[2, 6, 9]]), block_size=config.block_size, seq_length=14)
+    ids = torch.randint(config.vocab_size, (1, 14))
+    hidden = torch.randn(1, 3, config.block_size, config.hidden_size)
+    head = OutputHead(torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False), config.vocab_size)
+    spec = get_variant("dflash2")
+
+    def loss(weight):
+        args = argparse.Namespace(dflash_selector_loss_weight=weight)
+        with torch.no_grad():
+            return spec.loss(body, hidden, plan, ids, head, decay_gamma=None, chunk_slots=None, args=args)
+
+    none, one, two = loss(0.0), loss(1.0), loss(2.0)
+    assert torch.equal(none.loss_sum.double(), none.extra["base_loss_sum"])
+    selector_part = one.loss_sum - none.loss_sum
+    assert selector_part > 0
+    torch.testing.assert_close(two.loss_sum - none.loss_sum, 2 * selector_part)

@@ -441,3 +441,12 @@ def test_start_from_a_drafter_or_a_release_checkpoint(tiny_target, tmp_path):
     assert from_hf.losses == from_release.losses
     first = _run(_base(tiny_target, tmp_path / "again", *common))
     assert from_hf.losses[0] != first.losses[0]  # the drafter's weights were really used
+
+
+def test_soft_targets_for_plain_dflash(tiny_target, tmp_path):
+    """--dflash-soft-target kl trains against the target's own distribution: the loop captures the
+    target's final hidden states for it (the loss refuses to run without them)."""
+    soft = _run(_base(tiny_target, tmp_path / "soft", "--train-iters", "2", "--micro-batch-size", "4",
+                      "--global-batch-size", "4", "--dflash-eval-prompts", "0", "--dflash-soft-target", "kl",
+                      "--dflash-distill-temperature", "2"))
+    assert soft.iterations == 2 and all(math.isfinite(x) and x >= 0.0 for x in soft.losses)
