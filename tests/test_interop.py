@@ -390,3 +390,34 @@ def test_domino_curriculum_equals_the_reference():
                 for step in sorted({0, 1, 2, 3, total // 3, total // 2, total - 1, total, total + 5}):
                     ours = domino_lambda(step, total, lambda_start=start, decay_ratio=ratio)
                     assert ours == get_lambda_base(step, total, start, ratio), (step, total, ratio, start)
+
+
+def test_converter_takes_a_nemo_jetspec_drafter_to_the_published_layout(tmp_path):
+    """to-megatron reads NeMo's layout; to-hf writes ours (block_size at both places, both direction
+    flags) and says that SpecForge would run the causal drafter bidirectionally."""
+    import contextlib
+    import io
+
+    from megatron_dflash import convert
+
+    data = fixture("nemo_jetspec.json")
+    config = JetSpecConfig.from_hf_dict(data)
+    torch.manual_seed(0)
+    source = DFlashBody(config).eval()
+    randomize(source, 8)
+    (tmp_path / "nemo").mkdir()
+    save_file({k: v.contiguous() for k, v in source.state_dict().items() if not k.endswith("_extra_state")},
+              str(tmp_path / "nemo" / "model.safetensors"))
+    (tmp_path / "nemo" / "config.json").write_text(json.dumps(data))
+    assert convert.main(["to-megatron", "--load", str(tmp_path / "nemo"), "--output", str(tmp_path / "meg")]) == 0
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert convert.main(["to-hf", "--load", str(tmp_path / "meg"), "--output", str(tmp_path / "hf")]) == 0
+    assert "SpecForge" in out.getvalue()
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert written["architectures"] == ["DFlashDraftModel"] and written["block_size"] == 4
+    assert written["is_causal"] is True and written["dflash_config"]["causal"] is True
+    loaded = load_hf_checkpoint(str(tmp_path / "hf")).eval()
+    taps, blocks, plan = inputs(config)
+    with torch.no_grad():
+        assert torch.equal(loaded(taps, blocks, plan), source(taps, blocks, plan))
