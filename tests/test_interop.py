@@ -289,6 +289,32 @@ def test_our_export_loads_in_specforge(tmp_path):
         assert (decode_forward(ref, taps, blocks) - body(taps, blocks, plan)).abs().max().item() <= TOL
 
 
+def test_our_domino_export_loads_in_specforge(tmp_path):
+    """Every tensor of our Domino export lands in SpecForge's DominoDraftModel, and its backbone
+    computes what ours does."""
+    if importlib.util.find_spec("specforge") is None:
+        pytest.skip("SpecForge (`specforge==0.2.0`) is not installed")
+    from specforge.modeling.draft.domino import DominoDraftModel
+
+    from megatron_dflash.variants.domino import DominoBody, save_domino_checkpoint
+
+    torch.manual_seed(0)
+    config = DominoConfig(**tiny_draft_kwargs(emb_dim=8, gru_hidden_dim=12, shift_label=True, pure_draft_prefix_len=1))
+    body = DominoBody(config).eval()
+    randomize(body, 9)
+    save_domino_checkpoint(body, str(tmp_path / "ours"))
+    ref, info = DominoDraftModel.from_pretrained(str(tmp_path / "ours"), dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert (ref.shift_label, ref.pure_draft_prefix_len, ref.block_size) == (True, 1, config.block_size)
+    reference = ref.state_dict()
+    for name, tensor in body.state_dict().items():
+        if not name.endswith("_extra_state"):
+            assert torch.equal(tensor, reference[name]), name
+    taps, blocks, plan = inputs(config)
+    with torch.no_grad():
+        assert (decode_forward(ref.eval(), taps, blocks) - body(taps, blocks, plan)).abs().max().item() <= TOL
+
+
 def test_our_dflash2_export_loads_in_nemo(tmp_path):
     draft2 = nemo("draft_qwen3_dflash2")
     torch.manual_seed(0)
