@@ -23,9 +23,10 @@ setup(
         "test": ["pytest>=8", "hypothesis>=6"],
         # GPU only. Never install on CPU machines: its meta package breaks megatron imports.
         "te": ["transformer-engine[pytorch]"],
-        # The reference modeling code of the published drafters, for parity checks. It
-        # only needs torch and transformers: CI installs it with `pip install --no-deps`.
-        "interop": ["dflash==0.1.0"],
+        # The published readers and writers of drafters, for parity checks: the z-lab reference
+        # modeling code, NeMo AutoModel and SpecForge. The tests use only their modeling code,
+        # which needs torch and transformers: CI installs them with `pip install --no-deps`.
+        "interop": ["dflash==0.1.0", "nemo-automodel==0.7.0", "specforge==0.2.0"],
     },
     entry_points={
         "console_scripts": [

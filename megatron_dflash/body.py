@@ -149,7 +149,15 @@ class DFlashBody(nn.Module):
             plan: the `DFlashBatchPlan` of this batch.
 
         Returns:
-            `[B, N, W, H]` after the final norm; exactly zero at invalid blocks.
+            `[B, N, W, H]` after the final norm; exactly zero at invalid blocks. The slots of a
+            valid block are all returned, supervised or not (not zeroed outside `plan.loss_mask`):
+            they are the draft's predictions, which do not depend on the supervision, and some
+            consumers read unsupervised ones. Domino with `shift_label` trains slot `k` on the token
+            at `p + 1 + k` (slot 0 included), supervised by `input_mask[p + 1 + k]`, not by
+            `plan.loss_mask[k]`; the DFlash 2 greedy walk picks each slot's token after the previous
+            slot's pick, supervised or not, as decoding does. The losses select supervised slots
+            (`torch.where`, not a product), so an unsupervised slot's value never reaches a loss or
+            a gradient.
         """
         self._validate(target_hidden, block_embeddings, plan)
         plan = plan.to(target_hidden.device)

@@ -304,36 +304,6 @@ def _load_safetensors_file(path: str) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _architecture(directory: str) -> Optional[str]:
-    """The first entry of `architectures` in `directory/config.json` (None when absent)."""
-    path = os.path.join(directory, "config.json")
-    if not os.path.isfile(path):
-        return None
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except (ValueError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path} is not valid JSON: {err}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} must hold a JSON object.")
-    architectures = data.get("architectures") or [None]
-    return architectures[0] if isinstance(architectures, list) else architectures
-
-
-def _is_domino(directory: str) -> bool:
-    """`architectures: ["DominoDraftModel"]`, or the older layout with `dflash_config.projector_type: "domino"`."""
-    path = os.path.join(directory, "config.json")
-    if not os.path.isfile(path):
-        return False
-    from .variants.domino import is_domino_hf_config
-
-    with open(path) as f:
-        try:
-            return is_domino_hf_config(json.load(f))
-        except (ValueError, AttributeError, TypeError):  # malformed: the config parser says what is wrong
-            return False
-
-
 def load_hf_checkpoint(
     directory: str,
     *,
@@ -341,7 +311,11 @@ def load_hf_checkpoint(
     tp_group=None,
     attention_backend: str = "auto",
 ) -> DFlashBody:
-    """Build a `DFlashBody` from a HF draft directory and load its weights.
+    """Build the draft body of a HF draft directory and load its weights.
+
+    The variant is the one `config.json` names (`convert.architecture_for_config`): DFlash,
+    DFlash 2, Domino or JetSpec, in the layout of any published writer (`config.py`), e.g. a
+    NeMo AutoModel `Qwen3DFlash2DraftModel` loads as a `DFlash2Body`.
 
     Every rank reads the file and keeps its own shard, so the TP size may differ from the
     one the checkpoint was trained with. With `parallel_config=None` the body is built by
@@ -352,33 +326,20 @@ def load_hf_checkpoint(
         FileNotFoundError: no config.json / safetensors in `directory`.
         ValueError: the weights do not match the config (names listed).
     """
-    if _architecture(directory) == "DFlash2DraftModel":
-        from .variants.dflash2 import load_dflash2_checkpoint  # the variant builds on this module
+    from .convert import _config_from_dict, _read_json  # the variant registry builds on this module
 
-        return load_dflash2_checkpoint(
-            directory, parallel_config=parallel_config, tp_group=tp_group, attention_backend=attention_backend
-        )
-    if _is_domino(directory):
-        from .variants.domino import load_domino_checkpoint
-
-        return load_domino_checkpoint(
-            directory, parallel_config=parallel_config, tp_group=tp_group, attention_backend=attention_backend
-        )
-    architecture = _architecture(directory)
-    from .convert import _known_names  # convert builds on this module
-
-    if architecture is not None and architecture not in _known_names():
-        raise ValueError(
-            f"{os.path.join(directory, 'config.json')} has architectures=[{architecture!r}], not a draft model "
-            f"(known: {_known_names()}); pass a DFlash drafter directory."
-        )
-    config = DFlashConfig.from_pretrained(directory)
+    path = os.path.join(directory, CONFIG_NAME)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} does not exist: not a HF draft directory.")
+    variant, config = _config_from_dict(_read_json(path), path)
     if parallel_config is None:
         # Initialised although every weight is overwritten: megatron only marks its split
         # weights (`tensor_model_parallel`, which its optimizer and grad-norm code read) while
         # initialising them.
         parallel_config = default_parallel_config()
-    body = DFlashBody(config, parallel_config=parallel_config, tp_group=tp_group, attention_backend=attention_backend)
+    body = variant.body_cls()(
+        config, parallel_config=parallel_config, tp_group=tp_group, attention_backend=attention_backend
+    )
     load_hf_state_dict_into(body, read_safetensors(directory))
     return body
 

@@ -5,14 +5,33 @@ The draft is a small Qwen3-style decoder stack. Its `config.json` is a Qwen3 con
 serving runtimes read (DESIGN section 7)::
 
     {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": ...,
-     "num_target_layers": 36,
+     "num_target_layers": 36, "block_size": 16,
      "dflash_config": {"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33],
                        "block_size": 16}}
 
-Older files keep `block_size` at the top level, and RoPE is written either as
-`rope_theta`/`rope_scaling` (transformers 4) or as `rope_parameters` (transformers 5);
-all of these are read. We write the published layout: `dflash_config.block_size`,
-`rope_theta` and `rope_scaling`.
+One layout, every reader. The published writers disagree on where a field lives, and each
+reader looks in one place only:
+
+* **z-lab `dflash` reference**: architectures `DFlashDraftModel` / `DFlash2DraftModel`; every
+  field from `dflash_config`, then the top level; in-block direction from the top-level
+  `is_causal` only (absent: sliding layers causal, full-attention layers bidirectional).
+* **NeMo AutoModel 0.7.0**: writes `Qwen3DFlashDraftModel` (DFlash, Domino and JetSpec alike)
+  or `Qwen3DFlash2DraftModel`, `block_size` at both places, `is_causal: false` at the top
+  level always, and for JetSpec `dflash_config.causal: true` (what it trained with, and what
+  vLLM reads); it loads by class and reads `block_size` from `dflash_config` first.
+* **SpecForge 0.2.0**: `DFlashDraftModel` / `DominoDraftModel`; `block_size` at the top level
+  only, `mask_token_id` / `target_layer_ids` / Domino fields from `dflash_config`; ignores
+  `is_causal`, so every full-attention layer runs bidirectionally.
+
+We write `block_size` both at the top level and in `dflash_config`, `is_causal` at the top level
+and `dflash_config.causal` whenever the direction is fixed, and the architecture names of the
+z-lab and SpecForge entries (NeMo loads by class and does not read the name). We read all of the
+above: `architecture_name` maps NeMo's names onto ours, `resolve_causal` says which direction
+flag wins. RoPE is read either as `rope_theta`/`rope_scaling` (transformers 4) or as
+`rope_parameters` (transformers 5) and written as the former.
+
+SpecForge runs a causal (JetSpec) drafter bidirectionally: serve those with the z-lab reference
+or vLLM (which reads `dflash_config.causal`).
 """
 
 from __future__ import annotations
@@ -25,6 +44,11 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 DFLASH_ARCHITECTURE = "DFlashDraftModel"
+# NeMo AutoModel names its drafters after its Qwen3 classes; they are the same drafts.
+ARCHITECTURE_ALIASES = {
+    "Qwen3DFlashDraftModel": DFLASH_ARCHITECTURE,
+    "Qwen3DFlash2DraftModel": "DFlash2DraftModel",
+}
 LAYER_TYPES = ("full_attention", "sliding_attention")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -36,6 +60,32 @@ _DFLASH_CONFIG_KEYS = (
     "output_multiplier",
     "final_logit_softcapping",
 )
+
+
+def architecture_name(data: dict[str, Any]) -> str:
+    """`architectures[0]` of a `config.json` dict under our name (`DFlashDraftModel` when absent).
+
+    NeMo AutoModel's `Qwen3DFlashDraftModel` / `Qwen3DFlash2DraftModel` are read as
+    `DFlashDraftModel` / `DFlash2DraftModel`: the same tensors and fields.
+    """
+    name = (data.get("architectures") or [DFLASH_ARCHITECTURE])[0]
+    return ARCHITECTURE_ALIASES.get(name, name)
+
+
+def resolve_causal(data: dict[str, Any]) -> Optional[bool]:
+    """In-block direction a `config.json` dict declares: True, False, or None (per-layer default).
+
+    `dflash_config.causal` wins over the top-level `is_causal` (then `causal`): NeMo AutoModel
+    writes `is_causal: false` on every drafter it trains, JetSpec included, and records the
+    causal in-block attention its JetSpec drafters were trained with only as
+    `dflash_config.causal: true` (which vLLM reads too). Files written by us or by the z-lab
+    reference never disagree.
+    """
+    dflash = data.get("dflash_config") or {}
+    for source, key in ((dflash, "causal"), (data, "is_causal"), (data, "causal"), (dflash, "is_causal")):
+        if source.get(key) is not None:
+            return bool(source[key])
+    return None
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -216,8 +266,12 @@ class DFlashConfig:
             raise ValueError(f"hidden_act={self.hidden_act!r}: only 'silu' (SwiGLU) is supported.")
         if not (self.input_embedding_scale > 0):
             raise ValueError(f"input_embedding_scale={self.input_embedding_scale} must be > 0.")
-        if not math.isfinite(self.output_multiplier) or self.output_multiplier == 0:
-            raise ValueError(f"output_multiplier={self.output_multiplier} must be finite and non-zero.")
+        if not (math.isfinite(self.output_multiplier) and self.output_multiplier > 0):
+            raise ValueError(
+                f"output_multiplier={self.output_multiplier} must be finite and > 0: the draft's logits are "
+                "multiplied by it, and a negative factor reverses every argmax (zero flattens them). Use the "
+                "target's own positive multiplier, or 1.0 when it has none."
+            )
         if self.final_logit_softcapping is not None and not (self.final_logit_softcapping > 0):
             raise ValueError(
                 f"final_logit_softcapping={self.final_logit_softcapping} must be > 0 or None."
@@ -309,13 +363,16 @@ class DFlashConfig:
                 "dflash_config": dflash_config,
             }
         )
+        # Both places: SpecForge reads `block_size` only at the top level.
+        out["block_size"] = self.block_size
         if self.causal is not None:
             out["is_causal"] = self.causal
+            dflash_config["causal"] = self.causal
         return out
 
     @classmethod
     def from_hf_dict(cls, data: dict[str, Any], **overrides: Any) -> "DFlashConfig":
-        """Read a published `config.json` (either RoPE layout, either `block_size` place)."""
+        """Read a published `config.json` of any writer (see the module docstring)."""
         data = dict(data)
         dflash = dict(data.pop("dflash_config", None) or {})
         known = {f.name for f in dataclasses.fields(cls)}
@@ -326,18 +383,18 @@ class DFlashConfig:
         for name in _DFLASH_CONFIG_KEYS:
             if name in dflash:
                 kwargs[name] = dflash.pop(name)
-        if "block_size" in dflash:
+        if "block_size" in dflash:  # the published place wins over the top level
             kwargs["block_size"] = dflash.pop("block_size")
         if "num_target_layers" not in kwargs and "num_target_layers" in dflash:
             kwargs["num_target_layers"] = dflash.pop("num_target_layers")
         if "num_target_layers" not in kwargs:
             raise ValueError("config.json has no num_target_layers; the draft cannot know its target's depth.")
-        # In-block causality: `is_causal` (what the reference reads) or `causal`.
-        for key in ("is_causal", "causal"):
-            for source in (data, dflash):
-                if key in source and source[key] is not None:
-                    kwargs.setdefault("causal", bool(source[key]))
-                source.pop(key, None)
+        causal = resolve_causal({**data, "dflash_config": dflash})
+        if causal is not None:
+            kwargs["causal"] = causal
+        for source in (data, dflash):
+            source.pop("is_causal", None)
+            source.pop("causal", None)
         kwargs["rope_theta"], kwargs["rope_scaling"] = read_rope_parameters(data)
         if kwargs.get("head_dim") is None:  # Qwen3 files may omit it: hidden / heads
             kwargs["head_dim"] = int(kwargs.get("hidden_size", 1024)) // int(kwargs.get("num_attention_heads", 16))

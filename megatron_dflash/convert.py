@@ -85,6 +85,7 @@ import tempfile
 from typing import Any, Iterator, Mapping, Optional, Union
 
 from .atomic import atomic_directory
+from .config import architecture_name, resolve_causal
 
 __all__ = [
     "TRACKER_FILENAME",
@@ -96,6 +97,7 @@ __all__ = [
     "register_architecture",
     "architecture_for_config",
     "architecture_of",
+    "serving_notes",
     "iteration_dir_name",
     "read_tracker",
     "write_tracker",
@@ -309,7 +311,10 @@ class DraftArchitecture:
                 matches = self._resolve(self.matches)
             except (ImportError, AttributeError):  # the variant's module is unavailable
                 return False
-            return bool(matches(data))
+            try:
+                return bool(matches(data))
+            except (AttributeError, TypeError, ValueError):  # malformed: the config parser says what is wrong
+                return False
         return _architecture_name(data) == self.name
 
 
@@ -321,7 +326,7 @@ _FP16_MESSAGE = (
 
 
 def _architecture_name(data: Mapping[str, Any]) -> str:
-    return (data.get("architectures") or [_DFLASH])[0]
+    return architecture_name(data)
 
 
 def _is_jetspec_config(data: Mapping[str, Any]) -> bool:
@@ -332,10 +337,7 @@ def _is_jetspec_config(data: Mapping[str, Any]) -> bool:
     dflash = data.get("dflash_config") or {}
     if dflash.get("projector_type", data.get("projector_type")) not in (None, "dflash"):
         return False
-    flags = [
-        source.get(key) for source in (data, dflash) for key in ("is_causal", "causal") if source.get(key) is not None
-    ]
-    return bool(flags) and all(bool(flag) for flag in flags)
+    return resolve_causal(data) is True
 
 
 # Checked in order; the first variant that accepts a config.json builds it. Keys are variant ids.
@@ -393,8 +395,8 @@ def architecture_for_config(data: Mapping[str, Any], source: str = "config") -> 
         if entry.accepts(data):
             return entry
     raise ValueError(
-        f"{source} has architectures={data.get('architectures')}; known draft architectures are "
-        f"{_known_names()}. Register a new variant with "
+        f"{source} has architectures={data.get('architectures')}, not a draft model (known draft architectures: "
+        f"{_known_names()}); pass a DFlash drafter directory, or register a new variant with "
         "megatron_dflash.convert.register_architecture(...)."
     )
 
@@ -826,6 +828,21 @@ class ConversionResult:
     iteration: Optional[Iteration] = None  # to-megatron: the checkpoint written
 
 
+def serving_notes(config_data: Mapping[str, Any]) -> list[str]:
+    """What a user serving an exported HF draft must know that its config.json cannot say.
+
+    SpecForge 0.2.0 ignores `is_causal` and runs every full-attention layer bidirectionally, so a
+    drafter with causal in-block attention (JetSpec, or `causal: true`) runs wrong there.
+    """
+    if resolve_causal(dict(config_data)) is True:
+        return [
+            "this draft has causal in-block attention (is_causal / dflash_config.causal: true). The z-lab "
+            "dflash reference and vLLM honour it; SpecForge ignores is_causal and would run its "
+            "full-attention layers bidirectionally, so do not serve it with SpecForge."
+        ]
+    return []
+
+
 def _overlap(a: str, b: str) -> bool:
     a, b = os.path.realpath(a), os.path.realpath(b)
     return a == b or a.startswith(b + os.sep) or b.startswith(a + os.sep)
@@ -1144,6 +1161,9 @@ def main(argv: Optional[list[str]] = None, prog: str = _PROG) -> int:
         f"{result.dtype}) from {result.source} to {result.output}{where}"
         + ("; validated: every tensor identical" if result.validated else "")
     )
+    if args.command == "to-hf":
+        for note in serving_notes(_read_json(os.path.join(result.output, "config.json"))):
+            print(f"note: {note}")
     return 0
 
 

@@ -131,8 +131,8 @@ class OutputHead:
                 f"({self._local_vocab} per rank x TP {self.tp_group.size()}); vocab_size must be between 1 and "
                 "the layer's width (pass the real, unpadded vocabulary)."
             )
-        if not math.isfinite(self.output_multiplier) or self.output_multiplier == 0:
-            raise ValueError(f"OutputHead.output_multiplier={self.output_multiplier} must be finite and non-zero.")
+        if not (math.isfinite(self.output_multiplier) and self.output_multiplier > 0):
+            raise ValueError(f"OutputHead.output_multiplier={self.output_multiplier} must be finite and > 0.")
         if self.final_logit_softcapping is not None and not self.final_logit_softcapping > 0:
             raise ValueError(
                 f"OutputHead.final_logit_softcapping={self.final_logit_softcapping} must be > 0 or None."

@@ -485,10 +485,15 @@ def build_dflash_batch_plan(
     """Choose up to ``anchors_per_sample`` anchors per row, deterministically, and lay out the blocks.
 
     An anchor ``p`` is eligible when
+      * it is supervised itself: ``input_mask[p]``. Decoding only ever anchors a block on a token the
+        target has just produced, never on a prompt token, so the last prompt token (whose next token
+        is supervised) is no anchor, while a supervised token is one even when its next token is not;
       * the block fits: ``p + block_size - 1 <= S - 1``;
-      * the first predicted token is supervised: ``input_mask[p + 1]``;
+      * the block supervises at least one slot: ``input_mask[p + k]`` for some ``1 <= k < block_size``
+        (a block with nothing to learn would only cost compute and take an anchor from another);
       * with ``document_ids``: ``p .. p + block_size - 1`` lie in one contiguous run of equal document id
-        and that id is >= 0 (negative ids mark padding, never a document).
+        and that id is >= 0 (negative ids mark padding, never a document), i.e. at least
+        ``block_size - 1`` further real tokens of its own document follow ``p``.
     Among the eligible positions of a row, ``min(N, #eligible)`` are drawn without replacement in the
     order given by an integer hash of ``(seed, optimizer_step, sample_id, p)``; see the module docstring.
     A row with no eligible anchor gets no valid block and an all-False loss mask.
@@ -538,12 +543,14 @@ def build_dflash_batch_plan(
     run_start, run_id = _runs(document_ids, batch, seq_length, device)
 
     # ---- eligibility [B, S] ----
-    fits = positions <= seq_length - block_size  # [S]; W >= 2 so p + 1 is in range when this holds
-    next_supervised = torch.zeros_like(input_mask)
-    next_supervised[:, :-1] = input_mask[:, 1:]
-    eligible = next_supervised & fits[None, :]
+    fits = positions <= seq_length - block_size  # [S]; the block p .. p + W - 1 is in range when this holds
+    # Supervised slots 1 .. W-1 of the block at p, from a prefix count: C[p + W - 1] - C[p] with C the
+    # inclusive cumulative sum of input_mask (clamped reads only where ``fits`` is False anyway).
+    counts = input_mask.to(torch.int64).cumsum(dim=1)  # [B, S]
+    last = (positions + (block_size - 1)).clamp(max=seq_length - 1)  # [S]
+    supervised_ahead = torch.gather(counts, 1, last[None, :].expand(batch, seq_length)) - counts
+    eligible = input_mask & fits[None, :] & (supervised_ahead > 0)
     if document_ids is not None:
-        last = (positions + (block_size - 1)).clamp(max=seq_length - 1)  # [S]
         same_run = torch.gather(run_id, 1, last[None, :].expand(batch, seq_length)) == run_id
         eligible = eligible & same_run & (document_ids >= 0)
 

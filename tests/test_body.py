@@ -101,6 +101,37 @@ def test_output_shape_zero_at_invalid_blocks_and_no_nan():
     assert torch.equal(blocks.grad[1, 2], torch.zeros_like(blocks.grad[1, 2]))
 
 
+def test_unsupervised_slots_are_predictions_the_loss_never_reads():
+    """Why the body does not zero slots outside `plan.loss_mask` (see `DFlashBody.forward`): its
+    output does not depend on the supervision, and no gradient or loss value comes from those slots."""
+    from megatron_dflash.objectives import OutputHead, dflash_loss
+
+    config = tiny_config()
+    body = make_body(config)
+    holes = torch.ones(3, S, dtype=torch.bool)
+    holes[0, 8] = holes[1, 5] = holes[1, 14] = False  # unsupervised slots inside valid blocks
+    plan, full = make_plan(input_mask=holes), make_plan()
+    unsupervised = plan.block_valid[:, :, None] & ~plan.loss_mask
+    unsupervised[:, :, 0] = False
+    assert unsupervised.sum() == 3
+    taps, blocks = make_inputs(config, plan)
+    out = body(taps, blocks, plan)
+    assert torch.equal(out, body(taps, blocks, full))  # the same predictions, supervised or not
+
+    gen = torch.Generator().manual_seed(3)
+    head = OutputHead(torch.nn.Linear(H, config.vocab_size, bias=False), config.vocab_size)
+    ids = torch.randint(config.vocab_size, (3, S), generator=gen)
+    hidden = out.detach().clone().requires_grad_(True)
+    garbage = torch.where(unsupervised[..., None], 1e4 * torch.randn(out.shape, generator=gen), hidden.detach())
+    garbage.requires_grad_(True)
+    first, second = dflash_loss(hidden, plan, ids, head), dflash_loss(garbage, plan, ids, head)
+    assert torch.equal(first.loss_sum, second.loss_sum) and torch.equal(first.weight_sum, second.weight_sum)
+    first.loss_sum.backward()
+    second.loss_sum.backward()
+    assert torch.equal(hidden.grad, garbage.grad)
+    assert torch.equal(hidden.grad[unsupervised], torch.zeros_like(hidden.grad[unsupervised]))
+
+
 def test_batch_with_no_valid_block_at_all():
     config = tiny_config()
     body = make_body(config)
@@ -337,6 +368,23 @@ def test_config_validation_messages():
         tiny_config(block_size=1)
 
 
+@pytest.mark.parametrize("multiplier", [-1.0, -0.5, 0.0, float("inf"), float("nan")])
+def test_output_multiplier_must_be_positive(multiplier):
+    """A negative multiplier reverses every argmax of the draft: refused, in the config, in a
+    config.json and in the output head alike (the reference refuses it as well)."""
+    from megatron_dflash.objectives import OutputHead
+
+    with pytest.raises(ValueError, match="output_multiplier"):
+        tiny_config(output_multiplier=multiplier)
+    data = tiny_config(output_multiplier=2.0).to_hf_dict()
+    data["dflash_config"]["output_multiplier"] = multiplier
+    with pytest.raises(ValueError, match="output_multiplier"):
+        DFlashConfig.from_hf_dict(data)
+    with pytest.raises(ValueError, match="output_multiplier"):
+        OutputHead(torch.nn.Linear(4, 8, bias=False), 8, output_multiplier=multiplier)
+    assert tiny_config(output_multiplier=0.25).output_multiplier == 0.25
+
+
 # ------------------------------------------------------------------------------ target layers
 
 
@@ -378,8 +426,9 @@ def test_hf_config_round_trip(tmp_path):
     )
     data = config.to_hf_dict()
     assert data["architectures"] == ["DFlashDraftModel"] and data["model_type"] == "qwen3"
-    assert data["dflash_config"]["block_size"] == W and "block_size" not in data
-    assert data["is_causal"] is True and data["eos_token_id"] == 7
+    # Both places: the published drafters and NeMo read dflash_config, SpecForge the top level.
+    assert data["dflash_config"]["block_size"] == W and data["block_size"] == W
+    assert data["is_causal"] is True and data["dflash_config"]["causal"] is True and data["eos_token_id"] == 7
     assert DFlashConfig.from_hf_dict(json.loads(json.dumps(data))) == config
     config.save_pretrained(str(tmp_path))
     assert DFlashConfig.from_pretrained(str(tmp_path)) == config

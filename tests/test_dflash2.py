@@ -108,8 +108,8 @@ def test_config_hf_round_trip():
     with pytest.raises(ValueError, match="not a DFlash 2"):
         DFlash2Config.from_hf_dict(plain)
     # A file without is_causal keeps the reference's per-layer default.
-    undirected = dict(data)
-    del undirected["is_causal"]
+    undirected = json.loads(json.dumps(data))
+    del undirected["is_causal"], undirected["dflash_config"]["causal"]
     assert DFlash2Config.from_hf_dict(undirected).causal is None
 
 
@@ -366,11 +366,17 @@ def test_saved_dflash2_matches_reference(tmp_path, layer_types):
 # ================================================================================== objective
 
 
-def naive_dflash2_loss(hidden, plan, input_ids, head, selector, decay_gamma, selector_weight):
-    """Slot by slot with full logits: (loss_sum, weight_sum, dict of metric counts)."""
+def naive_dflash2_loss(hidden, plan, input_ids, head, selector, decay_gamma, selector_weight_factor):
+    """Slot by slot with full logits: (loss_sum, weight_sum, dict of metric counts).
+
+    As the reference: each term is a weighted mean over the slots it trains on, the selector's over
+    the slots whose label is among the candidates; `loss_sum / weight_sum` is their weighted sum.
+    """
     B, N, W, _ = hidden.shape
     K = selector.top_k
     loss = hidden.new_zeros(())
+    selector_loss = hidden.new_zeros(())
+    selector_weight = 0.0
     weight_sum = 0.0
     counts = dict(supervised=0, hits=0, tf=0, walk_correct=0, base_correct=0)
     walk_correct = torch.zeros(B, N, W - 1, dtype=torch.bool)
@@ -399,8 +405,12 @@ def naive_dflash2_loss(hidden, plan, input_ids, head, selector, decay_gamma, sel
                     counts["hits"] += 1
                     scores = selector.score(hidden[b, n, k], values, ids, input_ids[b, p + k - 1])
                     target = int((ids == label).nonzero()[0, 0])
-                    loss = loss + selector_weight * w * F.cross_entropy(scores[None], torch.tensor([target]))
+                    selector_loss = selector_loss + w * F.cross_entropy(scores[None], torch.tensor([target]))
+                    selector_weight += w
                     counts["tf"] += int(scores.argmax() == target)
+    if selector_weight > 0:
+        loss = loss + selector_weight_factor * weight_sum * selector_loss / selector_weight
+    counts["selector_loss"] = float(selector_loss / max(selector_weight, 1e-12))
     supervised = plan.loss_mask[:, :, 1:]
     counts["walk_correct"] = int(walk_correct.sum())
     counts["base_correct"] = int(base_correct.sum())
@@ -466,8 +476,12 @@ def test_loss_matches_naive_reference(chunk_slots):
     assert float(m.acceptance_sum) == counts["walk_acceptance"]
     assert float(m.base_correct_tokens) == counts["base_correct"]
     assert float(m.base_acceptance_sum) == counts["base_acceptance"]
+    # The selector term is a mean over the slots with their label among the candidates (not
+    # diluted by the recall), as the reference normalises it.
+    torch.testing.assert_close(float(m.selector_loss), counts["selector_loss"], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(
-        m.base_loss_sum + 0.5 * m.selector_loss_sum, got.loss_sum.detach().double(), rtol=1e-6, atol=1e-6
+        m.base_loss_sum + 0.5 * m.loss_weight_sum * m.selector_loss, got.loss_sum.detach().double(),
+        rtol=1e-6, atol=1e-6,
     )
 
 

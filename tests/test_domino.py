@@ -126,7 +126,11 @@ def test_curriculum_schedule():
     assert lam(0, lambda_start=1.5) == 1.0 and lam(100, lambda_start=1.5) == pytest.approx(1.0)  # clamped
     assert lam(400, lambda_start=1.5) == pytest.approx(0.3)
     assert lam(0, lambda_start=-0.2) == 0.0
-    assert lam(0, decay_ratio=0.0) == 0.0
+    # As the reference: the decay length is an integer number of steps (at least one), so step 0
+    # keeps lambda_start even with decay_ratio 0, and 0.35 * 10 steps decay over int(3.5) = 3.
+    assert lam(0, decay_ratio=0.0) == pytest.approx(0.8) and lam(1, decay_ratio=0.0) == 0.0
+    assert domino_lambda(2, 10, lambda_start=0.9, decay_ratio=0.35) == pytest.approx(0.3)
+    assert domino_lambda(3, 10, lambda_start=0.9, decay_ratio=0.35) == 0.0
     assert domino_lambda(9, 10, lambda_start=1.0, decay_ratio=1.0) == pytest.approx(0.1)
     for bad in (dict(step=-1), dict(decay_ratio=1.5), dict(lambda_start=float("nan"))):
         with pytest.raises(ValueError):

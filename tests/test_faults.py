@@ -19,7 +19,7 @@ import torch
 from megatron_dflash.training.arguments import ArgumentError, parse_args
 from megatron_dflash.training.errors import CheckpointError, DataError, RunError
 from megatron_dflash.training.job import prepare_job
-from test_training import STEPS_ARGS, _base, _run, tiny_target  # noqa: F401 - the module fixture
+from test_training import STEPS_ARGS, TINY_DRAFT, _base, _run, tiny_target  # noqa: F401 - the module fixture
 
 MULTI_RANK_TIMEOUT_S = 300.0  # generous (a shared, loaded machine), but a hang fails instead of blocking
 SHORT = ["--train-iters", "2", "--micro-batch-size", "4", "--global-batch-size", "4", "--dflash-eval-prompts", "0"]
@@ -50,7 +50,7 @@ def _copy(save, tmp_path, name="copy"):
 
 def _job_error(tiny_target, tmp_path, *argv):
     with pytest.raises(ArgumentError) as info:
-        prepare_job(parse_args(["--target", tiny_target, "--data-format", "synthetic", *argv]), 1, env={}, cuda=False)
+        prepare_job(parse_args(["--target", tiny_target, "--data-format", "synthetic", *TINY_DRAFT, *argv]), 1, env={}, cuda=False)
     message = str(info.value)
     assert "\n" not in message
     return message
@@ -172,7 +172,7 @@ def test_load_of_an_absent_directory_trains_from_scratch_loudly(tiny_target, tmp
 def test_resume_refuses_a_different_draft(tiny_target, tmp_path, trained):
     save = _copy(trained, tmp_path)
     more = [a if a != "2" else "3" for a in SHORT]  # --train-iters 3
-    mask = prepare_job(parse_args(["--target", tiny_target, "--data-format", "synthetic"]), 1, env={},
+    mask = prepare_job(parse_args(["--target", tiny_target, "--data-format", "synthetic", *TINY_DRAFT]), 1, env={},
                        cuda=False).draft_config.mask_token_id
     for flag, value, field in (("--dflash-target-layer-ids", "1,2", "target_layer_ids"),
                                ("--dflash-mask-token-id", str(mask - 1), "mask_token_id"),
@@ -310,7 +310,7 @@ def _chats(path, with_answer: list):
 
 
 def _chat_args(tiny_target, tmp_path, data, *extra):
-    return ["--target", tiny_target, "--no-progress-bar", "--seq-length", "48", "--dflash-anchors-per-sample", "4",
+    return ["--target", tiny_target, *TINY_DRAFT, "--no-progress-bar", "--seq-length", "48", "--dflash-anchors-per-sample", "4",
             "--lr-warmup-iters", "1", "--dflash-eval-prompts", "0", "--data-format", "chat", "--train-data", str(data),
             "--dflash-export", str(tmp_path / "hf"), *extra]
 
@@ -389,7 +389,7 @@ def test_token_ids_are_checked_against_the_vocabulary(tiny_target, tmp_path):
         ids = list(range(3, 40)) + ([vocab] if n == 2 else [])
         builder.add_document(torch.tensor(ids, dtype=torch.int32), [len(ids)])
     builder.finalize(prefix + ".idx")
-    argv = ["--target", tiny_target, "--no-progress-bar", "--seq-length", "48", "--train-iters", "1",
+    argv = ["--target", tiny_target, *TINY_DRAFT, "--no-progress-bar", "--seq-length", "48", "--train-iters", "1",
             "--micro-batch-size", "2", "--dflash-eval-prompts", "0", "--data-format", "indexed", "--data-path", prefix,
             "--dflash-export", str(tmp_path / "hf")]
     with pytest.raises(DataError, match=rf"indexed.bin: token \d+ has id {vocab}, outside the target's vocabulary"):

@@ -126,7 +126,7 @@ def naive_eligible(mask_row: list, doc_row: Optional[list], block_size: int) -> 
     for p in range(seq_length):
         if p + block_size - 1 > seq_length - 1:
             continue
-        if not mask_row[p + 1]:
+        if not mask_row[p] or not any(mask_row[p + k] for k in range(1, block_size)):
             continue
         if doc_row is not None:
             if doc_row[p] < 0 or any(doc_row[q] != doc_row[p] for q in range(p, p + block_size)):
@@ -382,7 +382,8 @@ def test_valid_blocks_inside_sequence_and_document(inputs):
             assert 0 <= a and a + width - 1 <= seq_length - 1
             assert doc[a] >= 0, "a block never starts in padding"
             assert all(doc[q] == doc[a] for q in range(a, a + width)), "a block lies inside one document"
-            assert inputs.mask[r][a + 1], "the first predicted token is supervised"
+            assert inputs.mask[r][a], "the anchor is a supervised token"
+            assert any(inputs.mask[r][a + k] for k in range(1, width)), "the block supervises a slot"
 
 
 @settings(max_examples=80, **HYP)
@@ -403,7 +404,9 @@ def test_number_of_valid_blocks_matches_naive_oracle(inputs):
         ([True] * 3, None, 4),  # sequence shorter than a block
         ([True] * 12, [-1] * 12, 3),  # all padding
         ([True] * 12, [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5], 3),  # every document shorter than a block
-        ([True] + [False] * 11, None, 2),  # only position 0 supervised, so no p has p + 1 supervised
+        ([True] + [False] * 11, None, 2),  # only position 0 supervised: its block supervises nothing
+        ([False] * 5 + [True] * 7, None, 13),  # the block would start at the last prompt token
+        ([False, True] * 6, None, 2),  # every supervised token is followed by an unsupervised one
         ([True] * 1, None, 2),  # a single token
     ],
 )
@@ -419,6 +422,37 @@ def test_row_without_valid_window_gets_no_block_and_no_loss(mask_row, doc_row, b
     assert not plan.loss_mask[0].any()
     assert plan.anchor_positions[0].eq(0).all()
     assert plan.token_indices.max() < len(mask_row), "token_indices stay gatherable for invalid blocks"
+
+
+def test_anchor_is_a_supervised_token_whose_block_supervises_something():
+    """The anchor rule: a supervised position (never the last prompt token, which decoding never
+    anchors on), with a full block ahead, whose block supervises at least one slot."""
+    F, T = False, True
+    mask_row = [F, F, F, T, T, T, F, F, F, F, T, F, T, F, F, F]
+    # 2: last prompt token (unsupervised); 5, 12: supervised but nothing supervised in their blocks;
+    # 9: unsupervised; 10: supervised, slot 1 not but slot 2 is -> an anchor.
+    expected = [3, 4, 10]
+    assert naive_eligible(mask_row, None, 3) == expected
+    plan = build_dflash_batch_plan(
+        torch.tensor([mask_row]), torch.tensor([0]), anchors_per_sample=8, block_size=3, optimizer_step=0, seed=0,
+    )
+    assert valid_anchors(plan, 0) == expected
+    assert plan.loss_mask[plan.block_valid].any(dim=-1).all(), "every valid block supervises a slot"
+    assert all(mask_row[p] for p in valid_anchors(plan, 0))
+    # Packed: the same rule inside each document, whose blocks must fit in it.
+    docs = [0] * 8 + [1] * 8
+    assert naive_eligible(mask_row, docs, 3) == [3, 4, 10]
+    packed = build_dflash_batch_plan(
+        torch.tensor([mask_row]), torch.tensor([0]), anchors_per_sample=8, block_size=3, optimizer_step=0, seed=0,
+        document_ids=torch.tensor([docs]),
+    )
+    assert valid_anchors(packed, 0) == [3, 4, 10]
+    docs = [0] * 5 + [1] * 11  # document 0 ends at 4: the blocks at 3 and 4 would cross it
+    packed = build_dflash_batch_plan(
+        torch.tensor([mask_row]), torch.tensor([0]), anchors_per_sample=8, block_size=3, optimizer_step=0, seed=0,
+        document_ids=torch.tensor([docs]),
+    )
+    assert valid_anchors(packed, 0) == naive_eligible(mask_row, docs, 3) == [10]
 
 
 def test_more_blocks_than_positions_pads_with_invalid_blocks():

@@ -16,7 +16,9 @@ import torch
 from megatron_dflash.training.arguments import ArgumentError, parse_args, validate_args
 from megatron_dflash.training.job import prepare_job
 
-STEPS_ARGS = ["--data-format", "synthetic", "--no-progress-bar", "--log-interval", "1", "--seq-length", "48", "--synthetic-train-samples", "64",
+# The tiny target has 6 layers: the published recipe's 5-layer, block-16 draft does not fit it.
+TINY_DRAFT = ["--dflash-num-layers", "2", "--dflash-block-size", "8"]
+STEPS_ARGS = [*TINY_DRAFT, "--data-format", "synthetic", "--no-progress-bar", "--log-interval", "1", "--seq-length", "48", "--synthetic-train-samples", "64",
               "--synthetic-valid-samples", "16", "--eval-iters", "1", "--dflash-anchors-per-sample", "4",
               "--lr", "2e-3", "--lr-warmup-iters", "1"]
 
@@ -132,8 +134,8 @@ def _without_mask_token(tiny_target, tmp_path):
 def test_job_errors_need_the_target(tiny_target, tmp_path):
     def err(*argv, world=1):
         with pytest.raises(ArgumentError) as info:
-            prepare_job(parse_args(["--target", tiny_target, "--data-format", "synthetic", *argv]), world,
-                        env={}, cuda=False)
+            prepare_job(parse_args(["--target", tiny_target, "--data-format", "synthetic", *TINY_DRAFT, *argv]),
+                        world, env={}, cuda=False)
         return str(info.value)
 
     assert "has no mask token, and the MASK token is never guessed" in err("--tokenizer", _without_mask_token(tiny_target, tmp_path))
@@ -147,13 +149,14 @@ def test_job_errors_need_the_target(tiny_target, tmp_path):
     from megatron_dflash.checkpoint import save_hf_checkpoint
     from megatron_dflash.body import DFlashBody
 
-    job = prepare_job(parse_args(["--target", tiny_target, "--data-format", "synthetic"]), 1, env={}, cuda=False)
+    job = prepare_job(parse_args(["--target", tiny_target, "--data-format", "synthetic", *TINY_DRAFT]), 1, env={},
+                      cuda=False)
     save_hf_checkpoint(DFlashBody(job.draft_config), str(tmp_path / "drafter"))
     assert "--dflash-block-size=4 but the drafter has 8" in err("--dflash-init-from", str(tmp_path / "drafter"),
                                                                 "--dflash-block-size", "4")
     # the same job resolves without errors: the MASK token comes from the tokenizer
     assert job.draft_config.mask_token_id == job.tokenizer.mask_token_id
-    assert job.draft_config.hidden_size == 128 and job.decay_gamma == job.draft_config.block_size - 1
+    assert job.draft_config.hidden_size == 128 and job.decay_gamma == 4.0  # the recipe's value for block 8
 
 
 def _rank_errors(rank, world_size, target):
@@ -161,7 +164,7 @@ def _rank_errors(rank, world_size, target):
     cases = [
         ["--micro-batch-size", "4", "--global-batch-size", "6"],
         ["--tensor-model-parallel-size", "2"],
-        ["--target", target, "--data-format", "synthetic", "--dflash-mask-token-id", "100000"],
+        ["--target", target, "--data-format", "synthetic", *TINY_DRAFT, "--dflash-mask-token-id", "100000"],
         ["--target", target, "--data-format", "synthetic", "--tensor-model-parallel-size", "2", "--target-backend",
          "megatron", "--dflash-num-layers", "0"],
     ]
@@ -408,7 +411,7 @@ def test_chat_text_and_indexed_data(tiny_target, tmp_path):
     for c in chats:
         builder.add_document(torch.tensor(tok(c[1]["content"])["input_ids"], dtype=torch.int32), [len(tok(c[1]["content"])["input_ids"])])
     builder.finalize(prefix + ".idx")
-    common = ["--target", tiny_target, "--no-progress-bar", "--seq-length", "64", "--train-iters", "2",
+    common = ["--target", tiny_target, *TINY_DRAFT, "--no-progress-bar", "--seq-length", "64", "--train-iters", "2",
               "--micro-batch-size", "4", "--dflash-anchors-per-sample", "4", "--eval-iters", "1", "--lr-warmup-iters", "0",
               "--dflash-eval-max-new-tokens", "4", "--dflash-eval-ignore-eos"]
     for name, extra in (("chat", ["--data-format", "chat", "--train-data", str(tmp_path / "chat.jsonl"),
@@ -438,3 +441,12 @@ def test_start_from_a_drafter_or_a_release_checkpoint(tiny_target, tmp_path):
     assert from_hf.losses == from_release.losses
     first = _run(_base(tiny_target, tmp_path / "again", *common))
     assert from_hf.losses[0] != first.losses[0]  # the drafter's weights were really used
+
+
+def test_soft_targets_for_plain_dflash(tiny_target, tmp_path):
+    """--dflash-soft-target kl trains against the target's own distribution: the loop captures the
+    target's final hidden states for it (the loss refuses to run without them)."""
+    soft = _run(_base(tiny_target, tmp_path / "soft", "--train-iters", "2", "--micro-batch-size", "4",
+                      "--global-batch-size", "4", "--dflash-eval-prompts", "0", "--dflash-soft-target", "kl",
+                      "--dflash-distill-temperature", "2"))
+    assert soft.iterations == 2 and all(math.isfinite(x) and x >= 0.0 for x in soft.losses)

@@ -29,7 +29,14 @@ _DIGEST_WORDS = 4  # 4 x 60 bits of the SHA-256 digest
 
 
 def _canonical(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, default=repr)
+    return json.dumps(value, sort_keys=True, default=_canonical_default)
+
+
+def _canonical_default(value: Any):
+    # A set's iteration order depends on the process's hash seed: sort it so equal sets agree.
+    if isinstance(value, (set, frozenset)):
+        return sorted(value, key=repr)
+    return repr(value)
 
 
 def job_fields(job) -> dict[str, str]:

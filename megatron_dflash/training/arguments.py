@@ -32,6 +32,10 @@ __all__ = [
     "parse_args",
     "validate_args",
     "parse_layer_ids",
+    "RunDefault",
+    "resolve_run_defaults",
+    "draft_config_overrides",
+    "resolve_decay_gamma",
     "world_size_from_env",
     "cuda_available",
 ]
@@ -130,37 +134,42 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hf: transformers model (TP=PP=1 only); megatron: megatron-core GPTModel at TP/PP.")
 
     g = p.add_argument_group("draft")
-    g.add_argument("--dflash-variant", choices=VARIANTS, default="dflash")
-    g.add_argument("--dflash-block-size", type=int, default=None, help="gamma + 1 (default 8).")
-    g.add_argument("--dflash-anchors-per-sample", type=int, default=8)
-    g.add_argument("--dflash-decay-gamma", type=float, default=None,
-                   help="loss weight decay length (default: block_size - 1; 0: uniform weights).")
+    g.add_argument("--dflash-variant", choices=VARIANTS, default="dflash", help="the draft model to train.")
+    g.add_argument("--dflash-block-size", type=int, default=RunDefault(16, 8), help="gamma + 1.")
+    g.add_argument("--dflash-anchors-per-sample", type=int, default=RunDefault(512, 8),
+                   help="blocks per row (with --target at most seq_length - block_size + 1 by default).")
+    g.add_argument("--dflash-decay-gamma", type=float, default=RunDefault(DECAY_GAMMA_HELP, "block_size - 1"),
+                   help="loss weight decay length (0: uniform weights; JetSpec is uniform unless given).")
     g.add_argument("--dflash-target-layer-ids", default=None,
                    help="comma-separated 0-based target layers to tap (default: the published formula).")
     g.add_argument("--dflash-mask-token-id", type=int, default=None,
                    help="MASK token id (default: the tokenizer's mask token; never guessed).")
-    g.add_argument("--dflash-num-layers", type=int, default=None, help="draft decoder layers (default 2).")
+    g.add_argument("--dflash-num-layers", type=int, default=RunDefault(5, 2), help="draft decoder layers.")
     g.add_argument("--dflash-init-from", default=None, help="initialise from a published HF drafter directory.")
     g.add_argument("--dflash-pipeline-stage", type=int, default=-1,
                    help="pipeline stage that holds the draft (-1: the last).")
-    g.add_argument("--dflash-variable-prefix", type=float, default=None, metavar="BASE",
-                   help="variable-prefix (D2SD) training with prior Pr(l) ~ BASE**l (off by default).")
+    g.add_argument("--dflash-variable-prefix", type=float, nargs="?", const=0.9, default=None, metavar="BASE",
+                   help="variable-prefix (D2SD) training with prior Pr(l) ~ BASE**l (off by default; BASE 0.9 "
+                   "when given without a value).")
     g.add_argument("--dflash-distill-temperature", type=float, default=1.0,
-                   help="JetSpec: temperature of the forward KL to the target.")
-    g.add_argument("--dflash-domino-lambda-start", type=float, default=1.0,
+                   help="JetSpec, and --dflash-soft-target: temperature of the distillation to the target.")
+    g.add_argument("--dflash-domino-lambda-start", type=float, default=RunDefault(1.0, same=True),
                    help="Domino: initial weight of the backbone-only loss (curriculum).")
-    g.add_argument("--dflash-domino-decay-ratio", type=float, default=0.5,
+    g.add_argument("--dflash-domino-decay-ratio", type=float, default=RunDefault(0.5, same=True),
                    help="Domino: fraction of training over which that weight decays to 0.")
     g.add_argument("--dflash-loss-chunk", type=int, default=1024, help="predicted slots per loss chunk.")
-    g.add_argument("--dflash-attention-backend", choices=ATTENTION_BACKENDS, default="auto")
+    g.add_argument("--dflash-attention-backend", choices=ATTENTION_BACKENDS, default="auto",
+                   help="block attention kernel of the draft.")
     g.add_argument("--dflash-eval-prompts", default=None,
                    help="JSONL of prompts ({input_ids}|{prompt}|{messages}) for the acceptance evaluation, "
                    "or an integer N: N held-out synthetic chats (default 24 for synthetic data).")
-    g.add_argument("--dflash-eval-max-new-tokens", type=int, default=64)
+    g.add_argument("--dflash-eval-max-new-tokens", type=int, default=64,
+                   help="acceptance evaluation: tokens generated per prompt.")
     g.add_argument("--dflash-eval-ignore-eos", action="store_true",
                    help="acceptance evaluation: always generate --dflash-eval-max-new-tokens (no stop token).")
     g.add_argument("--dflash-export", default=None,
                    help="HF draft directory written at the end (default: <save>/hf, else runs/<time>/hf).")
+    add_draft_recipe_arguments(p)
     return p
 
 
@@ -232,10 +241,12 @@ def validate_args(
 
     Derived fields set on `args`: `data_parallel_size`, `num_micro_batches`, `global_batch_size`
     (when None), `lr_decay_iters` (when None), `dflash_target_layer_ids_list`, `train_path`,
-    `use_cuda`.
+    `use_cuda`, and the draft settings' defaults for this run (`resolve_run_defaults`,
+    `dflash_defaulted`).
     """
     env = os.environ if env is None else env
     cuda = cuda_available() if cuda is None else cuda
+    resolve_run_defaults(args)
     errors: list[str] = []
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
 
@@ -405,12 +416,15 @@ def validate_args(
             )
     if not (math.isfinite(args.dflash_distill_temperature) and args.dflash_distill_temperature > 0):
         raise ArgumentError(f"--dflash-distill-temperature={args.dflash_distill_temperature} must be > 0.")
-    if args.dflash_distill_temperature != 1.0 and args.dflash_variant != "jetspec":
-        raise ArgumentError("--dflash-distill-temperature only applies to --dflash-variant jetspec.")
+    if args.dflash_distill_temperature != 1.0 and args.dflash_variant != "jetspec" and args.dflash_soft_target == "none":
+        raise ArgumentError(
+            "--dflash-distill-temperature only applies to --dflash-variant jetspec or with --dflash-soft-target."
+        )
     if not 0.0 <= args.dflash_domino_decay_ratio <= 1.0:
         raise ArgumentError(f"--dflash-domino-decay-ratio={args.dflash_domino_decay_ratio} must be in [0, 1].")
     if not (math.isfinite(args.dflash_domino_lambda_start) and 0.0 <= args.dflash_domino_lambda_start <= 1.0):
         raise ArgumentError(f"--dflash-domino-lambda-start={args.dflash_domino_lambda_start} must be in [0, 1].")
+    validate_draft_recipe_args(args)
     if args.dflash_attention_backend == "flex" and not cuda:
         raise ArgumentError("--dflash-attention-backend flex needs CUDA; use auto or chunked on CPU.")
     prompts = args.dflash_eval_prompts
@@ -437,3 +451,217 @@ def _is_int(text) -> bool:
     except ValueError:
         return False
     return True
+
+
+# ------------------------------------------------------------------------------------------ draft settings
+#
+# Every setting of the draft on the command line. Defaults follow the published recipe (NeMo
+# AutoModel's DFlash recipes, SpecForge) for a real target (`--target`); the embedded job (no
+# `--target`) keeps its own small settings. Defaults that depend on that, or that must be told apart
+# from the same value given explicitly (a drafter of `--dflash-init-from` brings its own), are
+# `RunDefault`s, resolved by `resolve_run_defaults`.
+
+
+class RunDefault:
+    """The default of a flag: `recipe` for a run with `--target`, `embedded` for the embedded job.
+
+    Shown by `--help` as is; `resolve_run_defaults` replaces it by the value, so later code never sees
+    it. A flag still holding one was not given on the command line.
+    """
+
+    def __init__(self, recipe, embedded=None, *, same: bool = False):
+        self.recipe = recipe
+        self.embedded = recipe if same or embedded is None else embedded
+
+    def value(self, with_target: bool):
+        return self.recipe if with_target else self.embedded
+
+    def __str__(self) -> str:
+        if self.recipe == self.embedded:
+            return str(self.recipe)
+        return f"{self.recipe} with --target, {self.embedded} for the embedded job"
+
+    __repr__ = __str__
+
+
+# The published recipe's decay length per block size (16 is the shipped configuration).
+RECIPE_DECAY_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+DECAY_GAMMA_HELP = "the recipe's (7 for block 16, 5 for 10, 4 for 8, else (block_size - 1) / 2)"
+LAYER_TYPE_NAMES = ("full_attention", "sliding_attention")
+
+# --dflash-* flag (argparse dest) -> (config field, the variant it belongs to, or None for every one).
+# These describe the draft's architecture: with --dflash-init-from they come from the drafter, and a
+# flag given explicitly must agree with it.
+DRAFT_CONFIG_FLAGS = {
+    "dflash_num_heads": ("num_attention_heads", None),
+    "dflash_num_kv_heads": ("num_key_value_heads", None),
+    "dflash_head_dim": ("head_dim", None),
+    "dflash_intermediate_size": ("intermediate_size", None),
+    "dflash_sliding_window": ("sliding_window", None),
+    "dflash_layer_types": ("layer_types", None),
+    "dflash_input_embedding_scale": ("input_embedding_scale", None),
+    "dflash_output_multiplier": ("output_multiplier", None),
+    "dflash_final_logit_softcapping": ("final_logit_softcapping", None),
+    "dflash_selector_rank": ("selector_rank", "dflash2"),
+    "dflash_selector_top_k": ("selector_top_k", "dflash2"),
+    "dflash_conv_kernel_size": ("conv_kernel_size", "dflash2"),
+    "dflash_conv_group_size": ("conv_group_size", "dflash2"),
+    "dflash_domino_emb_dim": ("emb_dim", "domino"),
+    "dflash_domino_gru_hidden_dim": ("gru_hidden_dim", "domino"),
+    "dflash_domino_shift_label": ("shift_label", "domino"),
+    "dflash_domino_pure_draft_prefix_len": ("pure_draft_prefix_len", "domino"),
+}
+# Training settings of one variant only (not part of the drafter).
+VARIANT_ONLY_FLAGS = {
+    "dflash_selector_loss_weight": "dflash2",
+    "dflash_domino_projector_type": "domino",
+    "dflash_domino_lambda_start": "domino",
+    "dflash_domino_decay_ratio": "domino",
+}
+
+
+def add_draft_recipe_arguments(p: argparse.ArgumentParser) -> None:
+    """The draft's architecture and the variants' settings, with the published recipe's defaults."""
+    g = p.add_argument_group(
+        "draft architecture and variant settings",
+        "Unset sizes follow the target (the published recipe). With --dflash-init-from they come from the "
+        "drafter, and a flag given must agree with it.",
+    )
+    target = RunDefault("the target's", same=True)
+    g.add_argument("--dflash-num-heads", type=int, default=target, help="attention heads of the draft.")
+    g.add_argument("--dflash-num-kv-heads", type=int, default=target, help="key/value heads of the draft.")
+    g.add_argument("--dflash-head-dim", type=int, default=target, help="attention head size of the draft.")
+    g.add_argument("--dflash-intermediate-size", type=int, default=target, help="MLP width of the draft.")
+    g.add_argument("--dflash-sliding-window", type=int, default=RunDefault("none (full attention)", same=True),
+                   help="attention window over the target context; makes every layer a sliding_attention layer "
+                   "unless --dflash-layer-types says otherwise.")
+    g.add_argument("--dflash-layer-types", default=RunDefault("full_attention on every layer", same=True),
+                   help="comma-separated full_attention / sliding_attention, one per draft layer (or one for all).")
+    g.add_argument("--dflash-input-embedding-scale", type=float, default=RunDefault(1.0, same=True),
+                   help="the target's scale of its input embeddings (the draft blocks are embedded with it).")
+    g.add_argument("--dflash-output-multiplier", type=float, default=RunDefault(1.0, same=True),
+                   help="the target's multiplier of its output logits (> 0).")
+    g.add_argument("--dflash-final-logit-softcapping", type=float, default=RunDefault("none", same=True),
+                   help="the target's logit soft-capping.")
+    g.add_argument("--dflash-soft-target", choices=("none", "ce", "kl"), default="none",
+                   help="DFlash: train against the target's distribution (soft cross entropy or forward KL at "
+                   "--dflash-distill-temperature) instead of the data tokens.")
+    g.add_argument("--dflash-selector-rank", type=int, default=RunDefault(256, same=True),
+                   help="DFlash 2: width of the candidate selector's codebooks.")
+    g.add_argument("--dflash-selector-top-k", type=int, default=RunDefault(16, same=True),
+                   help="DFlash 2: candidates per drafted position.")
+    g.add_argument("--dflash-conv-kernel-size", type=int, default=RunDefault(2, same=True),
+                   help="DFlash 2: taps of the in-block convolutions.")
+    g.add_argument("--dflash-conv-group-size", type=int, default=RunDefault(16, same=True),
+                   help="DFlash 2: channels sharing one dynamic convolution coefficient.")
+    g.add_argument("--dflash-selector-loss-weight", type=float, default=RunDefault(1.0, same=True),
+                   help="DFlash 2: weight of the candidate-selection loss.")
+    g.add_argument("--dflash-domino-projector-type", choices=("domino",), default=RunDefault("domino", same=True),
+                   help="Domino: the correction head (the only one published).")
+    g.add_argument("--dflash-domino-emb-dim", type=int, default=RunDefault(256, same=True),
+                   help="Domino: width of the correction MLP.")
+    g.add_argument("--dflash-domino-gru-hidden-dim", type=int, default=RunDefault(1024, same=True),
+                   help="Domino: GRU state size.")
+    g.add_argument("--dflash-domino-shift-label", action=argparse.BooleanOptionalAction,
+                   default=RunDefault(True, same=True),
+                   help="Domino: slot k of a block at p predicts x[p + 1 + k] (slot 0 included), not x[p + k].")
+    g.add_argument("--dflash-domino-pure-draft-prefix-len", type=int, default=RunDefault(1, same=True),
+                   help="Domino: leading predicted slots left uncorrected.")
+
+
+def resolve_run_defaults(args: argparse.Namespace) -> None:
+    """Replace every `RunDefault` by its value for this run; record the flags left at their default in
+    `args.dflash_defaulted`. With `--dflash-init-from`, the drafter's architecture is used: the
+    architecture flags left at their default become None."""
+    if hasattr(args, "dflash_defaulted"):  # already resolved
+        return
+    with_target = args.target is not None
+    defaulted = set()
+    for name, value in list(vars(args).items()):
+        if isinstance(value, RunDefault):
+            defaulted.add(name)
+            setattr(args, name, value.value(with_target))
+    args.dflash_defaulted = defaulted
+    # Descriptions, not values: unset means "take it from the target / leave it off".
+    for name in ("dflash_num_heads", "dflash_num_kv_heads", "dflash_head_dim", "dflash_intermediate_size",
+                 "dflash_sliding_window", "dflash_layer_types", "dflash_final_logit_softcapping",
+                 "dflash_decay_gamma"):
+        if name in defaulted:
+            setattr(args, name, None)
+    if args.dflash_init_from is not None:
+        for name in ("dflash_block_size", "dflash_num_layers", *DRAFT_CONFIG_FLAGS):
+            if name in defaulted:
+                setattr(args, name, None)
+
+
+def validate_draft_recipe_args(args: argparse.Namespace) -> None:
+    """The checks of `add_draft_recipe_arguments`' flags (after `resolve_run_defaults`)."""
+    variant = args.dflash_variant
+    for name, owner in [*((n, v) for n, (_, v) in DRAFT_CONFIG_FLAGS.items()), *VARIANT_ONLY_FLAGS.items()]:
+        if owner is not None and owner != variant and name not in args.dflash_defaulted:
+            raise ArgumentError(
+                f"--{name.replace('_', '-')} only applies to --dflash-variant {owner} (this run trains {variant})."
+            )
+    for name in ("dflash_num_heads", "dflash_num_kv_heads", "dflash_head_dim", "dflash_intermediate_size",
+                 "dflash_sliding_window", "dflash_selector_rank", "dflash_selector_top_k", "dflash_conv_kernel_size",
+                 "dflash_conv_group_size", "dflash_domino_emb_dim", "dflash_domino_gru_hidden_dim"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ArgumentError(f"--{name.replace('_', '-')}={value} must be an integer >= 1.")
+    if args.dflash_domino_pure_draft_prefix_len is not None and args.dflash_domino_pure_draft_prefix_len < 0:
+        raise ArgumentError(
+            f"--dflash-domino-pure-draft-prefix-len={args.dflash_domino_pure_draft_prefix_len} must be >= 0."
+        )
+    for name in ("dflash_input_embedding_scale", "dflash_output_multiplier", "dflash_final_logit_softcapping"):
+        value = getattr(args, name)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ArgumentError(f"--{name.replace('_', '-')}={value} must be a finite number > 0.")
+    weight = args.dflash_selector_loss_weight
+    if not (math.isfinite(weight) and weight >= 0):
+        raise ArgumentError(f"--dflash-selector-loss-weight={weight} must be a finite number >= 0.")
+    if args.dflash_layer_types is not None:
+        types = [t for t in str(args.dflash_layer_types).replace(" ", "").split(",") if t]
+        unknown = sorted(set(types) - set(LAYER_TYPE_NAMES))
+        if not types or unknown:
+            raise ArgumentError(
+                f"--dflash-layer-types={args.dflash_layer_types!r}: expected comma-separated "
+                f"{' / '.join(LAYER_TYPE_NAMES)}."
+            )
+        args.dflash_layer_types = types
+    if args.dflash_soft_target != "none" and variant != "dflash":
+        raise ArgumentError(
+            f"--dflash-soft-target applies to --dflash-variant dflash ({variant} has its own objective)."
+        )
+
+
+def draft_config_overrides(args: argparse.Namespace, num_layers: Optional[int]) -> dict:
+    """`DFlashConfig` fields (of the run's variant) that the command line sets; the rest follow the
+    target (or, with `--dflash-init-from`, the drafter). `num_layers` expands a single layer type."""
+    out = {}
+    for name, (field, owner) in DRAFT_CONFIG_FLAGS.items():
+        value = getattr(args, name)
+        if value is None or (owner is not None and owner != args.dflash_variant):
+            continue
+        out[field] = value
+    if "sliding_window" in out and "layer_types" not in out and num_layers is not None:
+        out["layer_types"] = ["sliding_attention"] * num_layers  # as the published recipe does
+    types = out.get("layer_types")
+    if types is not None and len(types) == 1 and num_layers is not None:
+        out["layer_types"] = types * num_layers
+    return out
+
+
+def resolve_decay_gamma(args: argparse.Namespace, block_size: int) -> Optional[float]:
+    """The loss weights' decay length for this run (None: uniform weights).
+
+    Given explicitly: that (0 is uniform). Otherwise JetSpec is uniform (its published setting), a run
+    with --target uses the recipe's value for its block size (`RECIPE_DECAY_GAMMA`, (W - 1) / 2 for the
+    other sizes), and the embedded job keeps block_size - 1.
+    """
+    if args.dflash_decay_gamma is not None:
+        return None if args.dflash_decay_gamma == 0 else float(args.dflash_decay_gamma)
+    if args.dflash_variant == "jetspec":
+        return None
+    if args.target is None:
+        return float(block_size - 1)
+    return RECIPE_DECAY_GAMMA.get(block_size, (block_size - 1) / 2)

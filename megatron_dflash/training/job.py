@@ -16,8 +16,11 @@ from typing import Any, Optional
 
 from ..config import DFlashConfig, read_rope_parameters
 from .arguments import (
+    DRAFT_CONFIG_FLAGS,
     EMBEDDED_SYNTHETIC_HELDOUT_SEED,
     ArgumentError,
+    draft_config_overrides,
+    resolve_decay_gamma,
     validate_args,
     world_size_from_env,
 )
@@ -26,8 +29,6 @@ from .variants import VariantSpec, get_variant
 
 __all__ = ["Job", "prepare_job", "draft_config_from_target", "load_eval_prompts", "resolve_target_dir"]
 
-DEFAULT_DRAFT_LAYERS = 2
-DEFAULT_BLOCK_SIZE = 8
 DEFAULT_SYNTHETIC_EVAL_PROMPTS = 24
 
 
@@ -167,10 +168,13 @@ def _config_from_init(args, variant: VariantSpec, target_config: dict) -> DFlash
                         ("vocab_size", target_config["vocab_size"])):
         if getattr(config, name) != int(value):
             mismatches.append(f"{name}={getattr(config, name)} but the target's is {value}")
-    explicit = (("--dflash-block-size", args.dflash_block_size, config.block_size),
+    explicit = [("--dflash-block-size", args.dflash_block_size, config.block_size),
                 ("--dflash-num-layers", args.dflash_num_layers, config.num_hidden_layers),
                 ("--dflash-target-layer-ids", args.dflash_target_layer_ids_list, config.target_layer_ids),
-                ("--dflash-mask-token-id", args.dflash_mask_token_id, config.mask_token_id))
+                ("--dflash-mask-token-id", args.dflash_mask_token_id, config.mask_token_id)]
+    given = draft_config_overrides(args, config.num_hidden_layers)  # only the flags set explicitly
+    explicit += [("--" + flag.replace("_", "-"), given[field], getattr(config, field))
+                 for flag, (field, _) in DRAFT_CONFIG_FLAGS.items() if field in given]
     for flag, given, have in explicit:
         if given is not None and given != have:
             mismatches.append(f"{flag}={given} but the drafter has {have}")
@@ -322,10 +326,11 @@ def prepare_job(
             config = draft_config_from_target(
                 target_config,
                 config_cls=variant.config_cls,
-                num_layers=args.dflash_num_layers or DEFAULT_DRAFT_LAYERS,
-                block_size=args.dflash_block_size or DEFAULT_BLOCK_SIZE,
+                num_layers=args.dflash_num_layers,
+                block_size=args.dflash_block_size,
                 mask_token_id=mask,
                 target_layer_ids=args.dflash_target_layer_ids_list,
+                **draft_config_overrides(args, args.dflash_num_layers),
                 **variant.config_overrides(args),
             )
         config.validate_tensor_parallel(args.tensor_model_parallel_size)
@@ -333,6 +338,10 @@ def prepare_job(
         if isinstance(err, ArgumentError):
             raise
         raise ArgumentError(f"draft configuration: {err}") from None
+    if "dflash_anchors_per_sample" in args.dflash_defaulted:
+        # The recipe's 512 blocks per row, but never more than a row can anchor.
+        args.dflash_anchors_per_sample = max(1, min(args.dflash_anchors_per_sample,
+                                                    args.seq_length - config.block_size + 1))
     if args.dflash_anchors_per_sample > args.seq_length:
         raise ArgumentError(
             f"--dflash-anchors-per-sample={args.dflash_anchors_per_sample} exceeds --seq-length={args.seq_length}."
@@ -347,8 +356,7 @@ def prepare_job(
             f"--seq-length={args.seq_length} exceeds the target's max_position_embeddings="
             f"{config.max_position_embeddings}."
         )
-    decay = args.dflash_decay_gamma
-    decay_gamma = None if decay == 0 else (float(decay) if decay is not None else float(config.block_size - 1))
+    decay_gamma = resolve_decay_gamma(args, config.block_size)
 
     # export directory
     if args.dflash_export is not None:

@@ -153,7 +153,7 @@ class _Target:
         self.hf_model = None
         self.placement = None
         self.is_draft = True
-        self.need_final_hidden = bool(job.variant.needs_final_hidden)
+        self.need_final_hidden = bool(job.variant.needs_final_hidden) or job.args.dflash_soft_target != "none"
         if self.backend == "hf":
             self.hf_model = _load_hf_model(job.target_dir, dtype).to(device)
             self.module = HFTarget.from_config(self.hf_model, job.draft_config)

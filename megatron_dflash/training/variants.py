@@ -63,12 +63,13 @@ def _dflash_body(config, parallel_config, attention_backend):
 
 
 def _dflash_loss(body, hidden, plan, input_ids, head, *, decay_gamma, chunk_slots, prefix_lengths=None,
-                 final_hidden=None, soft_target="none", **ctx):
+                 final_hidden=None, args=None, **ctx):
     from ..objectives import dflash_loss
 
+    soft_target = getattr(args, "dflash_soft_target", "none")
     out = dflash_loss(hidden, plan, input_ids, head, decay_gamma=decay_gamma, chunk_slots=chunk_slots,
                       prefix_lengths=prefix_lengths, teacher_hidden=final_hidden if soft_target != "none" else None,
-                      soft_target=soft_target)
+                      soft_target=soft_target, temperature=float(getattr(args, "dflash_distill_temperature", 1.0)))
     return VariantLoss(out.loss_sum, out.weight_sum, out.metrics)
 
 
@@ -94,26 +95,28 @@ def _dflash2_body(config, parallel_config, attention_backend):
 
 
 def _dflash2_loss(body, hidden, plan, input_ids, head, *, decay_gamma, chunk_slots, prefix_lengths=None,
-                  final_hidden=None, **ctx):
+                  final_hidden=None, args=None, **ctx):
     from ..variants.dflash2 import dflash2_loss
 
     if prefix_lengths is not None:
         raise ValueError("DFlash 2 does not train with variable prefixes.")
     out = dflash2_loss(hidden, plan, input_ids, head, body.candidate_selector, decay_gamma=decay_gamma,
-                       chunk_slots=chunk_slots)
+                       chunk_slots=chunk_slots,
+                       selector_weight=float(getattr(args, "dflash_selector_loss_weight", 1.0)))
     m = out.metrics
     extra = {
         "base_correct_tokens": m.base_correct_tokens, "base_acceptance_sum": m.base_acceptance_sum,
         "candidate_hits": m.candidate_hits, "supervised_tokens": m.supervised_tokens,
         "valid_blocks": m.valid_blocks, "base_loss_sum": m.base_loss_sum,
         "selector_loss_sum": m.selector_loss_sum, "loss_weight_sum": m.loss_weight_sum,
+        "selector_weight_sum": m.selector_weight_sum,
     }
     ratios = {
         "base accuracy": ("base_correct_tokens", "supervised_tokens"),
         "base acceptance": ("base_acceptance_sum", "valid_blocks"),
         "candidate recall": ("candidate_hits", "supervised_tokens"),
         "base loss": ("base_loss_sum", "loss_weight_sum"),
-        "selector loss": ("selector_loss_sum", "loss_weight_sum"),
+        "selector loss": ("selector_loss_sum", "selector_weight_sum"),
     }
     return VariantLoss(out.loss_sum, out.weight_sum, m.as_dflash_metrics(), extra, ratios)
 

@@ -40,7 +40,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..body import DFlashBody, default_parallel_config
-from ..config import DFLASH_ARCHITECTURE, DFlashConfig
+from ..config import DFLASH_ARCHITECTURE, DFlashConfig, architecture_name, resolve_causal
 from ..parallel import is_distributed_group, tensor_parallel_group
 from ..objectives import EmittedPathMetrics
 from ..plan import DFlashBatchPlan
@@ -140,14 +140,15 @@ class DFlash2Config(DFlashConfig):
 
     @classmethod
     def from_hf_dict(cls, data: dict[str, Any], **overrides: Any) -> "DFlash2Config":
-        """Read a DFlash 2 `config.json` (fields in `dflash_config`, else at the top level).
+        """Read a DFlash 2 `config.json` (fields in `dflash_config`, else at the top level), ours or
+        NeMo AutoModel's (`Qwen3DFlash2DraftModel`).
 
         Raises:
             ValueError: the file is labelled as another architecture, or lacks a DFlash 2 field.
         """
         data = dict(data)
         architectures = data.get("architectures") or []
-        if architectures and DFLASH2_ARCHITECTURE not in architectures:
+        if architectures and architecture_name(data) != DFLASH2_ARCHITECTURE:
             raise ValueError(
                 f"config.json has architectures={architectures}, not {DFLASH2_ARCHITECTURE!r}: this "
                 "is not a DFlash 2 draft. Load it with DFlashConfig instead."
@@ -165,10 +166,7 @@ class DFlash2Config(DFlashConfig):
                 f"config.json lacks the DFlash 2 fields {missing} (expected in dflash_config); "
                 "the serving runtimes cannot build the draft without them."
             )
-        has_direction = any(
-            source.get(key) is not None for source in (data, dflash) for key in ("is_causal", "causal")
-        )
-        if not has_direction:
+        if resolve_causal(data) is None:
             values["causal"] = None  # the file relies on the reference's per-layer default
         values.update(overrides)
         return super().from_hf_dict(data, **values)
@@ -583,7 +581,9 @@ class DFlash2Metrics(EmittedPathMetrics):
         teacher_forced_correct: supervised slots where the selector, given the true predecessor,
             ranks the label first (a training diagnostic, not a decode metric).
         base_loss_sum, selector_loss_sum: the two weighted loss numerators (no grad).
-        loss_weight_sum: their shared denominator `sum(w * mask)`.
+        loss_weight_sum: the backbone term's denominator `sum(w * mask)`.
+        selector_weight_sum: the selector term's, `sum(w * mask)` over the slots whose label is
+            among the candidates.
     """
 
     candidate_hits: torch.Tensor
@@ -591,6 +591,7 @@ class DFlash2Metrics(EmittedPathMetrics):
     base_loss_sum: torch.Tensor
     selector_loss_sum: torch.Tensor
     loss_weight_sum: torch.Tensor
+    selector_weight_sum: torch.Tensor
 
     derived = EmittedPathMetrics.derived + ("candidate_recall", "teacher_forced_accuracy", "base_loss", "selector_loss")
 
@@ -609,7 +610,8 @@ class DFlash2Metrics(EmittedPathMetrics):
 
     @property
     def selector_loss(self) -> torch.Tensor:
-        return self.selector_loss_sum / self.loss_weight_sum.clamp(min=1e-12)
+        """The selector CE averaged over the slots it trains on (those with the label among the candidates)."""
+        return self.selector_loss_sum / self.selector_weight_sum.clamp(min=1e-12)
 
 
 @dataclass
@@ -617,9 +619,10 @@ class DFlash2LossOutput:
     """One micro-batch's contribution to the global-batch DFlash 2 objective.
 
     Attributes:
-        loss_sum: differentiable fp32 scalar, `base_loss_sum + selector_weight * selector_loss_sum`.
-        weight_sum: fp32 scalar without grad, `sum(w * mask)`, the shared denominator: the training
-            loss is `sum(loss_sum) / sum(weight_sum)` over the global batch.
+        loss_sum: differentiable fp32 scalar,
+            `base_loss_sum + selector_weight * weight_sum * selector_loss_sum / selector_weight_sum`.
+        weight_sum: fp32 scalar without grad, `sum(w * mask)`: the training loss is
+            `sum(loss_sum) / sum(weight_sum)` over the global batch.
         metrics: `DFlash2Metrics`.
     """
 
@@ -683,8 +686,13 @@ def dflash2_loss(
       which is what the walk would have committed had every earlier slot been accepted; the CE
       targets the candidate equal to the label. Slots whose label is not among the candidates
       are left out of this term (`metrics.candidate_recall` says how many are in).
-    * Both terms use the same per-slot weights `w * mask` and share the denominator
-      `weight_sum`, so `loss_sum / weight_sum` is `base + selector_weight * selector`.
+    * Both terms use the per-slot weights `w * mask`, and each is a weighted mean over the slots
+      it trains on, as in the reference: the selector term over the slots with the label among
+      the candidates, not over all supervised slots (that would scale its signal by the recall).
+      In `loss_sum` the selector mean is multiplied by this micro-batch's `weight_sum`, so
+      `loss_sum / weight_sum` is `base + selector_weight * selector` for one micro-batch, and over
+      a global batch the selector means of the micro-batches are averaged with the backbone's
+      weights.
 
     Metrics describe the **greedy walk** (each step after the token the walk itself picked, as
     decoding does) next to the backbone argmax, plus candidate recall.
@@ -771,13 +779,17 @@ def dflash2_loss(
         hit_parts.append(hit_c)
         top1_parts.append(top1_c)
 
-    loss_sum = base.loss_sum + selector_weight * selector_sum
-
     with torch.no_grad():
         supervised = mask[:, :, 1:]
         unary = torch.cat(unary_parts).view(B, N, T, K)
         candidate_ids = torch.cat(id_parts).view(B, N, T, K)
         hits = torch.cat(hit_parts).view(B, N, T) & supervised
+        selector_weight_sum = torch.where(hits, effective[:, :, 1:], torch.zeros((), device=device)).sum()
+        # No slot with its label among the candidates: the selector term is zero (selector_sum is 0).
+        scale = base.weight_sum.to(torch.float32) / selector_weight_sum.clamp(min=1e-12)
+    loss_sum = base.loss_sum + selector_weight * scale * selector_sum
+
+    with torch.no_grad():
         top1 = torch.cat(top1_parts).view(B, N, T) & supervised
         # The decode-time walk: each step after the walk's own previous pick.
         path, _, _ = selector.walk_candidates(
@@ -799,6 +811,7 @@ def dflash2_loss(
             base_loss_sum=base.loss_sum.detach().to(f64),
             selector_loss_sum=selector_sum.detach().to(f64),
             loss_weight_sum=base.weight_sum.detach().to(f64),
+            selector_weight_sum=selector_weight_sum.to(f64),
         )
     return DFlash2LossOutput(loss_sum=loss_sum, weight_sum=base.weight_sum, metrics=metrics)
 

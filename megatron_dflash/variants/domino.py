@@ -216,11 +216,12 @@ def is_domino_hf_config(data: Mapping[str, Any]) -> bool:
 
 
 def domino_lambda(step: int, total_steps: int, *, lambda_start: float, decay_ratio: float) -> float:
-    """Base-loss weight ``lambda_base`` at optimizer step ``step`` (0-based).
+    """Base-loss weight ``lambda_base`` at optimizer step ``step`` (0-based), the reference's schedule.
 
-    ``lambda_start * (1 - step / (decay_ratio * total_steps))`` for steps inside the first
-    ``decay_ratio`` fraction of training, 0 from there on (``decay_ratio = 0``: 0 from the start), the
-    result clamped to ``[0, 1]``.
+    The decay lasts ``D = max(1, int(total_steps * decay_ratio))`` steps (an integer, at least one):
+    ``lambda_start * (1 - min(step / D, 1))``, clamped to ``[0, 1]``. So step 0 always gets
+    ``lambda_start`` (also with ``decay_ratio = 0``, which decays over one step), and every step from
+    ``D`` on gets 0.
     """
     for name, value in (("step", step), ("total_steps", total_steps)):
         if isinstance(value, bool) or not isinstance(value, int):
@@ -231,11 +232,8 @@ def domino_lambda(step: int, total_steps: int, *, lambda_start: float, decay_rat
         raise ValueError(f"decay_ratio={decay_ratio!r} must be in [0, 1].")
     if not (isinstance(lambda_start, (int, float)) and math.isfinite(lambda_start)):
         raise ValueError(f"lambda_start={lambda_start!r} must be a finite number.")
-    decay_steps = decay_ratio * total_steps
-    if decay_steps <= 0 or step >= decay_steps:
-        value = 0.0
-    else:
-        value = float(lambda_start) * (1.0 - step / decay_steps)
+    decay_steps = max(1, int(total_steps * decay_ratio))
+    value = float(lambda_start) * (1.0 - min(step / decay_steps, 1.0))
     return min(1.0, max(0.0, value))
 
 

@@ -42,7 +42,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..config import DFLASH_ARCHITECTURE, DFlashConfig
+from ..config import DFLASH_ARCHITECTURE, DFlashConfig, resolve_causal
 from ..objectives import DFlashLossOutput, OutputHead, dflash_loss
 from ..plan import DFlashBatchPlan
 from .dflash2 import topk_vocab_parallel
@@ -92,18 +92,12 @@ class JetSpecConfig(DFlashConfig):
         """Read a JetSpec `config.json`.
 
         Raises:
-            ValueError: the file does not declare causal in-block attention (``is_causal`` or
-                ``causal``, top level or in ``dflash_config``): reading a bidirectional draft as JetSpec
-                would silently change its attention.
+            ValueError: the file does not declare causal in-block attention (`config.resolve_causal`:
+                ``dflash_config.causal``, else the top-level ``is_causal``): reading a bidirectional draft
+                as JetSpec would silently change its attention. NeMo AutoModel's JetSpec drafters
+                (``is_causal: false``, ``dflash_config.causal: true``) are causal.
         """
-        dflash = data.get("dflash_config") or {}
-        flags = [
-            source.get(key)
-            for source in (data, dflash)
-            for key in ("is_causal", "causal")
-            if source.get(key) is not None
-        ]
-        if "causal" not in overrides and (not flags or not all(bool(f) for f in flags)):
+        if "causal" not in overrides and resolve_causal(data) is not True:
             raise ValueError(
                 "config.json does not declare causal in-block attention (is_causal / causal true): not a "
                 "JetSpec draft. Load it with DFlashConfig."
