@@ -418,8 +418,9 @@ def _parallel_sizes() -> dict:
             expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
             expert_tensor_parallel_size=parallel_state.get_expert_tensor_parallel_world_size(),
         )
+    # Expert TP None: megatron's TransformerConfig sets it to the tensor-parallel size.
     return dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, expert_model_parallel_size=1,
-                expert_tensor_parallel_size=1)
+                expert_tensor_parallel_size=None)
 
 
 def _check_tp(spec: HFTargetSpec, tp: int, ep: int = 1, etp: Optional[int] = None) -> None:

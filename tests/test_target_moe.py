@@ -247,3 +247,96 @@ def test_moe_target_matches_transformers_under_tp_ep_pp_sp(tiny_moe, tp_pool):
     assert len(checked) == len(LAYOUTS) * len(cases)
     worst = max(max(r["logits"], r["final_hidden"], *r["taps"].values()) for reports in results for r in reports if "taps" in r)
     print(f"MoE parity over {len(checked)} (layout, model) pairs: worst relative difference {worst:.2e}")
+
+
+# --------------------------------------------------------------------------------------------------
+# Training with a MoE target: megatron backend at TP=2 x PP=2 x EP=2 (SP on) == HF adapter
+# --------------------------------------------------------------------------------------------------
+
+TRAIN_ARGS = ["--data-format", "synthetic", "--no-progress-bar", "--log-interval", "1", "--seq-length", "48",
+              "--synthetic-train-samples", "64", "--synthetic-valid-samples", "16", "--eval-iters", "1",
+              "--dflash-anchors-per-sample", "4", "--lr", "2e-3", "--lr-warmup-iters", "1", "--train-iters", "3",
+              "--micro-batch-size", "4", "--global-batch-size", "4", "--dflash-eval-prompts", "0",
+              "--dflash-num-layers", "1"]
+
+
+@pytest.fixture(scope="module")
+def tiny_moe_target(tmp_path_factory) -> str:
+    """A random tiny Qwen3-MoE target with the embedded job's tokenizer (tied embeddings, dense layer 0)."""
+    import math
+
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from megatron_dflash.training import synthetic_corpus
+
+    tokenizer = synthetic_corpus.build_tokenizer()
+    torch.manual_seed(5)
+    config = Qwen3MoeConfig(
+        vocab_size=64 * math.ceil(len(tokenizer) / 64), hidden_size=64, intermediate_size=96,
+        moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[0],
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=256, tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+    )
+    model = Qwen3MoeForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.copy_(torch.randn_like(p))
+    path = str(tmp_path_factory.mktemp("tiny_moe_target"))
+    model.save_pretrained(path, max_shard_size="200KB")
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def _train_moe(rank, world_size, target, out_dir, *extra):
+    import megatron_cpu
+    from megatron_dflash.training.loop import run
+
+    argv = ["--target", target, "--dflash-export", os.path.join(out_dir, "hf"), *TRAIN_ARGS,
+            "--target-backend", "megatron", *extra]
+    torch.set_num_threads(1)
+    with megatron_cpu.patched(skip_embedding_group_sync=True):  # tied embeddings under PP
+        result = run(argv)
+    return result.losses, result.grad_norms
+
+
+def test_training_with_a_megatron_moe_target_equals_the_hf_target(tiny_moe_target, tmp_path, tp_pool):
+    from megatron_dflash.training.loop import run
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        reference = run(["--target", tiny_moe_target, "--dflash-export", str(tmp_path / "hf_ref"), *TRAIN_ARGS])
+    finally:
+        torch.set_num_threads(saved)
+    layout = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+              "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1", "--sequence-parallel"]
+    results = tp_pool(4).run(_train_moe, tiny_moe_target, str(tmp_path / "moe"), *layout, tp=None, timeout=300)
+    assert all(r == results[0] for r in results), results
+    losses, norms = results[0]
+    assert len(losses) == len(reference.losses) == 3
+    for a, b in zip(reference.losses, losses):
+        assert abs(a - b) < 1e-5, (reference.losses, losses)
+    for a, b in zip(reference.grad_norms, norms):
+        assert abs(a - b) < 1e-4 * max(1.0, a), (reference.grad_norms, norms)
+
+
+def test_training_arguments_for_expert_and_sequence_parallelism(tiny_moe_target, tmp_path):
+    from megatron_dflash.training.arguments import ArgumentError, parse_args
+    from megatron_dflash.training.job import prepare_job
+
+    def check(argv, world, message):
+        args = parse_args(["--target", tiny_moe_target, *TRAIN_ARGS, *argv])
+        with pytest.raises(ArgumentError, match=message):
+            prepare_job(args, world_size=world, env={}, cuda=False, log=lambda *a: None)
+
+    check(["--expert-model-parallel-size", "2"], 2, "use --target-backend megatron")
+    check(["--sequence-parallel", "--target-backend", "megatron"], 1, "needs --tensor-model-parallel-size > 1")
+    check(["--sequence-parallel", "--target-backend", "megatron", "--tensor-model-parallel-size", "5"], 5,
+          "--seq-length 48 must be a multiple of --tensor-model-parallel-size 5")
+    check(["--context-parallel-size", "2", "--target-backend", "megatron"], 2, "TEDotProductAttention")
+    check(["--expert-model-parallel-size", "4", "--target-backend", "megatron", "--pipeline-model-parallel-size",
+           "2"], 4, "not divisible by --expert-tensor-parallel-size 1 x --expert-model-parallel-size 4")
+    check(["--expert-model-parallel-size", "3", "--target-backend", "megatron", "--global-batch-size", "12"], 3,
+          "expert_model_parallel_size=3 must divide num_experts=4")
