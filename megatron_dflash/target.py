@@ -11,10 +11,12 @@ Two targets share one contract:
 * `HFTarget` wraps a transformers causal LM (Qwen3, Llama) in a single process:
   ``forward(input_ids [B, S]) -> TargetOutput(taps [B, S, taps * H], final_hidden [B, S, H], logits)``,
   taps concatenated in ``target_layer_ids`` order.
-* `MegatronTarget` wraps a megatron-core `GPTModel` (one pipeline stage of it). Its forward captures
-  the taps of the layers this stage owns, keyed by **global** layer id, as ``[B, S, H]`` tensors (megatron
-  works in ``[S, B, H]`` inside), so a pipeline schedule can route them to the stage that holds the draft.
-  `concat_taps` turns a complete set into the ``[B, S, taps * H]`` context input of the body.
+* `MegatronTarget` wraps a megatron-core `GPTModel` (one pipeline stage of it; tensor, expert and sequence
+  parallel). Its forward captures the taps of the layers this stage owns, keyed by **global** layer id, as
+  ``[B, S, H]`` tensors (megatron works in ``[S, B, H]`` inside, ``[S / TP, B, H]`` under sequence
+  parallelism: taps are gathered back to the full sequence), so a pipeline schedule can route them to the
+  stage that holds the draft. `concat_taps` turns a complete set into the ``[B, S, taps * H]`` context input
+  of the body. Context parallelism is refused (`context_parallel_refusal` says why).
 
 Both are frozen: parameters never require gradients, the module stays in eval mode whatever its parent
 does, and forwards run under ``torch.no_grad()`` (not inference mode: the taps feed the draft's autograd
@@ -23,9 +25,12 @@ graph). Both expose ``embedding`` (the target's input embedding module, vocab-pa
 multiplier and soft cap).
 
 The megatron target is built from a HF checkpoint directory by `build_megatron_target`, with our own
-converter `convert_hf_to_megatron_state_dict` (Qwen3 and Llama families: GQA, RMSNorm, SwiGLU, Qwen3's
-q/k norms, tied or untied embeddings, ``rope_theta``, linear and llama3 RoPE scaling). Other families and
-features (attention/MLP biases, sliding windows, YaRN, MoE) are refused with an error that names them.
+converter (`target_weights`: one weight plan per rank, streamed shard by shard into the model; Qwen3, Llama
+and Qwen3-MoE families: GQA, RMSNorm, SwiGLU, Qwen3's q/k norms, tied or untied embeddings, ``rope_theta``,
+linear and llama3 RoPE scaling; Qwen3-MoE's softmax top-k routing with or without renormalisation, dense
+``mlp_only_layers`` / ``decoder_sparse_step``, experts split over ``expert_model_parallel_size`` ranks).
+Other families and features (attention/MLP biases, sliding windows, YaRN, shared experts) are refused with an
+error that names them.
 """
 
 from __future__ import annotations
