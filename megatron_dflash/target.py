@@ -73,7 +73,7 @@ __all__ = [
     "context_parallel_refusal",
 ]
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "llama", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("qwen3", "llama", "qwen3_moe", "deepseek_v3")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -296,6 +296,23 @@ class HFTargetSpec:
     num_experts_per_tok: int = 0
     norm_topk_prob: bool = False
     moe_layers: tuple = ()  # per layer: True where the MLP is a sparse MoE block
+    router_score: str = "softmax"  # "softmax" (Qwen3-MoE) or "sigmoid" (DeepSeek-V3)
+    expert_bias: bool = False  # DeepSeek-V3's e_score_correction_bias (selection only)
+    router_groups: Optional[int] = None  # group-limited routing: groups, and groups kept per token
+    router_group_topk: Optional[int] = None
+    routed_scaling_factor: Optional[float] = None
+    shared_expert_intermediate_size: int = 0
+    # Multi-latent attention (DeepSeek-V3); kv_lora_rank == 0 for GQA targets.
+    q_lora_rank: Optional[int] = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+
+    @property
+    def mla(self) -> bool:
+        """Whether attention is multi-latent attention (MLASelfAttention)."""
+        return self.kv_lora_rank > 0
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether decoder layer ``layer`` (0-based) has a sparse MoE block instead of a dense MLP."""
@@ -345,6 +362,11 @@ def hf_target_spec(hf_config: Any) -> HFTargetSpec:
     hidden = int(cfg["hidden_size"])
     head_dim = cfg.get("head_dim") or hidden // heads
     theta, scaling = read_rope_parameters(dict(cfg))
+    if model_type == "deepseek_v3" and scaling is not None:
+        raise ValueError(
+            f"megatron target: DeepSeek-V3 rope_scaling {scaling.get('rope_type')!r} (YaRN) is not supported by this "
+            "converter yet (its mscale must be matched to megatron's YarnRotaryEmbedding); use HFTarget."
+        )
     if scaling is not None:
         rope_type = scaling.get("rope_type")
         if rope_type not in ("linear", "llama3"):
@@ -357,6 +379,9 @@ def hf_target_spec(hf_config: Any) -> HFTargetSpec:
     dtype_name = cfg.get("torch_dtype") or cfg.get("dtype")
     num_layers = int(cfg["num_hidden_layers"])
     moe = _moe_fields(cfg, num_layers) if model_type == "qwen3_moe" else {}
+    if model_type == "deepseek_v3":
+        moe = {**_deepseek_moe_fields(cfg, num_layers), **_mla_fields(cfg)}
+        head_dim = moe["qk_nope_head_dim"] + moe["qk_rope_head_dim"]
     return HFTargetSpec(
         model_type=model_type,
         num_layers=num_layers,
@@ -375,6 +400,64 @@ def hf_target_spec(hf_config: Any) -> HFTargetSpec:
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         dtype=_DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None,
         **moe,
+    )
+
+
+def _mla_fields(cfg: Mapping) -> dict:
+    """DeepSeek-V3's multi-latent attention sizes (``q_lora_rank`` None: a plain ``q_proj``)."""
+    if not cfg.get("rope_interleave", True):
+        raise ValueError("megatron target: rope_interleave=False is not supported (megatron's MLA de-interleaves "
+                         "the rotary half of q and k, as DeepSeek-V3 checkpoints need).")
+    q_lora = cfg.get("q_lora_rank")
+    return dict(
+        q_lora_rank=int(q_lora) if q_lora else None,
+        kv_lora_rank=int(cfg["kv_lora_rank"]),
+        qk_nope_head_dim=int(cfg["qk_nope_head_dim"]),
+        qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
+        v_head_dim=int(cfg["v_head_dim"]),
+    )
+
+
+def _deepseek_moe_fields(cfg: Mapping, num_layers: int) -> dict:
+    """DeepSeek-V3's MoE as ``DeepseekV3MoE``/``DeepseekV3TopkRouter`` compute it.
+
+    Layers ``>= first_k_dense_replace`` are sparse. Router: sigmoid scores; experts chosen by score +
+    ``e_score_correction_bias`` among the ``topk_group`` of ``n_group`` groups with the highest sum of their
+    top-2 scores; weights are the chosen (unbiased) scores, renormalised, times ``routed_scaling_factor``;
+    plus ``n_shared_experts`` always-on experts (one MLP of ``n_shared_experts * moe_intermediate_size``).
+    megatron-core's router does the same when every group contributes top-``topk // group_topk`` = top-2 and
+    it always renormalises sigmoid scores, so other settings are refused.
+    """
+    experts = int(cfg.get("n_routed_experts") or 0)
+    top_k = int(cfg.get("num_experts_per_tok") or 0)
+    if experts <= 0 or not 0 < top_k <= experts:
+        raise ValueError(f"megatron target: n_routed_experts={experts}, num_experts_per_tok={top_k}: need "
+                         "1 <= num_experts_per_tok <= n_routed_experts.")
+    if top_k > 1 and not cfg.get("norm_topk_prob", True):
+        raise ValueError("megatron target: norm_topk_prob=False with sigmoid routing is not supported (megatron-core "
+                         "renormalises the chosen sigmoid scores).")
+    groups = int(cfg.get("n_group") or 1)
+    group_topk = int(cfg.get("topk_group") or 1)
+    if groups > 1 and top_k // group_topk != 2:
+        raise ValueError(
+            f"megatron target: group-limited routing with num_experts_per_tok={top_k}, topk_group={group_topk}: "
+            "DeepSeek-V3 ranks groups by their top-2 scores, megatron-core by their top-(topk / topk_group); they "
+            "agree only when num_experts_per_tok / topk_group == 2."
+        )
+    first_dense = int(cfg.get("first_k_dense_replace") or 0)
+    shared = int(cfg.get("n_shared_experts") or 0)
+    return dict(
+        num_experts=experts,
+        moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+        num_experts_per_tok=top_k,
+        norm_topk_prob=True,
+        moe_layers=tuple(i >= first_dense for i in range(num_layers)),
+        router_score="sigmoid",
+        expert_bias=True,
+        router_groups=groups if groups > 1 else None,
+        router_group_topk=group_topk if groups > 1 else None,
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
+        shared_expert_intermediate_size=shared * int(cfg["moe_intermediate_size"]),
     )
 
 
@@ -432,6 +515,15 @@ def _check_tp(spec: HFTargetSpec, tp: int, ep: int = 1, etp: Optional[int] = Non
     etp = tp if etp is None else etp
     checks = [("tensor_model_parallel_size", tp, "num_key_value_heads", spec.num_key_value_heads),
               ("tensor_model_parallel_size", tp, "num_attention_heads", spec.num_attention_heads)]
+    if spec.mla:
+        # The local spec's down projections are column-parallel (their outputs gathered again).
+        checks.append(("tensor_model_parallel_size", tp, "kv_lora_rank + qk_rope_head_dim",
+                       spec.kv_lora_rank + spec.qk_rope_head_dim))
+        if spec.q_lora_rank:
+            checks.append(("tensor_model_parallel_size", tp, "q_lora_rank", spec.q_lora_rank))
+    if spec.shared_expert_intermediate_size:
+        checks.append(("tensor_model_parallel_size", tp, "n_shared_experts * moe_intermediate_size",
+                       spec.shared_expert_intermediate_size))
     if not all(spec.is_moe_layer(i) for i in range(spec.num_layers)):
         checks.append(("tensor_model_parallel_size", tp, "intermediate_size", spec.intermediate_size))
     if spec.num_experts:
@@ -464,8 +556,15 @@ def _moe_config(spec: HFTargetSpec) -> dict:
         num_moe_experts=spec.num_experts,
         moe_ffn_hidden_size=spec.moe_intermediate_size,
         moe_router_topk=spec.num_experts_per_tok,
-        moe_router_score_function="softmax",
-        moe_router_pre_softmax=not spec.norm_topk_prob,
+        moe_router_score_function=spec.router_score,
+        moe_router_pre_softmax=spec.router_score == "softmax" and not spec.norm_topk_prob,
+        moe_router_enable_expert_bias=spec.expert_bias,
+        moe_router_bias_update_rate=0.0,  # frozen: the correction bias is loaded, never updated
+        moe_router_num_groups=spec.router_groups,
+        moe_router_group_topk=spec.router_group_topk,
+        moe_router_topk_scaling_factor=spec.routed_scaling_factor,
+        moe_shared_expert_intermediate_size=spec.shared_expert_intermediate_size or None,
+        moe_shared_expert_overlap=False,
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
         moe_z_loss_coeff=None,
@@ -528,8 +627,21 @@ def megatron_target_config(hf_config: Any, **overrides: Any):
         perform_initialization=False,  # every weight is loaded from the checkpoint
         use_cpu_initialization=not torch.cuda.is_available(),
     )
+    config_cls = TransformerConfig
+    if spec.mla:
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        # MLASelfAttention: q/kv down projections with RMSNorms on the compressed q and kv (qk_layernorm
+        # makes them real norms), RoPE on the qk_rope_head_dim part only, positions 0..S-1.
+        config_cls = MLATransformerConfig
+        kwargs.update(
+            multi_latent_attention=True, qk_layernorm=True, q_lora_rank=spec.q_lora_rank,
+            kv_lora_rank=spec.kv_lora_rank, qk_head_dim=spec.qk_nope_head_dim,
+            qk_pos_emb_head_dim=spec.qk_rope_head_dim, v_head_dim=spec.v_head_dim, rope_type="rope",
+            rotary_base=spec.rope_theta, rotary_percent=1.0, kv_channels=None,
+        )
     kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
+    return config_cls(**kwargs)
 
 
 def _have_transformer_engine() -> bool:
@@ -570,8 +682,30 @@ def megatron_target_block_spec(config, use_te: bool = False, vp_stage: Optional[
     )
     if use_te:
         return block
+    swaps = {"WrappedTorchNorm": TargetRMSNorm}
+    if config.multi_latent_attention:
+        swaps["DotProductAttention"] = _mla_core_attention()
     # The final norm too: megatron picks apex's FusedLayerNorm (LayerNorm only) for it when apex is installed.
-    return dataclasses.replace(_with_target_norms(block), layer_norm=TargetRMSNorm)
+    return dataclasses.replace(_swap_modules(block, swaps), layer_norm=TargetRMSNorm)
+
+
+def _mla_core_attention():
+    """megatron's local ``DotProductAttention`` for ``MLASelfAttention``, whose value heads are narrower.
+
+    megatron-core 0.16's MLA passes ``k_channels``/``v_channels`` to its core attention, which only Transformer
+    Engine's attention accepts; the local attention's math (``q k^T``, softmax, ``p v``) is already correct for
+    a value head dim that differs from the query/key one, except the width it reshapes the context to
+    (``heads * v_channels / TP``). This subclass takes the two arguments and sets that width.
+    """
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class MLACoreAttention(DotProductAttention):
+        def __init__(self, *args, k_channels: Optional[int] = None, v_channels: Optional[int] = None, **kwargs):
+            super().__init__(*args, **kwargs)
+            if v_channels is not None:
+                self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
+
+    return MLACoreAttention
 
 
 class TargetRMSNorm:
@@ -589,16 +723,14 @@ class TargetRMSNorm:
         return nn.RMSNorm(hidden_size, eps=eps)
 
 
-def _with_target_norms(spec: Any) -> Any:
-    """``spec`` (a megatron spec tree) with every ``WrappedTorchNorm`` replaced by `TargetRMSNorm`."""
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
-    if spec is WrappedTorchNorm:
-        return TargetRMSNorm
+def _swap_modules(spec: Any, swaps: Mapping[str, type]) -> Any:
+    """``spec`` (a megatron spec tree) with every megatron module class named in ``swaps`` replaced."""
+    if isinstance(spec, type) and spec.__module__.startswith("megatron.core") and spec.__name__ in swaps:
+        return swaps[spec.__name__]
     if isinstance(spec, list):
-        return [_with_target_norms(s) for s in spec]
+        return [_swap_modules(s, swaps) for s in spec]
     if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
-        fields = {f.name: _with_target_norms(getattr(spec, f.name)) for f in dataclasses.fields(spec) if f.init}
+        fields = {f.name: _swap_modules(getattr(spec, f.name), swaps) for f in dataclasses.fields(spec) if f.init}
         return dataclasses.replace(spec, **fields)
     return spec
 
@@ -992,7 +1124,18 @@ class MegatronTarget(_FrozenTarget):
         return self.model.embedding.word_embeddings if self.pre_process else None
 
     # ------------------------------------------------------------------ forward helpers
-    def _rotary(self, seq_length: int, batch: int, position_ids: Optional[torch.Tensor], device) -> torch.Tensor:
+    def _rotary(self, seq_length: int, batch: int, position_ids: Optional[torch.Tensor], device) -> Optional[torch.Tensor]:
+        if getattr(self.model.config, "multi_latent_attention", False):
+            # MLASelfAttention builds its own RoPE for positions 0..S-1 and takes no per-token positions.
+            if position_ids is not None:
+                default = torch.arange(seq_length, device=position_ids.device).expand(batch, seq_length)
+                if tuple(position_ids.shape) != (batch, seq_length) or not torch.equal(position_ids, default):
+                    raise ValueError(
+                        "MegatronTarget: a multi-latent-attention target runs RoPE at positions 0..S-1 only "
+                        "(megatron-core's MLASelfAttention takes no position ids); per-document positions "
+                        "(--pack-sequences) are not supported with it."
+                    )
+            return None
         rotary = self.model.rotary_pos_emb
         if position_ids is None:
             return rotary(seq_length)  # [S, 1, 1, D], positions 0..S-1

@@ -124,6 +124,22 @@ def megatron_weight_plan(
             lambda gate, up: torch.cat([_chunk(gate, rank, size, 0), _chunk(up, rank, size, 0)], dim=0))
         add(prefix + "linear_fc2.weight", [src + "down_proj.weight"], lambda down: _chunk(down, rank, size, 1))
 
+    def rows(t):  # column-parallel: this rank's block of output rows
+        return _chunk(t, tp_rank, tp_size, 0)
+
+    def mla(prefix: str, attn: str) -> None:
+        # Head-major outputs ([heads, nope + rope] for q, [heads, nope + v] for kv) split by whole heads;
+        # the down projections' outputs ([q_lora] and [kv_lora + rope]) by rows, gathered again by megatron.
+        if spec.q_lora_rank:
+            add(prefix + "linear_q_down_proj.weight", [attn + "q_a_proj.weight"], rows)
+            add(prefix + "q_layernorm.weight", [attn + "q_a_layernorm.weight"], same)
+            add(prefix + "linear_q_up_proj.weight", [attn + "q_b_proj.weight"], rows)
+        else:
+            add(prefix + "linear_q_proj.weight", [attn + "q_proj.weight"], rows)
+        add(prefix + "linear_kv_down_proj.weight", [attn + "kv_a_proj_with_mqa.weight"], rows)
+        add(prefix + "kv_layernorm.weight", [attn + "kv_a_layernorm.weight"], same)
+        add(prefix + "linear_kv_up_proj.weight", [attn + "kv_b_proj.weight"], rows)
+
     if transformer_engine_names:
         input_norm, mlp_norm = "self_attention.linear_qkv.layer_norm_weight", "mlp.linear_fc1.layer_norm_weight"
     else:
@@ -137,7 +153,11 @@ def megatron_weight_plan(
         src = f"model.layers.{layer}."
         dst = f"decoder.layers.{local}."
         attn = src + "self_attn."
-        add(dst + "self_attention.linear_qkv.weight", [attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"], qkv)
+        if spec.mla:
+            mla(dst + "self_attention.", attn)
+        else:
+            add(dst + "self_attention.linear_qkv.weight",
+                [attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"], qkv)
         add(dst + "self_attention.linear_proj.weight", [attn + "o_proj.weight"], lambda o: _chunk(o, tp_rank, tp_size, 1))
         if spec.qk_layernorm:
             add(dst + "self_attention.q_layernorm.weight", [attn + "q_norm.weight"], same)
@@ -147,6 +167,10 @@ def megatron_weight_plan(
             # The MoE layer keeps its own pre-MLP norm (TE fuses norms only into dense linear_fc1).
             add(dst + "pre_mlp_layernorm.weight", [src + "post_attention_layernorm.weight"], same)
             add(dst + "mlp.router.weight", [src + "mlp.gate.weight"], same)
+            if spec.expert_bias:
+                add(dst + "mlp.router.expert_bias", [src + "mlp.gate.e_score_correction_bias"], same)
+            if spec.shared_expert_intermediate_size:
+                mlp(dst + "mlp.shared_experts.", src + "mlp.shared_experts.", tp_rank, tp_size)
             for j in range(experts_per_rank):
                 expert = ep_rank * experts_per_rank + j
                 mlp(dst + f"mlp.experts.local_experts.{j}.", src + f"mlp.experts.{expert}.", etp_rank, etp_size)

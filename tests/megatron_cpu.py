@@ -14,7 +14,9 @@ already live on the host, so the stream is a placeholder and the copy becomes th
 the GPU path ends with (the all-to-all wants sequences of ints). And without Transformer
 Engine, megatron 0.16's router gating (``moe_utils.router_gating_linear``) reads the name ``te_general_gemm``
 that only a successful TE import defines: it is set to None, megatron's own "no TE" value, so the router
-takes its ``torch.mm`` path.
+takes its ``torch.mm`` path. Likewise ``multi_latent_attention`` believes TE is there (its import of megatron's TE
+extension succeeds with placeholder classes) and asks ``isinstance(..., TELinear)`` of a placeholder: inside the
+block its ``HAVE_TE`` is False, which is the truth on this machine.
 
 Expert tensor parallelism gathers and reduce-scatters tokens in **uneven** pieces (each rank routes a different
 number of tokens to its experts). NCCL takes uneven ``all_gather``/``reduce_scatter`` lists; gloo does not, so
@@ -99,6 +101,10 @@ def patched(skip_embedding_group_sync: bool = False):
     saved_gather, saved_scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
     mappings._gather_along_first_dim = _uneven_gather(saved_gather)
     mappings._reduce_scatter_along_first_dim = _uneven_reduce_scatter(saved_scatter)
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    saved_mla_te = mla.HAVE_TE
+    mla.HAVE_TE = False
     define_gemm = not hasattr(moe_utils, "te_general_gemm")
     if define_gemm:
         moe_utils.te_general_gemm = None
@@ -120,4 +126,5 @@ def patched(skip_embedding_group_sync: bool = False):
         alltoall.cuda_dtoh_stream, alltoall._maybe_dtoh_and_synchronize = saved_stream, saved_dtoh
         if define_gemm:
             del moe_utils.te_general_gemm
+        mla.HAVE_TE = saved_mla_te
         mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim = saved_gather, saved_scatter

@@ -31,7 +31,7 @@ RTOL = 1e-5
 
 
 def _tiny_moe_models(root: str) -> dict:
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     common = dict(
         vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=48, moe_intermediate_size=24,
@@ -41,17 +41,30 @@ def _tiny_moe_models(root: str) -> dict:
     configs = {
         "renormalised": Qwen3MoeConfig(**common, norm_topk_prob=True, mlp_only_layers=[0], tie_word_embeddings=False),
         "raw_topk": Qwen3MoeConfig(**common, norm_topk_prob=False, decoder_sparse_step=2, tie_word_embeddings=True),
+        # DeepSeek-V3: MLA (q and kv LoRA, decoupled RoPE dims), a dense first layer, sigmoid routing with the
+        # correction bias, 2 groups of which 1 is kept, routed scaling, a shared expert.
+        "deepseek_v3": DeepseekV3Config(
+            vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=48, moe_intermediate_size=16,
+            num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16,
+            qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, n_routed_experts=8, n_shared_experts=1,
+            num_experts_per_tok=2, n_group=2, topk_group=1, routed_scaling_factor=2.5, first_k_dense_replace=1,
+            norm_topk_prob=True, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        ),
     }
+    classes = {"deepseek_v3": DeepseekV3ForCausalLM}
     models = {}
     for seed, (name, config) in enumerate(configs.items()):
         torch.manual_seed(100 + seed)
-        model = Qwen3MoeForCausalLM(config).eval()
+        model = classes.get(name, Qwen3MoeForCausalLM)(config).eval()
         with torch.no_grad():
             for pname, p in model.named_parameters():
                 if "norm" in pname:  # non-trivial norm weights, so a misplaced norm shows
                     p.add_(0.3 * torch.randn_like(p))
                 if pname.endswith("mlp.gate.weight"):  # decisive routing: no near-ties in the top-k
                     p.copy_(torch.randn_like(p))
+            for bname, b in model.named_buffers():
+                if bname.endswith("e_score_correction_bias"):  # the bias must change the choice, not the weights
+                    b.copy_(0.5 * torch.randn_like(b))
         path = os.path.join(root, name)
         model.save_pretrained(path, max_shard_size="40KB")
         models[name] = (model, path)
