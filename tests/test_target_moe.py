@@ -275,32 +275,41 @@ TRAIN_ARGS = ["--data-format", "synthetic", "--no-progress-bar", "--log-interval
 
 
 @pytest.fixture(scope="module")
-def tiny_moe_target(tmp_path_factory) -> str:
-    """A random tiny Qwen3-MoE target with the embedded job's tokenizer (tied embeddings, dense layer 0)."""
+def tiny_moe_targets(tmp_path_factory) -> dict:
+    """Random tiny Qwen3-MoE and DeepSeek-V3 targets with the embedded job's tokenizer (dense first layers)."""
     import math
 
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     from megatron_dflash.training import synthetic_corpus
 
     tokenizer = synthetic_corpus.build_tokenizer()
-    torch.manual_seed(5)
-    config = Qwen3MoeConfig(
+    common = dict(
         vocab_size=64 * math.ceil(len(tokenizer) / 64), hidden_size=64, intermediate_size=96,
-        moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[0],
-        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        max_position_embeddings=256, tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
+        moe_intermediate_size=32, num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=4,
+        num_attention_heads=4, max_position_embeddings=256, pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
     )
-    model = Qwen3MoeForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
-                p.copy_(torch.randn_like(p))
-    path = str(tmp_path_factory.mktemp("tiny_moe_target"))
-    model.save_pretrained(path, max_shard_size="200KB")
-    tokenizer.save_pretrained(path)
-    return path
+    families = {
+        "qwen3_moe": (Qwen3MoeForCausalLM, Qwen3MoeConfig(**common, num_experts=4, mlp_only_layers=[0],
+                                                          num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)),
+        "deepseek_v3": (DeepseekV3ForCausalLM, DeepseekV3Config(
+            **common, n_routed_experts=4, n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1,
+            num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+            v_head_dim=16, routed_scaling_factor=1.5, tie_word_embeddings=False)),
+    }
+    paths = {}
+    for name, (cls, config) in families.items():
+        torch.manual_seed(5)
+        model = cls(config).eval()
+        with torch.no_grad():
+            for pname, p in model.named_parameters():
+                if pname.endswith("mlp.gate.weight"):
+                    p.copy_(torch.randn_like(p))
+        path = paths[name] = str(tmp_path_factory.mktemp(f"tiny_{name}_target"))
+        model.save_pretrained(path, max_shard_size="200KB")
+        tokenizer.save_pretrained(path)
+    return paths
 
 
 def _train_moe(rank, world_size, target, out_dir, *extra):
@@ -315,8 +324,11 @@ def _train_moe(rank, world_size, target, out_dir, *extra):
     return result.losses, result.grad_norms
 
 
-def test_training_with_a_megatron_moe_target_equals_the_hf_target(tiny_moe_target, tmp_path, tp_pool):
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_training_with_a_megatron_moe_target_equals_the_hf_target(family, tiny_moe_targets, tmp_path, tp_pool):
     from megatron_dflash.training.loop import run
+
+    tiny_moe_target = tiny_moe_targets[family]
 
     saved = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -336,7 +348,8 @@ def test_training_with_a_megatron_moe_target_equals_the_hf_target(tiny_moe_targe
         assert abs(a - b) < 1e-4 * max(1.0, a), (reference.grad_norms, norms)
 
 
-def test_training_arguments_for_expert_and_sequence_parallelism(tiny_moe_target, tmp_path):
+def test_training_arguments_for_expert_and_sequence_parallelism(tiny_moe_targets, tmp_path):
+    tiny_moe_target = tiny_moe_targets["qwen3_moe"]
     from megatron_dflash.training.arguments import ArgumentError, parse_args
     from megatron_dflash.training.job import prepare_job
 
