@@ -28,9 +28,10 @@ The megatron target is built from a HF checkpoint directory by `build_megatron_t
 converter (`target_weights`: one weight plan per rank, streamed shard by shard into the model; Qwen3, Llama
 and Qwen3-MoE families: GQA, RMSNorm, SwiGLU, Qwen3's q/k norms, tied or untied embeddings, ``rope_theta``,
 linear and llama3 RoPE scaling; Qwen3-MoE's softmax top-k routing with or without renormalisation, dense
-``mlp_only_layers`` / ``decoder_sparse_step``, experts split over ``expert_model_parallel_size`` ranks).
-Other families and features (attention/MLP biases, sliding windows, YaRN, shared experts) are refused with an
-error that names them.
+``mlp_only_layers`` / ``decoder_sparse_step``; DeepSeek-V3's multi-latent attention, sigmoid group-limited
+routing with the score-correction bias, routed scaling, shared experts and dense first layers; experts split
+over ``expert_model_parallel_size`` ranks). Other families and features (attention/MLP biases, sliding
+windows, YaRN, per-document positions with MLA) are refused with an error that names them.
 """
 
 from __future__ import annotations
@@ -338,7 +339,7 @@ def _hf_config_dict(hf_config: Any) -> dict:
 
 
 def hf_target_spec(hf_config: Any) -> HFTargetSpec:
-    """Read and check a Qwen3/Llama config; anything this converter cannot reproduce exactly is refused."""
+    """Read and check a Qwen3/Llama/Qwen3-MoE/DeepSeek-V3 config; what the converter cannot reproduce is refused."""
     cfg = _hf_config_dict(hf_config)
     model_type = cfg.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:

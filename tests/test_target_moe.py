@@ -111,6 +111,21 @@ def test_moe_spec_config_and_refusals(tiny_moe):
         megatron_target_config(path, sequence_parallel=True)
     with pytest.raises(ValueError, match="1 <= num_experts_per_tok <= num_experts"):
         hf_target_spec({**spec_dict(path), "num_experts_per_tok": 9})
+    # DeepSeek-V3: MLA sizes, sigmoid group-limited routing, and what megatron-core cannot reproduce.
+    ds_path = tiny_moe["deepseek_v3"][1]
+    ds = hf_target_spec(ds_path)
+    assert ds.mla and ds.kv_lora_rank == 16 and ds.q_lora_rank == 24 and ds.moe_layers == (False, True, True, True)
+    assert ds.router_score == "sigmoid" and ds.expert_bias and ds.router_groups == 2 and ds.router_group_topk == 1
+    cfg = megatron_target_config(ds_path, tensor_model_parallel_size=2)
+    assert cfg.multi_latent_attention and cfg.moe_router_topk_scaling_factor == 2.5
+    assert cfg.moe_shared_expert_intermediate_size == 16 and cfg.moe_router_enable_expert_bias
+    base = spec_dict(ds_path)
+    with pytest.raises(ValueError, match="agree only when num_experts_per_tok / topk_group == 2"):
+        hf_target_spec({**base, "num_experts_per_tok": 4})
+    with pytest.raises(ValueError, match="YaRN"):
+        hf_target_spec({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ValueError, match="must divide kv_lora_rank \\+ qk_rope_head_dim=22"):
+        megatron_target_config({**base, "kv_lora_rank": 18}, tensor_model_parallel_size=4, expert_tensor_parallel_size=1)
 
 
 def spec_dict(path: str) -> dict:
