@@ -364,6 +364,13 @@ def test_training_with_a_megatron_moe_target_equals_the_hf_target(family, tiny_m
 
 
 def test_training_arguments_for_expert_and_sequence_parallelism(tiny_moe_targets, tmp_path):
+    from megatron_dflash.training.arguments import ArgumentError, parse_args
+    from megatron_dflash.training.job import prepare_job
+
+    args = parse_args(["--target", tiny_moe_targets["deepseek_v3"], *TRAIN_ARGS, "--target-backend", "megatron",
+                       "--pack-sequences"])
+    with pytest.raises(ArgumentError, match="drop --pack-sequences"):
+        prepare_job(args, world_size=1, env={}, cuda=False, log=lambda *a: None)
     tiny_moe_target = tiny_moe_targets["qwen3_moe"]
     from megatron_dflash.training.arguments import ArgumentError, parse_args
     from megatron_dflash.training.job import prepare_job
