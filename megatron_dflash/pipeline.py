@@ -22,9 +22,11 @@ megatron's pipeline group, with ``torch.distributed.send``/``recv`` and shapes e
 Megatron's own ``P2PCommunicator`` and schedules are not used: they allocate their buffers with
 ``torch.cuda.current_device()`` and synchronise CUDA, and they are built around a training schedule with
 backward passes the frozen target does not have. Every TP rank of a stage holds the full (replicated)
-activations and taps (sequence parallelism is refused), so each TP rank sends its own copy; the traffic per
-micro-batch is ``(PP - 1) * S * B * H`` activations plus ``S * B * H`` per tap produced off the draft's stage,
-per TP rank. The stages run one after another (no overlap between micro-batches): the target is forward
+activations and taps, so each TP rank sends its own copy; the traffic per micro-batch is
+``(PP - 1) * S * B * H`` activations plus ``S * B * H`` per tap produced off the draft's stage, per TP rank.
+With sequence parallelism the activations stay sharded (``[S / TP, B, H]`` per TP rank, ``1 / TP`` of the
+traffic) while the taps are gathered to the full sequence on their stage (`MegatronTarget`). The stages run
+one after another (no overlap between micro-batches): the target is forward
 only and usually far cheaper than the draft's forward and backward on the draft's stage.
 
 The block embeddings need the target's **input embedding** (first stage) and the loss needs its **output
@@ -36,7 +38,7 @@ over a weightless ``ColumnParallelLinear``). Memory: ``V_padded * H / TP`` param
 embedding, so at most one copy is made; a draft on the first (last) stage needs no embedding (head) copy.
 
 Every function validates before its first collective: the parallel layout (megatron ``parallel_state``
-initialised, no virtual pipeline, no custom pipeline layout, no sequence parallelism), the draft's stage, the
+initialised, no virtual pipeline, no custom pipeline layout, no context parallelism), the draft's stage, the
 batch shapes; then one small all-reduce over the model-parallel group (TP x PP) makes every rank raise the
 same error if any rank's inputs are bad or the ranks disagree (draft stage, batch shape, tapped layers),
 instead of hanging in a send that is never received.
@@ -197,14 +199,11 @@ def _check_target(target) -> None:
             f"the pipeline needs a MegatronTarget (one stage of a megatron GPTModel), got {type(target).__name__}; "
             "an HFTarget runs in one process (PP=1) and needs no routing."
         )
-    config = target.model.config
-    if getattr(config, "sequence_parallel", False):
-        raise ValueError(
-            "sequence_parallel=True is not supported: the taps, the block embeddings and the draft need the full "
-            "sequence on every tensor-parallel rank; build the target with sequence_parallel=False."
-        )
-    if getattr(config, "context_parallel_size", 1) > 1:
-        raise ValueError(f"context_parallel_size={config.context_parallel_size} is not supported; use 1.")
+    from .target import context_parallel_refusal
+
+    refusal = context_parallel_refusal(target.model.config)
+    if refusal:
+        raise ValueError(refusal)
 
 
 @dataclass
@@ -399,6 +398,11 @@ def run_target_pipeline(
                 f"layers {target.target_layer_ids}" + (f" ({unknown} are not hooked)" if unknown else "") + "."
             )
         tokens, positions = _batch_tensors(batch)
+        if target.sequence_parallel and tokens.shape[1] % layout.tp_size:
+            raise ValueError(
+                f"with sequence parallelism the sequence length ({tokens.shape[1]}) must be a multiple of "
+                f"tensor_model_parallel_size={layout.tp_size}."
+            )
         if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
             raise ValueError(f"attention_mask must be a tensor or None, got {type(attention_mask).__name__}.")
     except ValueError as err:
@@ -431,7 +435,9 @@ def run_target_pipeline(
         if stage == 0:
             out = target(tokens.to(device), attention_mask=attention_mask, position_ids=positions)
         else:
-            incoming = _recv((S, B, H), wire, device, stage - 1)
+            # Under sequence parallelism each TP rank passes its own [S / TP, B, H] shard along the chain.
+            shard = S // layout.tp_size if target.sequence_parallel else S
+            incoming = _recv((shard, B, H), wire, device, stage - 1)
             out = target(None, attention_mask=attention_mask, position_ids=positions, input_tensor=incoming)
         if stage < pp - 1:
             _send(out.output_tensor.to(wire), stage + 1)

@@ -11,10 +11,12 @@ Two targets share one contract:
 * `HFTarget` wraps a transformers causal LM (Qwen3, Llama) in a single process:
   ``forward(input_ids [B, S]) -> TargetOutput(taps [B, S, taps * H], final_hidden [B, S, H], logits)``,
   taps concatenated in ``target_layer_ids`` order.
-* `MegatronTarget` wraps a megatron-core `GPTModel` (one pipeline stage of it). Its forward captures
-  the taps of the layers this stage owns, keyed by **global** layer id, as ``[B, S, H]`` tensors (megatron
-  works in ``[S, B, H]`` inside), so a pipeline schedule can route them to the stage that holds the draft.
-  `concat_taps` turns a complete set into the ``[B, S, taps * H]`` context input of the body.
+* `MegatronTarget` wraps a megatron-core `GPTModel` (one pipeline stage of it; tensor, expert and sequence
+  parallel). Its forward captures the taps of the layers this stage owns, keyed by **global** layer id, as
+  ``[B, S, H]`` tensors (megatron works in ``[S, B, H]`` inside, ``[S / TP, B, H]`` under sequence
+  parallelism: taps are gathered back to the full sequence), so a pipeline schedule can route them to the
+  stage that holds the draft. `concat_taps` turns a complete set into the ``[B, S, taps * H]`` context input
+  of the body. Context parallelism is refused (`context_parallel_refusal` says why).
 
 Both are frozen: parameters never require gradients, the module stays in eval mode whatever its parent
 does, and forwards run under ``torch.no_grad()`` (not inference mode: the taps feed the draft's autograd
@@ -23,13 +25,18 @@ graph). Both expose ``embedding`` (the target's input embedding module, vocab-pa
 multiplier and soft cap).
 
 The megatron target is built from a HF checkpoint directory by `build_megatron_target`, with our own
-converter `convert_hf_to_megatron_state_dict` (Qwen3 and Llama families: GQA, RMSNorm, SwiGLU, Qwen3's
-q/k norms, tied or untied embeddings, ``rope_theta``, linear and llama3 RoPE scaling). Other families and
-features (attention/MLP biases, sliding windows, YaRN, MoE) are refused with an error that names them.
+converter (`target_weights`: one weight plan per rank, streamed shard by shard into the model; Qwen3, Llama
+and Qwen3-MoE families: GQA, RMSNorm, SwiGLU, Qwen3's q/k norms, tied or untied embeddings, ``rope_theta``,
+linear and llama3 RoPE scaling; Qwen3-MoE's softmax top-k routing with or without renormalisation, dense
+``mlp_only_layers`` / ``decoder_sparse_step``; DeepSeek-V3's multi-latent attention, sigmoid group-limited
+routing with the score-correction bias, routed scaling, shared experts and dense first layers; experts split
+over ``expert_model_parallel_size`` ranks). Other families and features (attention/MLP biases, sliding
+windows, YaRN, per-document positions with MLA) are refused with an error that names them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -42,6 +49,7 @@ from torch import nn
 
 from .config import DFlashConfig, check_target_layer_ids, read_rope_parameters
 from .objectives import OutputHead
+from .target_weights import convert_with_plan, fused_qkv_weight, megatron_weight_plan, safetensors_files, stream_with_plan
 
 __all__ = [
     "TargetOutput",
@@ -55,15 +63,18 @@ __all__ = [
     "padded_vocab_size",
     "megatron_target_config",
     "megatron_target_layer_spec",
+    "megatron_target_block_spec",
+    "load_plan_into",
     "fused_qkv_weight",
     "convert_hf_to_megatron_state_dict",
     "load_hf_state_dict",
     "build_megatron_target",
     "MegatronTargetOutput",
     "MegatronTarget",
+    "context_parallel_refusal",
 ]
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "llama")
+SUPPORTED_MODEL_TYPES = ("qwen3", "llama", "qwen3_moe", "deepseek_v3")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -133,11 +144,15 @@ class _FrozenTarget(nn.Module):
         super().train(False)
         return self
 
+    def _full_sequence(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[S, B, H]`` from this rank's sequence shard under sequence parallelism (identity otherwise)."""
+        return hidden
+
     def _hook(self, layer_id: int, transpose: bool):
         def hook(module, args, output):
             if self._captured is None:
                 return
-            hidden = _layer_output(output).detach()
+            hidden = self._full_sequence(_layer_output(output).detach())
             if transpose:  # megatron [S, B, H] -> [B, S, H]
                 hidden = hidden.transpose(0, 1)
             # Always a (contiguous) copy, also where the transpose is a no-op (B = 1): nothing the model
@@ -276,6 +291,33 @@ class HFTargetSpec:
     rope_scaling: Optional[dict]
     max_position_embeddings: int
     dtype: Optional[torch.dtype] = None
+    # Mixture of experts (Qwen3-MoE); num_experts == 0 for dense targets.
+    num_experts: int = 0
+    moe_intermediate_size: int = 0
+    num_experts_per_tok: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: tuple = ()  # per layer: True where the MLP is a sparse MoE block
+    router_score: str = "softmax"  # "softmax" (Qwen3-MoE) or "sigmoid" (DeepSeek-V3)
+    expert_bias: bool = False  # DeepSeek-V3's e_score_correction_bias (selection only)
+    router_groups: Optional[int] = None  # group-limited routing: groups, and groups kept per token
+    router_group_topk: Optional[int] = None
+    routed_scaling_factor: Optional[float] = None
+    shared_expert_intermediate_size: int = 0
+    # Multi-latent attention (DeepSeek-V3); kv_lora_rank == 0 for GQA targets.
+    q_lora_rank: Optional[int] = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+
+    @property
+    def mla(self) -> bool:
+        """Whether attention is multi-latent attention (MLASelfAttention)."""
+        return self.kv_lora_rank > 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` (0-based) has a sparse MoE block instead of a dense MLP."""
+        return bool(self.moe_layers) and bool(self.moe_layers[layer])
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -297,7 +339,7 @@ def _hf_config_dict(hf_config: Any) -> dict:
 
 
 def hf_target_spec(hf_config: Any) -> HFTargetSpec:
-    """Read and check a Qwen3/Llama config; anything this converter cannot reproduce exactly is refused."""
+    """Read and check a Qwen3/Llama/Qwen3-MoE/DeepSeek-V3 config; what the converter cannot reproduce is refused."""
     cfg = _hf_config_dict(hf_config)
     model_type = cfg.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -321,6 +363,11 @@ def hf_target_spec(hf_config: Any) -> HFTargetSpec:
     hidden = int(cfg["hidden_size"])
     head_dim = cfg.get("head_dim") or hidden // heads
     theta, scaling = read_rope_parameters(dict(cfg))
+    if model_type == "deepseek_v3" and scaling is not None:
+        raise ValueError(
+            f"megatron target: DeepSeek-V3 rope_scaling {scaling.get('rope_type')!r} (YaRN) is not supported by this "
+            "converter yet (its mscale must be matched to megatron's YarnRotaryEmbedding); use HFTarget."
+        )
     if scaling is not None:
         rope_type = scaling.get("rope_type")
         if rope_type not in ("linear", "llama3"):
@@ -331,9 +378,14 @@ def hf_target_spec(hf_config: Any) -> HFTargetSpec:
         if not float(scaling.get("factor", 0)) > 0:
             raise ValueError(f"megatron target: rope_scaling={scaling} needs a positive 'factor'.")
     dtype_name = cfg.get("torch_dtype") or cfg.get("dtype")
+    num_layers = int(cfg["num_hidden_layers"])
+    moe = _moe_fields(cfg, num_layers) if model_type == "qwen3_moe" else {}
+    if model_type == "deepseek_v3":
+        moe = {**_deepseek_moe_fields(cfg, num_layers), **_mla_fields(cfg)}
+        head_dim = moe["qk_nope_head_dim"] + moe["qk_rope_head_dim"]
     return HFTargetSpec(
         model_type=model_type,
-        num_layers=int(cfg["num_hidden_layers"]),
+        num_layers=num_layers,
         hidden_size=hidden,
         intermediate_size=int(cfg["intermediate_size"]),
         num_attention_heads=heads,
@@ -341,13 +393,99 @@ def hf_target_spec(hf_config: Any) -> HFTargetSpec:
         head_dim=int(head_dim),
         vocab_size=int(cfg["vocab_size"]),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        qk_layernorm=model_type == "qwen3",
+        qk_layernorm=model_type in ("qwen3", "qwen3_moe"),
         # transformers' PretrainedConfig default is True.
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
         rope_theta=float(theta),
         rope_scaling=scaling,
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         dtype=_DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None,
+        **moe,
+    )
+
+
+def _mla_fields(cfg: Mapping) -> dict:
+    """DeepSeek-V3's multi-latent attention sizes (``q_lora_rank`` None: a plain ``q_proj``)."""
+    if not cfg.get("rope_interleave", True):
+        raise ValueError("megatron target: rope_interleave=False is not supported (megatron's MLA de-interleaves "
+                         "the rotary half of q and k, as DeepSeek-V3 checkpoints need).")
+    q_lora = cfg.get("q_lora_rank")
+    return dict(
+        q_lora_rank=int(q_lora) if q_lora else None,
+        kv_lora_rank=int(cfg["kv_lora_rank"]),
+        qk_nope_head_dim=int(cfg["qk_nope_head_dim"]),
+        qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
+        v_head_dim=int(cfg["v_head_dim"]),
+    )
+
+
+def _deepseek_moe_fields(cfg: Mapping, num_layers: int) -> dict:
+    """DeepSeek-V3's MoE as ``DeepseekV3MoE``/``DeepseekV3TopkRouter`` compute it.
+
+    Layers ``>= first_k_dense_replace`` are sparse. Router: sigmoid scores; experts chosen by score +
+    ``e_score_correction_bias`` among the ``topk_group`` of ``n_group`` groups with the highest sum of their
+    top-2 scores; weights are the chosen (unbiased) scores, renormalised, times ``routed_scaling_factor``;
+    plus ``n_shared_experts`` always-on experts (one MLP of ``n_shared_experts * moe_intermediate_size``).
+    megatron-core's router does the same when every group contributes top-``topk // group_topk`` = top-2 and
+    it always renormalises sigmoid scores, so other settings are refused.
+    """
+    experts = int(cfg.get("n_routed_experts") or 0)
+    top_k = int(cfg.get("num_experts_per_tok") or 0)
+    if experts <= 0 or not 0 < top_k <= experts:
+        raise ValueError(f"megatron target: n_routed_experts={experts}, num_experts_per_tok={top_k}: need "
+                         "1 <= num_experts_per_tok <= n_routed_experts.")
+    if top_k > 1 and not cfg.get("norm_topk_prob", True):
+        raise ValueError("megatron target: norm_topk_prob=False with sigmoid routing is not supported (megatron-core "
+                         "renormalises the chosen sigmoid scores).")
+    groups = int(cfg.get("n_group") or 1)
+    group_topk = int(cfg.get("topk_group") or 1)
+    if groups > 1 and top_k // group_topk != 2:
+        raise ValueError(
+            f"megatron target: group-limited routing with num_experts_per_tok={top_k}, topk_group={group_topk}: "
+            "DeepSeek-V3 ranks groups by their top-2 scores, megatron-core by their top-(topk / topk_group); they "
+            "agree only when num_experts_per_tok / topk_group == 2."
+        )
+    first_dense = int(cfg.get("first_k_dense_replace") or 0)
+    shared = int(cfg.get("n_shared_experts") or 0)
+    return dict(
+        num_experts=experts,
+        moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+        num_experts_per_tok=top_k,
+        norm_topk_prob=True,
+        moe_layers=tuple(i >= first_dense for i in range(num_layers)),
+        router_score="sigmoid",
+        expert_bias=True,
+        router_groups=groups if groups > 1 else None,
+        router_group_topk=group_topk if groups > 1 else None,
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
+        shared_expert_intermediate_size=shared * int(cfg["moe_intermediate_size"]),
+    )
+
+
+def _moe_fields(cfg: Mapping, num_layers: int) -> dict:
+    """The MoE facts of a Qwen3-MoE config, as ``Qwen3MoeDecoderLayer``/``Qwen3MoeSparseMoeBlock`` use them.
+
+    Layer ``i`` is sparse unless it is in ``mlp_only_layers`` or ``(i + 1) % decoder_sparse_step != 0``;
+    routing is a softmax over all experts, the top ``num_experts_per_tok``, renormalised to sum 1 when
+    ``norm_topk_prob``.
+    """
+    # transformers 5 writes num_local_experts; checkpoints of earlier versions say num_experts.
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    top_k = int(cfg.get("num_experts_per_tok") or 0)
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    dense = set(int(i) for i in (cfg.get("mlp_only_layers") or []))
+    if experts <= 0 or not 0 < top_k <= experts:
+        raise ValueError(
+            f"megatron target: num_experts={experts}, num_experts_per_tok={top_k}: a Qwen3-MoE target needs "
+            "1 <= num_experts_per_tok <= num_experts."
+        )
+    layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
+    return dict(
+        num_experts=experts,
+        moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+        num_experts_per_tok=top_k,
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        moe_layers=layers,
     )
 
 
@@ -357,29 +495,87 @@ def padded_vocab_size(vocab_size: int, tp_size: int, make_vocab_size_divisible_b
     return int(math.ceil(vocab_size / multiple) * multiple)
 
 
-def _parallel_sizes() -> tuple[int, int]:
+def _parallel_sizes() -> dict:
+    """TP, PP, EP and expert-TP sizes from megatron's ``parallel_state`` (1 each when uninitialised)."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
     if dist.is_available() and dist.is_initialized() and parallel_state.model_parallel_is_initialized():
-        return (
-            parallel_state.get_tensor_model_parallel_world_size(),
-            parallel_state.get_pipeline_model_parallel_world_size(),
+        return dict(
+            tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+            pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+            expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+            expert_tensor_parallel_size=parallel_state.get_expert_tensor_parallel_world_size(),
         )
-    return 1, 1
+    # Expert TP None: megatron's TransformerConfig sets it to the tensor-parallel size.
+    return dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, expert_model_parallel_size=1,
+                expert_tensor_parallel_size=None)
 
 
-def _check_tp(spec: HFTargetSpec, tp: int) -> None:
-    for name, value in (
-        ("num_key_value_heads", spec.num_key_value_heads),
-        ("num_attention_heads", spec.num_attention_heads),
-        ("intermediate_size", spec.intermediate_size),
-    ):
-        if value % tp:
+def _check_tp(spec: HFTargetSpec, tp: int, ep: int = 1, etp: Optional[int] = None) -> None:
+    etp = tp if etp is None else etp
+    checks = [("tensor_model_parallel_size", tp, "num_key_value_heads", spec.num_key_value_heads),
+              ("tensor_model_parallel_size", tp, "num_attention_heads", spec.num_attention_heads)]
+    if spec.mla:
+        # The local spec's down projections are column-parallel (their outputs gathered again).
+        checks.append(("tensor_model_parallel_size", tp, "kv_lora_rank + qk_rope_head_dim",
+                       spec.kv_lora_rank + spec.qk_rope_head_dim))
+        if spec.q_lora_rank:
+            checks.append(("tensor_model_parallel_size", tp, "q_lora_rank", spec.q_lora_rank))
+    if spec.shared_expert_intermediate_size:
+        checks.append(("tensor_model_parallel_size", tp, "n_shared_experts * moe_intermediate_size",
+                       spec.shared_expert_intermediate_size))
+    if not all(spec.is_moe_layer(i) for i in range(spec.num_layers)):
+        checks.append(("tensor_model_parallel_size", tp, "intermediate_size", spec.intermediate_size))
+    if spec.num_experts:
+        checks += [("expert_model_parallel_size", ep, "num_experts", spec.num_experts),
+                   ("expert_tensor_parallel_size", etp, "moe_intermediate_size", spec.moe_intermediate_size)]
+    elif ep != 1:
+        raise ValueError(
+            f"megatron target: expert_model_parallel_size={ep} but the {spec.model_type} target has no experts; use 1."
+        )
+    for size_name, size, name, value in checks:
+        if value % size:
             raise ValueError(
-                f"megatron target: tensor_model_parallel_size={tp} must divide {name}={value} "
-                f"(this converter splits whole query groups across TP ranks)."
+                f"megatron target: {size_name}={size} must divide {name}={value} "
+                f"(this converter splits whole query groups, experts and MLP columns across ranks)."
             )
+
+
+def _moe_config(spec: HFTargetSpec) -> dict:
+    """megatron-core MoE settings that reproduce HF's ``Qwen3MoeSparseMoeBlock`` exactly at inference.
+
+    HF: ``softmax`` over all experts (fp32), top-k, renormalised when ``norm_topk_prob``. megatron's router
+    with ``moe_router_pre_softmax=False`` takes the top-k logits and softmaxes over them, which is the
+    renormalised top-k of the full softmax; with ``pre_softmax=True`` it softmaxes first and keeps the raw
+    top-k probabilities (``norm_topk_prob=False``). No capacity limit (no dropped tokens), no auxiliary
+    losses (the target is frozen), fp32 routing.
+    """
+    if not spec.num_experts:
+        return {}
+    return dict(
+        num_moe_experts=spec.num_experts,
+        moe_ffn_hidden_size=spec.moe_intermediate_size,
+        moe_router_topk=spec.num_experts_per_tok,
+        moe_router_score_function=spec.router_score,
+        moe_router_pre_softmax=spec.router_score == "softmax" and not spec.norm_topk_prob,
+        moe_router_enable_expert_bias=spec.expert_bias,
+        moe_router_bias_update_rate=0.0,  # frozen: the correction bias is loaded, never updated
+        moe_router_num_groups=spec.router_groups,
+        moe_router_group_topk=spec.router_group_topk,
+        moe_router_topk_scaling_factor=spec.routed_scaling_factor,
+        moe_shared_expert_intermediate_size=spec.shared_expert_intermediate_size or None,
+        moe_shared_expert_overlap=False,
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_z_loss_coeff=None,
+        moe_router_dtype="fp32",
+        moe_layer_freq=[1 if m else 0 for m in spec.moe_layers],
+        moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=False,
+        moe_permute_fusion=False,
+        moe_expert_capacity_factor=None,
+    )
 
 
 def megatron_target_config(hf_config: Any, **overrides: Any):
@@ -392,9 +588,13 @@ def megatron_target_config(hf_config: Any, **overrides: Any):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     spec = hf_target_spec(hf_config)
-    tp, pp = _parallel_sizes()
-    tp = overrides.get("tensor_model_parallel_size", tp)
-    _check_tp(spec, tp)
+    sizes = _parallel_sizes()
+    sizes.update({k: overrides[k] for k in sizes if overrides.get(k) is not None})
+    tp = sizes["tensor_model_parallel_size"]
+    _check_tp(spec, tp, sizes["expert_model_parallel_size"], sizes["expert_tensor_parallel_size"])
+    if overrides.get("sequence_parallel") and tp == 1:
+        # At TP = 1 there is no group to shard the sequence over: refuse rather than silently ignore.
+        raise ValueError("megatron target: sequence_parallel=True needs tensor_model_parallel_size > 1.")
     dtype = overrides.get("params_dtype", spec.dtype or torch.float32)
     kwargs = dict(
         num_layers=spec.num_layers,
@@ -419,8 +619,8 @@ def megatron_target_config(hf_config: Any, **overrides: Any):
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
         attention_softmax_in_fp32=True,
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
+        **sizes,
+        **_moe_config(spec),
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -428,8 +628,21 @@ def megatron_target_config(hf_config: Any, **overrides: Any):
         perform_initialization=False,  # every weight is loaded from the checkpoint
         use_cpu_initialization=not torch.cuda.is_available(),
     )
+    config_cls = TransformerConfig
+    if spec.mla:
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        # MLASelfAttention: q/kv down projections with RMSNorms on the compressed q and kv (qk_layernorm
+        # makes them real norms), RoPE on the qk_rope_head_dim part only, positions 0..S-1.
+        config_cls = MLATransformerConfig
+        kwargs.update(
+            multi_latent_attention=True, qk_layernorm=True, q_lora_rank=spec.q_lora_rank,
+            kv_lora_rank=spec.kv_lora_rank, qk_head_dim=spec.qk_nope_head_dim,
+            qk_pos_emb_head_dim=spec.qk_rope_head_dim, v_head_dim=spec.v_head_dim, rope_type="rope",
+            rotary_base=spec.rope_theta, rotary_percent=1.0, kv_channels=None,
+        )
     kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
+    return config_cls(**kwargs)
 
 
 def _have_transformer_engine() -> bool:
@@ -451,35 +664,81 @@ def megatron_target_layer_spec(qk_layernorm: bool, use_te: bool = False):
     return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
 
 
+def megatron_target_block_spec(config, use_te: bool = False, vp_stage: Optional[int] = None):
+    """The decoder spec of this pipeline stage for ``config`` (dense or MoE, any parallelism).
+
+    Transformer Engine, dense: megatron's TE GPT layer spec (norms fused into the following linears).
+    Otherwise megatron's ``get_gpt_decoder_block_spec``: per layer a MoE layer where ``moe_layer_freq`` says
+    so and a dense layer elsewhere (Qwen3-MoE's ``mlp_only_layers`` / ``decoder_sparse_step``), for the
+    layers of this stage only; on the local spec every norm is `TargetRMSNorm` (see there).
+    """
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if use_te and not _have_transformer_engine():
+        raise ValueError("use_te=True but transformer_engine cannot be imported; use the local spec (use_te=False).")
+    if use_te and not config.num_moe_experts:
+        return megatron_target_layer_spec(config.qk_layernorm, use_te=True)
+    block = gpt_layer_specs.get_gpt_decoder_block_spec(
+        config, use_transformer_engine=use_te, normalization="RMSNorm", vp_stage=vp_stage
+    )
+    if use_te:
+        return block
+    swaps = {"WrappedTorchNorm": TargetRMSNorm}
+    if config.multi_latent_attention:
+        swaps["DotProductAttention"] = _mla_core_attention()
+    # The final norm too: megatron picks apex's FusedLayerNorm (LayerNorm only) for it when apex is installed.
+    return dataclasses.replace(_swap_modules(block, swaps), layer_norm=TargetRMSNorm)
+
+
+def _mla_core_attention():
+    """megatron's local ``DotProductAttention`` for ``MLASelfAttention``, whose value heads are narrower.
+
+    megatron-core 0.16's MLA passes ``k_channels``/``v_channels`` to its core attention, which only Transformer
+    Engine's attention accepts; the local attention's math (``q k^T``, softmax, ``p v``) is already correct for
+    a value head dim that differs from the query/key one, except the width it reshapes the context to
+    (``heads * v_channels / TP``). This subclass takes the two arguments and sets that width.
+    """
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class MLACoreAttention(DotProductAttention):
+        def __init__(self, *args, k_channels: Optional[int] = None, v_channels: Optional[int] = None, **kwargs):
+            super().__init__(*args, **kwargs)
+            if v_channels is not None:
+                self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
+
+    return MLACoreAttention
+
+
+class TargetRMSNorm:
+    """megatron's norm signature -> ``torch.nn.RMSNorm``, also under sequence parallelism.
+
+    megatron's ``WrappedTorchNorm`` (its local RMSNorm) builds the same module but refuses
+    ``sequence_parallel``: trained under SP, a norm's weight gradient would need an all-reduce over the TP
+    group that plain torch norms do not do. The target is frozen (no gradients), so the refusal does not
+    apply to it; the forward is per token and identical.
+    """
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **unused: Any):
+        if config.normalization != "RMSNorm":
+            raise ValueError(f"TargetRMSNorm: normalization={config.normalization!r}; the target uses RMSNorm.")
+        return nn.RMSNorm(hidden_size, eps=eps)
+
+
+def _swap_modules(spec: Any, swaps: Mapping[str, type]) -> Any:
+    """``spec`` (a megatron spec tree) with every megatron module class named in ``swaps`` replaced."""
+    if isinstance(spec, type) and spec.__module__.startswith("megatron.core") and spec.__name__ in swaps:
+        return swaps[spec.__name__]
+    if isinstance(spec, list):
+        return [_swap_modules(s, swaps) for s in spec]
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        fields = {f.name: _swap_modules(getattr(spec, f.name), swaps) for f in dataclasses.fields(spec) if f.init}
+        return dataclasses.replace(spec, **fields)
+    return spec
+
+
 # --------------------------------------------------------------------------------------------------
 # HF weights -> megatron weights
 # --------------------------------------------------------------------------------------------------
-
-
-def _chunk(tensor: torch.Tensor, tp_rank: int, tp_size: int, dim: int) -> torch.Tensor:
-    if tensor.shape[dim] % tp_size:
-        raise ValueError(f"cannot split a tensor of shape {tuple(tensor.shape)} on dim {dim} into {tp_size} parts.")
-    return torch.chunk(tensor, tp_size, dim=dim)[tp_rank]
-
-
-def _pad_rows(weight: torch.Tensor, rows: int) -> torch.Tensor:
-    if weight.shape[0] == rows:
-        return weight
-    pad = weight.new_zeros((rows - weight.shape[0],) + tuple(weight.shape[1:]))
-    return torch.cat([weight, pad], dim=0)
-
-
-def fused_qkv_weight(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_query_groups: int, head_dim: int) -> torch.Tensor:
-    """Megatron's ``linear_qkv`` weight: per query group ``[q heads of the group; k; v]``.
-
-    ``q [heads * hd, H]``, ``k``/``v`` ``[groups * hd, H]`` -> ``[groups * (heads/groups + 2) * hd, H]``, the
-    layout `SelfAttention.get_query_key_value_tensors` views as ``[groups, (q_per_group + 2) * hd]``.
-    """
-    hidden = q.shape[-1]
-    q = q.reshape(num_query_groups, -1, head_dim, hidden)
-    k = k.reshape(num_query_groups, 1, head_dim, hidden)
-    v = v.reshape(num_query_groups, 1, head_dim, hidden)
-    return torch.cat([q, k, v], dim=1).reshape(-1, hidden)
 
 
 def convert_hf_to_megatron_state_dict(
@@ -496,8 +755,12 @@ def convert_hf_to_megatron_state_dict(
     make_vocab_size_divisible_by: int = 128,
     dtype: Optional[torch.dtype] = None,
     transformer_engine_names: bool = False,
+    ep_rank: int = 0,
+    ep_size: int = 1,
+    etp_rank: Optional[int] = None,
+    etp_size: Optional[int] = None,
 ) -> dict[str, torch.Tensor]:
-    """The state dict of one (TP rank, PP stage) shard of a megatron ``GPTModel`` from HF Qwen3/Llama weights.
+    """The state dict of one (TP, EP rank, PP stage) shard of a megatron ``GPTModel`` from HF weights.
 
     Args:
         hf_state_dict: HF names (``model.layers.N.self_attn.q_proj.weight``, ...) to tensors; a lazy mapping
@@ -510,17 +773,42 @@ def convert_hf_to_megatron_state_dict(
             (never looked up; their logits are masked by `OutputHead`).
         dtype: cast every tensor to this dtype (default: keep).
         transformer_engine_names: name the norms as the TE spec does (fused into the following linear).
+        ep_rank, ep_size: this rank's expert-parallel coordinates (MoE targets: only its experts are read).
+        etp_rank, etp_size: expert tensor parallelism (default: ``tp_rank``/``tp_size``, megatron's default).
 
-    Layouts: ``linear_qkv`` is the per-query-group interleaved ``[q_g; k_g; v_g]`` matrix, split by whole
-    groups across TP; ``linear_proj`` and ``linear_fc2`` are split on their input dim; ``linear_fc1`` is
-    ``[gate shard; up shard]`` per rank; the embedding and output layer are split by vocabulary rows. With
-    tied embeddings the output layer is absent on a stage that also holds the embedding (megatron reuses the
-    embedding weight) and is the embedding's copy otherwise.
+    Layouts: see `target_weights`. With tied embeddings the output layer is absent on a stage that also
+    holds the embedding (megatron reuses the embedding weight) and is the embedding's copy otherwise.
     """
     spec = hf_target_spec(hf_config)
-    _check_tp(spec, tp_size)
-    if not 0 <= tp_rank < tp_size:
-        raise ValueError(f"tp_rank={tp_rank} must be in [0, {tp_size}).")
+    plan = _weight_plan(spec, tp_rank, tp_size, layer_offset=layer_offset, num_layers=num_layers,
+                        pre_process=pre_process, post_process=post_process, padded_vocab=padded_vocab,
+                        make_vocab_size_divisible_by=make_vocab_size_divisible_by, dtype=dtype,
+                        transformer_engine_names=transformer_engine_names, ep_rank=ep_rank, ep_size=ep_size,
+                        etp_rank=etp_rank, etp_size=etp_size)
+    return convert_with_plan(plan, hf_state_dict, spec.model_type)
+
+
+def _weight_plan(
+    spec: HFTargetSpec,
+    tp_rank: int,
+    tp_size: int,
+    *,
+    layer_offset: int,
+    num_layers: Optional[int],
+    padded_vocab: Optional[int],
+    make_vocab_size_divisible_by: int,
+    ep_rank: int,
+    ep_size: int,
+    etp_rank: Optional[int],
+    etp_size: Optional[int],
+    **kwargs: Any,
+) -> list:
+    """`target_weights.megatron_weight_plan` after checking this rank's coordinates against ``spec``."""
+    _check_tp(spec, tp_size, ep_size, etp_size)
+    for name, rank, size in (("tp_rank", tp_rank, tp_size), ("ep_rank", ep_rank, ep_size),
+                             ("etp_rank", etp_rank, etp_size)):
+        if rank is not None and not 0 <= rank < (size or tp_size):
+            raise ValueError(f"{name}={rank} must be in [0, {size or tp_size}).")
     if num_layers is None:
         num_layers = spec.num_layers - layer_offset
     if layer_offset < 0 or num_layers < 0 or layer_offset + num_layers > spec.num_layers:
@@ -530,56 +818,9 @@ def convert_hf_to_megatron_state_dict(
     vocab = padded_vocab or padded_vocab_size(spec.vocab_size, tp_size, make_vocab_size_divisible_by)
     if vocab < spec.vocab_size or vocab % tp_size:
         raise ValueError(f"padded_vocab={vocab} must be >= vocab_size={spec.vocab_size} and divisible by TP={tp_size}.")
-
-    def get(name: str) -> torch.Tensor:
-        if name not in hf_state_dict:
-            raise KeyError(f"HF checkpoint has no tensor {name!r} (a {spec.model_type} checkpoint was expected).")
-        tensor = hf_state_dict[name]
-        return tensor.to(dtype) if dtype is not None else tensor
-
-    def vocab_shard(name: str) -> torch.Tensor:
-        weight = get(name)
-        if weight.shape[0] != spec.vocab_size:
-            raise ValueError(f"{name} has {weight.shape[0]} rows but vocab_size={spec.vocab_size}.")
-        return _chunk(_pad_rows(weight, vocab), tp_rank, tp_size, 0).contiguous()
-
-    if transformer_engine_names:
-        input_norm, mlp_norm = "self_attention.linear_qkv.layer_norm_weight", "mlp.linear_fc1.layer_norm_weight"
-    else:
-        input_norm, mlp_norm = "input_layernorm.weight", "pre_mlp_layernorm.weight"
-
-    out: dict[str, torch.Tensor] = {}
-    if pre_process:
-        out["embedding.word_embeddings.weight"] = vocab_shard("model.embed_tokens.weight")
-    for local in range(num_layers):
-        src = f"model.layers.{layer_offset + local}."
-        dst = f"decoder.layers.{local}."
-        qkv = fused_qkv_weight(
-            get(src + "self_attn.q_proj.weight"),
-            get(src + "self_attn.k_proj.weight"),
-            get(src + "self_attn.v_proj.weight"),
-            spec.num_key_value_heads,
-            spec.head_dim,
-        )
-        # Groups are contiguous row blocks of the fused matrix: TP takes whole groups.
-        out[dst + "self_attention.linear_qkv.weight"] = _chunk(qkv, tp_rank, tp_size, 0).contiguous()
-        out[dst + "self_attention.linear_proj.weight"] = _chunk(get(src + "self_attn.o_proj.weight"), tp_rank, tp_size, 1).contiguous()
-        if spec.qk_layernorm:
-            out[dst + "self_attention.q_layernorm.weight"] = get(src + "self_attn.q_norm.weight")
-            out[dst + "self_attention.k_layernorm.weight"] = get(src + "self_attn.k_norm.weight")
-        gate = _chunk(get(src + "mlp.gate_proj.weight"), tp_rank, tp_size, 0)
-        up = _chunk(get(src + "mlp.up_proj.weight"), tp_rank, tp_size, 0)
-        out[dst + "mlp.linear_fc1.weight"] = torch.cat([gate, up], dim=0).contiguous()
-        out[dst + "mlp.linear_fc2.weight"] = _chunk(get(src + "mlp.down_proj.weight"), tp_rank, tp_size, 1).contiguous()
-        out[dst + input_norm] = get(src + "input_layernorm.weight")
-        out[dst + mlp_norm] = get(src + "post_attention_layernorm.weight")
-    if post_process:
-        out["decoder.final_layernorm.weight"] = get("model.norm.weight")
-        if not spec.tie_word_embeddings:
-            out["output_layer.weight"] = vocab_shard("lm_head.weight")
-        elif not pre_process:
-            out["output_layer.weight"] = vocab_shard("model.embed_tokens.weight")
-    return out
+    return megatron_weight_plan(spec, tp_rank=tp_rank, tp_size=tp_size, layer_offset=layer_offset,
+                                num_layers=num_layers, padded_vocab=vocab, ep_rank=ep_rank, ep_size=ep_size,
+                                etp_rank=etp_rank, etp_size=etp_size, **kwargs)
 
 
 class _SafetensorsDirectory(Mapping):
@@ -588,21 +829,9 @@ class _SafetensorsDirectory(Mapping):
     def __init__(self, directory: str):
         from safetensors import safe_open
 
-        index = os.path.join(directory, "model.safetensors.index.json")
-        single = os.path.join(directory, "model.safetensors")
-        if os.path.isfile(index):
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-            files = sorted(set(weight_map.values()))
-        elif os.path.isfile(single):
-            files = ["model.safetensors"]
-        else:
-            raise FileNotFoundError(
-                f"{directory} holds no model.safetensors or model.safetensors.index.json; save the target with "
-                "save_pretrained(safe_serialization=True)."
-            )
-        self._handles = {name: safe_open(os.path.join(directory, name), framework="pt") for name in files}
-        self._where = {key: name for name, handle in self._handles.items() for key in handle.keys()}
+        files = safetensors_files(directory)
+        self._handles = {path: safe_open(path, framework="pt") for path in files}
+        self._where = {key: path for path, handle in self._handles.items() for key in handle.keys()}
 
     def __getitem__(self, key: str) -> torch.Tensor:
         return self._handles[self._where[key]].get_tensor(key)
@@ -620,6 +849,34 @@ class _SafetensorsDirectory(Mapping):
 def load_hf_state_dict(hf_dir: str) -> Mapping[str, torch.Tensor]:
     """A lazy mapping over the safetensors weights of ``hf_dir``: tensors are read when indexed."""
     return _SafetensorsDirectory(hf_dir)
+
+
+def load_plan_into(model: nn.Module, plan: Sequence, files: Sequence[str], model_type: str) -> None:
+    """Copy the planned weights into ``model``'s parameters as they stream in, one shard file at a time.
+
+    The plan must name every tensor of ``model.state_dict()`` (Transformer Engine's ``_extra_state`` aside)
+    and nothing else; this is checked before any file is read. Each converted tensor is copied into its
+    parameter (on the model's device) and dropped, so host memory never holds this rank's whole slice.
+    """
+    state = model.state_dict(keep_vars=True)
+    expected = {k for k in state if not k.endswith("_extra_state")}
+    planned = [w.name for w in plan]
+    missing = sorted(expected - set(planned))
+    unexpected = sorted(set(planned) - expected)
+    if missing or unexpected:
+        raise RuntimeError(
+            f"build_megatron_target: the converted weights do not match the model: missing {missing}, "
+            f"unexpected {unexpected}."
+        )
+    with torch.no_grad():
+        for name, tensor in stream_with_plan(plan, files, model_type):
+            param = state[name]
+            if tuple(param.shape) != tuple(tensor.shape):
+                raise RuntimeError(
+                    f"build_megatron_target: {name} is {tuple(tensor.shape)} in the converted checkpoint but "
+                    f"{tuple(param.shape)} in the model."
+                )
+            param.copy_(tensor)
 
 
 def build_megatron_target(
@@ -659,7 +916,7 @@ def build_megatron_target(
         linear_scaling = float(spec.rope_scaling["factor"])
     model = GPTModel(
         config=config,
-        transformer_layer_spec=megatron_target_layer_spec(spec.qk_layernorm, use_te=use_te),
+        transformer_layer_spec=megatron_target_block_spec(config, use_te=use_te, vp_stage=vp_stage),
         vocab_size=vocab,
         max_sequence_length=spec.max_position_embeddings,
         pre_process=pre_process,
@@ -684,28 +941,38 @@ def build_megatron_target(
             original_max_position_embeddings=int(s["original_max_position_embeddings"]),
         )
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
-    state = convert_hf_to_megatron_state_dict(
-        load_hf_state_dict(hf_dir),
-        hf_dir,
-        tp_rank,
-        tp_size,
-        layer_offset=offset,
-        num_layers=len(model.decoder.layers),
-        pre_process=pre_process,
-        post_process=post_process,
-        padded_vocab=vocab,
-        dtype=config.params_dtype,
+    plan = _weight_plan(
+        spec, tp_rank, tp_size, layer_offset=offset, num_layers=len(model.decoder.layers),
+        pre_process=pre_process, post_process=post_process, padded_vocab=vocab,
+        make_vocab_size_divisible_by=make_vocab_size_divisible_by, dtype=config.params_dtype,
         transformer_engine_names=use_te,
+        ep_rank=parallel_state.get_expert_model_parallel_rank(),
+        ep_size=parallel_state.get_expert_model_parallel_world_size(),
+        etp_rank=parallel_state.get_expert_tensor_parallel_rank(),
+        etp_size=parallel_state.get_expert_tensor_parallel_world_size(),
     )
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not k.endswith("_extra_state")]
-    if missing or unexpected:
-        raise RuntimeError(
-            f"build_megatron_target: the converted weights do not match the model: missing {missing}, "
-            f"unexpected {unexpected}."
-        )
+    load_plan_into(model, plan, safetensors_files(hf_dir), spec.model_type)
     model.eval()
     return model
+
+
+def context_parallel_refusal(config) -> Optional[str]:
+    """Why the target cannot run with ``config``'s context parallelism (None when it is 1).
+
+    megatron-core 0.16 splits attention over the context-parallel group only in Transformer Engine's
+    ``TEDotProductAttention``; its local ``DotProductAttention`` asserts ``context_parallel_size == 1``. The
+    target also would need the load-balanced (zig-zag) sequence split and its inverse for the taps, which are
+    not implemented; so context parallelism is refused on every backend, with this reason.
+    """
+    cp = int(getattr(config, "context_parallel_size", 1) or 1)
+    if cp == 1:
+        return None
+    return (
+        f"context_parallel_size={cp} is not supported for the frozen target: megatron-core runs context-parallel "
+        "attention only in Transformer Engine's TEDotProductAttention (its local DotProductAttention refuses it), "
+        "and the target's taps would need un-splitting from the load-balanced sequence order. Use "
+        "--sequence-parallel with tensor parallelism to shard long sequences instead."
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -756,13 +1023,13 @@ class MegatronTarget(_FrozenTarget):
         from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
         config = model.config
-        if config.sequence_parallel:
-            raise ValueError(
-                "MegatronTarget: sequence_parallel=True is not supported yet (taps and block embeddings need the "
-                "full sequence on every TP rank); build the target with sequence_parallel=False."
-            )
-        if getattr(config, "context_parallel_size", 1) > 1:
-            raise ValueError("MegatronTarget: context_parallel_size > 1 is not supported; use 1.")
+        refusal = context_parallel_refusal(config)
+        if refusal:
+            raise ValueError("MegatronTarget: " + refusal)
+        # Sequence parallelism: inside the stage activations are [S / TP, B, H]; taps and final_hidden are
+        # gathered back to the full sequence (the draft needs every position on every TP rank).
+        self.sequence_parallel = bool(config.sequence_parallel)
+        self.tp_size = int(config.tensor_model_parallel_size)
         self._freeze(model)
         self.model = model
         self.num_layers = int(config.num_layers)
@@ -800,6 +1067,14 @@ class MegatronTarget(_FrozenTarget):
                 weight=weight,
             )
         self._te = any(type(m).__module__.startswith("megatron.core.extensions.transformer_engine") for m in model.modules())
+
+    def _full_sequence(self, hidden: torch.Tensor) -> torch.Tensor:
+        if not self.sequence_parallel:
+            return hidden
+        from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+        # Forward only (no_grad): a plain all-gather along the sequence over the TP group.
+        return gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
 
     @classmethod
     def from_pretrained(
@@ -850,7 +1125,18 @@ class MegatronTarget(_FrozenTarget):
         return self.model.embedding.word_embeddings if self.pre_process else None
 
     # ------------------------------------------------------------------ forward helpers
-    def _rotary(self, seq_length: int, batch: int, position_ids: Optional[torch.Tensor], device) -> torch.Tensor:
+    def _rotary(self, seq_length: int, batch: int, position_ids: Optional[torch.Tensor], device) -> Optional[torch.Tensor]:
+        if getattr(self.model.config, "multi_latent_attention", False):
+            # MLASelfAttention builds its own RoPE for positions 0..S-1 and takes no per-token positions.
+            if position_ids is not None:
+                default = torch.arange(seq_length, device=position_ids.device).expand(batch, seq_length)
+                if tuple(position_ids.shape) != (batch, seq_length) or not torch.equal(position_ids, default):
+                    raise ValueError(
+                        "MegatronTarget: a multi-latent-attention target runs RoPE at positions 0..S-1 only "
+                        "(megatron-core's MLASelfAttention takes no position ids); per-document positions "
+                        "(--pack-sequences) are not supported with it."
+                    )
+            return None
         rotary = self.model.rotary_pos_emb
         if position_ids is None:
             return rotary(seq_length)  # [S, 1, 1, D], positions 0..S-1
@@ -865,6 +1151,13 @@ class MegatronTarget(_FrozenTarget):
             positions = positions / rotary.seq_len_interpolation_factor
         freqs = positions[..., None] * inv_freq  # fp32 [S, B, D/2]
         return torch.cat([freqs, freqs], dim=-1)[:, :, None, :]  # [S, B, 1, D]
+
+    def _check_sequence(self, seq_length: int) -> None:
+        if self.sequence_parallel and seq_length % self.tp_size:
+            raise ValueError(
+                f"MegatronTarget: with sequence parallelism the sequence length ({seq_length}) must be a multiple "
+                f"of tensor_model_parallel_size={self.tp_size}; pad the batch (e.g. --seq-length) to a multiple."
+            )
 
     def _attention_mask(self, attention_mask, batch: int, seq_length: int, device) -> Optional[torch.Tensor]:
         if attention_mask is None:
@@ -917,7 +1210,8 @@ class MegatronTarget(_FrozenTarget):
                 raise ValueError(f"MegatronTarget: the first stage needs input_ids [batch, seq_length], got {shape}.")
             batch, seq_length = input_ids.shape
             device = input_ids.device
-            hidden = model.embedding(input_ids=input_ids, position_ids=None)  # [S, B, H]
+            self._check_sequence(seq_length)
+            hidden = model.embedding(input_ids=input_ids, position_ids=None)  # [S, B, H] ([S / TP, B, H] under SP)
         else:
             if not isinstance(input_tensor, torch.Tensor) or input_tensor.dim() != 3:
                 shape = tuple(input_tensor.shape) if isinstance(input_tensor, torch.Tensor) else type(input_tensor).__name__
@@ -925,6 +1219,8 @@ class MegatronTarget(_FrozenTarget):
                     f"MegatronTarget: a stage after the first needs input_tensor [S, B, H] from the previous stage, got {shape}."
                 )
             seq_length, batch = input_tensor.shape[:2]
+            if self.sequence_parallel:
+                seq_length *= self.tp_size  # this rank's shard of the sequence
             device = input_tensor.device
             hidden = None
         rotary = self._rotary(seq_length, batch, position_ids, device)
@@ -941,7 +1237,7 @@ class MegatronTarget(_FrozenTarget):
                 model.decoder.set_input_tensor(None)
         result = MegatronTargetOutput(taps={i: captured[i] for i in self.owned_tap_ids})
         if self.post_process:
-            result.final_hidden = out.transpose(0, 1).contiguous()
+            result.final_hidden = self._full_sequence(out).transpose(0, 1).contiguous()
             if return_logits:
                 result.logits = self.output_head.local_logits(result.final_hidden)
         else:

@@ -10,7 +10,7 @@ TP=2 draft body must give the same hard loss, the same distillation (KL) loss ag
 
 One pool call also checks: the copies of an untied target (output layer sent from the last stage), the
 errors (a draft stage out of range: the same error on every rank; ranks disagreeing on the draft stage or
-the batch shape; sequence parallelism), and that the group is still in sync after them.
+the batch shape; context parallelism), and that the group is still in sync after them.
 """
 
 from __future__ import annotations
@@ -209,11 +209,11 @@ def _on_ranks_pipeline(rank: int, world_size: int, case: dict) -> dict:
             errors["disagree_stage"] = _error_of(lambda: run_target_pipeline(target, batch, draft_stage=disagree))
             short = dict(batch, tokens=tokens[:, :-1], position_ids=batch["position_ids"][:, :-1]) if rank == 1 else batch
             errors["disagree_shape"] = _error_of(lambda: run_target_pipeline(target, short, draft_stage=-1))
-            target.model.config.sequence_parallel = True
+            target.model.config.context_parallel_size = 2
             try:
-                errors["sequence_parallel"] = _error_of(lambda: run_target_pipeline(target, batch))
+                errors["context_parallel"] = _error_of(lambda: run_target_pipeline(target, batch))
             finally:
-                target.model.config.sequence_parallel = False
+                target.model.config.context_parallel_size = 1
             out = run_target_pipeline(target, batch, draft_stage=-1)
             report["after_errors"] = out.taps if out is not None else None
 
@@ -317,7 +317,8 @@ def test_pipeline_tp2_pp2_matches_single_process(tmp_path, tp_pool):
     assert e["copy_out_of_range"].startswith("copy_frozen_target_heads: --dflash-pipeline-stage=-3 is outside"), e
     assert "disagree" in e["disagree_stage"] and "rank 3: [2, 2, 0," in e["disagree_stage"], e
     assert "disagree" in e["disagree_shape"] and "rank 1: [2, 2, 1, 2, 15," in e["disagree_shape"], e
-    assert "sequence_parallel=True is not supported" in e["sequence_parallel"], e
+    assert "context_parallel_size=2 is not supported" in e["context_parallel"], e
+    assert "TEDotProductAttention" in e["context_parallel"], e
     # The group is still in sync: a normal run after the errors.
     for report in reports:
         if report["stage"] == 1:

@@ -68,6 +68,17 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="expert parallelism of a mixture-of-experts target (megatron backend): each rank holds "
+                        "num_experts / EP experts of every MoE layer.")
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                   help="tensor parallelism inside each expert of a MoE target (default: "
+                        "--tensor-model-parallel-size, megatron's default).")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="shard the target's activations along the sequence within the tensor-parallel group "
+                        "(megatron backend, TP > 1); the taps are gathered back to the full sequence.")
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="context parallelism is not supported for the target (only 1); see the error for why.")
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="megatron's distributed optimizer (CUDA only).")
 
@@ -226,6 +237,44 @@ def _positive_int(errors: list, name: str, value, minimum: int = 1) -> None:
         errors.append(f"{name}={value} must be an integer >= {minimum}.")
 
 
+def _check_expert_and_sequence_parallel(args: argparse.Namespace, world_size: int, tp: int, pp: int) -> None:
+    """--expert-model-parallel-size, --expert-tensor-parallel-size, --sequence-parallel, --context-parallel-size."""
+    ep = args.expert_model_parallel_size
+    etp = tp if args.expert_tensor_parallel_size is None else args.expert_tensor_parallel_size
+    errors: list[str] = []
+    _positive_int(errors, "--expert-model-parallel-size", ep)
+    _positive_int(errors, "--expert-tensor-parallel-size", etp)
+    _positive_int(errors, "--context-parallel-size", args.context_parallel_size)
+    if errors:
+        raise ArgumentError(errors[0])
+    if args.context_parallel_size > 1:
+        from ..target import context_parallel_refusal
+
+        raise ArgumentError("--context-parallel-size: " + context_parallel_refusal(args))
+    sharded = [flag for flag, on in (("--expert-model-parallel-size", ep > 1),
+                                     ("--expert-tensor-parallel-size", args.expert_tensor_parallel_size is not None),
+                                     ("--sequence-parallel", args.sequence_parallel)) if on]
+    if args.target_backend == "hf" and sharded:
+        raise ArgumentError(
+            f"{', '.join(sharded)} shard the target, which --target-backend hf runs as one transformers model; "
+            "use --target-backend megatron."
+        )
+    if args.sequence_parallel and tp == 1:
+        raise ArgumentError("--sequence-parallel shards the sequence over the tensor-parallel group and needs "
+                            "--tensor-model-parallel-size > 1.")
+    if args.sequence_parallel and isinstance(args.seq_length, int) and args.seq_length % tp:
+        raise ArgumentError(
+            f"--sequence-parallel: --seq-length {args.seq_length} must be a multiple of "
+            f"--tensor-model-parallel-size {tp} (each TP rank holds seq_length / TP positions)."
+        )
+    if world_size % (etp * ep * pp):
+        raise ArgumentError(
+            f"world size {world_size} is not divisible by --expert-tensor-parallel-size {etp} x "
+            f"--expert-model-parallel-size {ep} x --pipeline-model-parallel-size {pp} = {etp * ep * pp} "
+            "(megatron's expert-parallel grid); change the sizes or the number of ranks."
+        )
+
+
 def validate_args(
     args: argparse.Namespace,
     world_size: int,
@@ -275,6 +324,7 @@ def validate_args(
             f"--tensor-model-parallel-size 1 and --pipeline-model-parallel-size 1 (got TP={tp}, PP={pp}); "
             "use --target-backend megatron for tensor/pipeline parallelism."
         )
+    _check_expert_and_sequence_parallel(args, world_size, tp, pp)
     if args.use_distributed_optimizer and not cuda:
         raise ArgumentError(
             "--use-distributed-optimizer needs CUDA (megatron's distributed optimizer); drop it on CPU."

@@ -300,10 +300,25 @@ def prepare_job(
         if key not in target_config:
             raise ArgumentError(f"--target={target_dir}: config.json has no {key!r}; not a decoder LLM config.")
     if args.target_backend == "megatron":
-        from ..target import hf_target_spec
+        from ..target import hf_target_spec, megatron_target_config
 
         try:
-            hf_target_spec(target_config)
+            # The target's sizes against the layout (heads, MLP columns and experts per rank), before any rank
+            # builds anything.
+            megatron_target_config(
+                target_config,
+                tensor_model_parallel_size=args.tensor_model_parallel_size,
+                pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+                expert_model_parallel_size=args.expert_model_parallel_size,
+                expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+                sequence_parallel=args.sequence_parallel,
+                use_cpu_initialization=True,
+            )
+            if args.pack_sequences and hf_target_spec(target_config).mla:
+                raise ValueError(
+                    "--pack-sequences gives each document its own positions, but a multi-latent-attention target "
+                    "(megatron-core's MLASelfAttention) runs RoPE at positions 0..S-1 only; drop --pack-sequences."
+                )
         except ValueError as err:
             raise ArgumentError(f"--target-backend megatron: {err}") from None
     tokenizer_dir = args.tokenizer or target_dir

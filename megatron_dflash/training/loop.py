@@ -115,14 +115,18 @@ def initialize_distributed(job: Job, env=None) -> DistContext:
 
     agree_on_job(job)
     tp, pp = job.tp, job.pp
+    ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size
     owns_mp = False
     if parallel_state.model_parallel_is_initialized():
         same = (parallel_state.get_tensor_model_parallel_world_size() == tp
-                and parallel_state.get_pipeline_model_parallel_world_size() == pp)
+                and parallel_state.get_pipeline_model_parallel_world_size() == pp
+                and parallel_state.get_expert_model_parallel_world_size() == ep
+                and parallel_state.get_expert_tensor_parallel_world_size() == (tp if etp is None else etp))
         if not same:
             parallel_state.destroy_model_parallel()
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                                 expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
         owns_mp = True
     if use_cuda:
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -158,7 +162,8 @@ class _Target:
             self.hf_model = _load_hf_model(job.target_dir, dtype).to(device)
             self.module = HFTarget.from_config(self.hf_model, job.draft_config)
         else:
-            self.module = MegatronTarget.from_pretrained(job.target_dir, config=job.draft_config, params_dtype=dtype)
+            self.module = MegatronTarget.from_pretrained(job.target_dir, config=job.draft_config, params_dtype=dtype,
+                                                         sequence_parallel=job.args.sequence_parallel)
             if device.type == "cuda":
                 self.module.cuda()
         self.dtype = dtype
