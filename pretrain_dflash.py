@@ -18,6 +18,10 @@ import sys
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from megatron_dflash.cli import quiet_dependency_warnings  # noqa: E402
+
+quiet_dependency_warnings()  # before megatron and transformers load
+
 from megatron_dflash.training.loop import main  # noqa: E402
 
 if __name__ == "__main__":

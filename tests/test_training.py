@@ -51,6 +51,9 @@ def _one_thread():
 def _run(argv, hooks=None, world_size=None):
     from megatron_dflash.training.loop import run
 
+    argv = list(argv)
+    if "--run-dir" not in argv and "--dflash-export" in argv:  # the run directory next to the export
+        argv += ["--run-dir", os.path.dirname(argv[argv.index("--dflash-export") + 1])]
     return run(argv, hooks=hooks, world_size=world_size)
 
 
@@ -214,6 +217,27 @@ def test_end_to_end_tp1(tiny_target, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "(autoregressive baseline 1.0)" in out and "loss:" in out and "grad norm:" in out
     assert "tokens per second:" in out and "learning rate:" in out and "accuracy:" in out
+    # one label per acceptance figure, on the console and in the run directory
+    assert "train acceptance (teacher-forced):" in out and "valid acceptance (teacher-forced):" in out
+    assert "[final] decode acceptance length (speculative decoding) " in out
+    assert " acceptance:" not in out and "acceptance length 1" not in out
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["split"], r["iteration"]) for r in records if r["split"] != "train"] == [
+        ("valid", 2), ("decode", 2), ("valid", 4), ("decode", 4)]
+    train = [r for r in records if r["split"] == "train"]
+    assert [r["iteration"] for r in train] == [1, 2, 3, 4]
+    assert [r["loss"] for r in train] == pytest.approx(result.losses)
+    assert {"train acceptance (teacher-forced)", "accuracy", "tokens per second", "learning rate",
+            "grad norm"} <= set(train[0])
+    assert records[-1]["decode acceptance length (speculative decoding)"] == pytest.approx(final["acceptance_length"])
+    args = json.loads((tmp_path / "args.json").read_text())
+    assert args["train_iters"] == 4 and args["global_batch_size"] == 8 and args["save"] == str(save)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["final_acceptance"]["acceptance_length"] == pytest.approx(final["acceptance_length"])
+    assert summary["checkpoint"] == str(save) and summary["hf_export"] == str(tmp_path / "hf")
+    assert out.rstrip().splitlines()[-len(summary["next_steps"]) * 2 - 1].startswith("[result] decode acceptance")
+    if summary["plot"] is not None:
+        assert (tmp_path / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     try:
         import tensorboard  # noqa: F401
     except ImportError:

@@ -50,13 +50,14 @@ class ArgumentError(ValueError):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    from ..cli import ArgumentParser
+
+    p = ArgumentParser(
         prog="pretrain_dflash.py",
         description=(
             "Train a DFlash block-diffusion draft model next to a frozen target LLM (megatron-core). "
             "Without arguments: a complete small job on the embedded tiny target (CPU, a few minutes)."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         allow_abbrev=False,
     )
     g = p.add_argument_group("parallelism")
@@ -86,7 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--bf16", action="store_true", help="bf16 weights and activations (fp32 master weights).")
 
     g = p.add_argument_group("checkpoints, evaluation, logging")
-    g.add_argument("--save", default=None, help="directory of torch_dist training checkpoints.")
+    g.add_argument("--run-dir", default=None,
+                   help="where the run writes args.json, console.log, metrics.jsonl, metrics.png, summary.json "
+                   "(default: runs/<$DFLASH_RUN_NAME or dflash-<time>>; runs/latest points to the newest).")
+    g.add_argument("--save", default=None,
+                   help="directory of torch_dist training checkpoints (default: <run-dir>/checkpoints for the "
+                   "embedded job, else none).")
     g.add_argument("--load", default=None, help="resume from the latest checkpoint in this directory.")
     g.add_argument("--save-interval", type=int, default=None, help="save every N iterations (and at the end).")
     g.add_argument("--eval-interval", type=int, default=None,
@@ -151,7 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dflash-eval-ignore-eos", action="store_true",
                    help="acceptance evaluation: always generate --dflash-eval-max-new-tokens (no stop token).")
     g.add_argument("--dflash-export", default=None,
-                   help="HF draft directory written at the end (default: <save>/hf, else runs/<time>/hf).")
+                   help="HF draft directory written at the end (default: <save>/hf when --save is given, else "
+                   "<run-dir>/hf).")
     return p
 
 

@@ -412,14 +412,34 @@ def acceptance_length(target_model, draft, prompts: list, job: Job, batch_size: 
     finally:
         draft.train(was_training)
     mean = sum(lengths) / len(lengths) if lengths else float("nan")
-    return {"acceptance_length": mean, "cycles": len(lengths), "generated_tokens": generated,
-            "tokens_per_target_forward": generated / max(1, forwards), "prompts": len(prompts)}
+    result = {"acceptance_length": mean, "cycles": len(lengths), "generated_tokens": generated,
+              "tokens_per_target_forward": generated / max(1, forwards), "prompts": len(prompts)}
+    if not lengths:
+        # Each prompt's first token comes from the prefill; a cycle needs a second one to draft for.
+        result["no_cycle_reason"] = (
+            f"no verify cycle ran: every prompt ended at the target's first generated token "
+            f"({generated} tokens for {len(prompts)} prompts: a stop token, or prompts the target cannot "
+            "continue); use prompts the target knows, or --dflash-eval-ignore-eos")
+    return result
 
 
 def _acceptance_line(result: dict) -> str:
-    return (f"acceptance length {result['acceptance_length']:.3f} (autoregressive baseline 1.0) over "
+    from .monitor import DECODE_ACCEPTANCE, DECODE_TOKENS_PER_FORWARD
+
+    if not result["cycles"]:
+        return f"{DECODE_ACCEPTANCE} n/a over {result['prompts']} held-out prompts: {result['no_cycle_reason']}"
+    return (f"{DECODE_ACCEPTANCE} {result['acceptance_length']:.3f} (autoregressive baseline 1.0) over "
             f"{result['prompts']} held-out prompts, {result['cycles']} verify cycles, "
-            f"{result['tokens_per_target_forward']:.2f} tokens per target forward per sequence")
+            f"{result['tokens_per_target_forward']:.2f} {DECODE_TOKENS_PER_FORWARD} per sequence")
+
+
+def _decode_record(iteration: int, result: dict) -> dict:
+    """The metrics.jsonl / TensorBoard values of one speculative-decoding evaluation."""
+    from .monitor import DECODE_ACCEPTANCE, DECODE_TOKENS_PER_FORWARD
+
+    return {DECODE_ACCEPTANCE: result["acceptance_length"] if result["cycles"] else None,
+            DECODE_TOKENS_PER_FORWARD: result["tokens_per_target_forward"], "verify cycles": result["cycles"],
+            "prompts": result["prompts"]}
 
 
 # ------------------------------------------------------------------------------------------ train
@@ -459,8 +479,9 @@ def train(job: Job, *, hooks: Optional[dict] = None, env=None) -> TrainResult:
     from ..data import Collator, MicroBatchIterator
     from ..parallel import SingleRankGroup
     from .checkpointing import load_checkpoint, save_checkpoint
-    from .monitor import Monitor, format_metrics
+    from .monitor import Monitor, format_metrics, labelled
     from .optim import build_engine
+    from .rundir import RunWriter
 
     hooks = hooks or {}
     args = job.args
@@ -526,6 +547,11 @@ def train(job: Job, *, hooks: Optional[dict] = None, env=None) -> TrainResult:
         monitor = Monitor(args, rank=rank, total_iters=args.train_iters, start_iter=start_iteration,
                           config=_args_snapshot(args))
         log = monitor.print
+        run_dir = RunWriter(job.run_dir, active=rank == 0, log=log)
+        run_dir.write_args(args)
+        run_dir.link_latest()
+        if start_iteration > 0:
+            run_dir.load_existing_metrics(start_iteration)
         eval_here = rank == 0 and job.eval_prompts is not None and job.tp == 1 and target.hf_model is not None
         if job.eval_prompts is None:
             log(f"[eval] acceptance evaluation skipped: {job.eval_skip_reason}.")
@@ -554,13 +580,16 @@ def train(job: Job, *, hooks: Optional[dict] = None, env=None) -> TrainResult:
             if valid_ds is not None:
                 values = validation_loss(runner, valid_ds, job)
                 result.validation.append((iteration, values))
-                log(f"[eval] iteration {iteration} validation | {format_metrics(values)}")
-                monitor.scalars(values, iteration, prefix="valid")
+                log(f"[eval] iteration {iteration} validation | {format_metrics(labelled(values, 'valid'))}")
+                monitor.scalars(labelled(values, "valid"), iteration, prefix="valid")
+                run_dir.metrics({"iteration": iteration, "split": "valid", **labelled(values, "valid")})
             if eval_here:
                 acc = acceptance_length(target.hf_model, body, job.eval_prompts, job)
                 result.acceptance.append((iteration, acc))
                 log(f"[eval] iteration {iteration} | {_acceptance_line(acc)}")
-                monitor.scalars({"acceptance length": acc["acceptance_length"]}, iteration, prefix="valid")
+                monitor.scalars(_decode_record(iteration, acc), iteration, prefix="decode")
+                run_dir.metrics({"iteration": iteration, "split": "decode", **_decode_record(iteration, acc)})
+            run_dir.plot()
             if dist.is_initialized() and ctx.world_size > 1:
                 dist.barrier()
 
@@ -595,16 +624,18 @@ def train(job: Job, *, hooks: Optional[dict] = None, env=None) -> TrainResult:
             result.metrics.append(values)
             result.iterations = iteration
             window_tokens += totals.tokens
-            monitor.scalars(values, iteration)
+            monitor.scalars(labelled(values, "train"), iteration)
             monitor.advance(f"loss {values['loss']:.3f} acc {values['accuracy']:.2f}")
             if iteration % args.log_interval == 0 or iteration == args.train_iters:
                 elapsed = time.time() - window_t0
                 line = {"iteration": f"{iteration:6d}/{args.train_iters}",
                         "consumed samples": iteration * args.global_batch_size,
                         "elapsed time per iteration (ms)": 1000.0 * elapsed / max(1, args.log_interval)}
-                line.update(values)
+                line.update(labelled(values, "train"))
                 line["tokens per second"] = window_tokens / max(1e-9, elapsed)
                 log(format_metrics(line))
+                run_dir.metrics({"iteration": iteration, "split": "train",
+                                 **{k: v for k, v in line.items() if k != "iteration"}})
                 window_t0, window_tokens = time.time(), 0.0
             if "on_step" in hooks:
                 hooks["on_step"](iteration, values, body)
@@ -630,7 +661,8 @@ def train(job: Job, *, hooks: Optional[dict] = None, env=None) -> TrainResult:
         if valid_ds is not None:
             values = validation_loss(runner, valid_ds, job)
             result.validation.append((iteration, values))
-            _log(rank, f"[eval] final validation | {format_metrics(values)}")
+            _log(rank, f"[eval] final validation | {format_metrics(labelled(values, 'valid'))}")
+            run_dir.metrics({"iteration": iteration, "split": "valid", **labelled(values, "valid")})
         if body is not None:  # the draft stage's ranks (collective over their TP group)
             job.variant.save_hf(body, job.export_dir, overwrite=True)
         result.export_dir = job.export_dir
@@ -645,12 +677,15 @@ def train(job: Job, *, hooks: Optional[dict] = None, env=None) -> TrainResult:
             result.final_acceptance = final
             result.acceptance.append((iteration, final))
             print(f"[final] {_acceptance_line(final)}", flush=True)
+            run_dir.metrics({"iteration": iteration, "split": "decode", **_decode_record(iteration, final)})
         elif job.eval_prompts is None:
             _log(rank, f"[final] acceptance evaluation skipped: {job.eval_skip_reason}.")
         if dist.is_initialized() and ctx.world_size > 1:
             dist.barrier()
         result.wall_time_s = time.time() - t_start
         _log(rank, f"[dflash] done: {iteration} iterations in {result.wall_time_s:.0f}s")
+        if rank == 0:
+            _finish_run_dir(run_dir, job, result)
         return result
     finally:
         if monitor is not None:
@@ -658,18 +693,65 @@ def train(job: Job, *, hooks: Optional[dict] = None, env=None) -> TrainResult:
         ctx.close()
 
 
+def _finish_run_dir(run_dir, job: Job, result: TrainResult) -> None:
+    """Plot, summary.json, and the closing lines: the headline result and the next commands."""
+    from .rundir import headline, next_step_commands
+
+    plot = run_dir.plot()
+    args = job.args
+    checkpoint = args.save if result.checkpoint_dir is not None else None
+    prompts_file = args.dflash_eval_prompts if args.dflash_eval_prompts and os.path.isfile(args.dflash_eval_prompts) \
+        else None
+    steps = next_step_commands(run_dir=job.run_dir, checkpoint_dir=checkpoint, export_dir=result.export_dir,
+                               target_dir=job.target_dir, embedded_target=job.embedded_target,
+                               eval_prompts_file=prompts_file)
+    last_train = next((m for m in reversed(result.metrics)), {})
+    run_dir.write_summary({
+        "headline": headline(result.final_acceptance),
+        "final_acceptance": result.final_acceptance,
+        "final_validation": result.validation[-1][1] if result.validation else None,
+        "final_train": last_train,
+        "iterations": result.iterations,
+        "wall_time_s": result.wall_time_s,
+        "run_dir": job.run_dir,
+        "target": job.target_dir,
+        "checkpoint": checkpoint,
+        "hf_export": result.export_dir,
+        "plot": plot,
+        "next_steps": [{"what": what, "command": command} for what, command in steps],
+    })
+    print(f"[run] {job.run_dir}: args.json, console.log, metrics.jsonl, "
+          f"{'metrics.png, ' if plot else ''}summary.json"
+          f"{', checkpoints/' if checkpoint and os.path.dirname(os.path.normpath(checkpoint)) == os.path.normpath(job.run_dir) else ''}"
+          f"{', hf/' if result.export_dir == os.path.join(job.run_dir, 'hf') else ''}", flush=True)
+    print(f"[result] {headline(result.final_acceptance)}", flush=True)
+    for what, command in steps:
+        print(f"[next] {what}:\n    {command}", flush=True)
+
+
 def run(argv: Optional[Sequence[str]] = None, *, hooks: Optional[dict] = None, env=None,
-        world_size: Optional[int] = None) -> TrainResult:
-    """Parse, validate, train. Raises `ArgumentError` for a bad command line (before any collective)."""
+        world_size: Optional[int] = None, console=None) -> TrainResult:
+    """Parse, validate, train. Raises `ArgumentError` for a bad command line (before any collective).
+
+    `console` (a `rundir.ConsoleLog`) is attached to `<run-dir>/console.log` once the job is valid."""
     args = parse_args(argv)
     job = prepare_job(args, world_size, env)
+    if console is not None:
+        console.attach(os.path.join(job.run_dir, "console.log"))
     return train(job, hooks=hooks, env=env)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    from .rundir import ConsoleLog
+
+    # rank 0 keeps the console log (the other ranks print nothing but errors)
+    console = ConsoleLog.start() if os.environ.get("RANK", "0") == "0" else None
     try:
-        run(argv)
+        run(argv, console=console)
     except ArgumentError as err:
         print(f"pretrain_dflash.py: error: {err}", file=sys.stderr, flush=True)
         return 2
+    finally:
+        if console is not None:
+            console.stop()
     return 0
