@@ -31,7 +31,7 @@ __all__ = [
 ]
 
 PROMPT_FIELDS = ("input_ids", "text", "prompt", "messages")
-# A prompt with more unknown tokens than this fraction is mostly invisible to the target.
+# A prompt with at least this fraction of unknown words is mostly invisible to the target.
 UNKNOWN_WARNING_FRACTION = 0.5
 
 
@@ -130,7 +130,7 @@ def unknown_token_fraction(ids: list[int], tokenizer) -> float:
 def unknown_token_warning(ids: list[int], tokenizer, where: str) -> Optional[str]:
     """A warning when most of a prompt's tokens are the tokenizer's unknown token, else None."""
     fraction = unknown_token_fraction(ids, tokenizer)
-    if fraction <= UNKNOWN_WARNING_FRACTION:
+    if fraction < UNKNOWN_WARNING_FRACTION:
         return None
     content = len(_content_ids(ids, tokenizer))
     unknown = round(fraction * content)

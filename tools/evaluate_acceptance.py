@@ -41,7 +41,7 @@ PROG = "evaluate_acceptance.py"
 SHIPPED_PROMPTS = os.path.join(_ROOT, "examples", "prompts_tiny_target.jsonl")
 
 
-def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+def build_parser() -> ArgumentParser:
     parser = ArgumentParser(
         prog=PROG,
         description="Speculative decoding with a DFlash draft: acceptance length, tokens per target "
@@ -58,8 +58,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--prompts", default=None,
                         help="JSONL file of prompts (input_ids, text/prompt or messages lines; default with "
                         "the embedded tiny target: examples/prompts_tiny_target.jsonl).")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --target); only "
-                        "needed for 'prompt'/'messages' lines.")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --target); needed "
+                        "for 'text'/'prompt'/'messages' lines and for the decoded text of the report.")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy.")
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -82,6 +82,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=1, help="untimed warm-up batches before measuring.")
     parser.add_argument("--attention-backend", default="chunked", choices=("chunked", "dense"),
                         help="block attention backend of the draft.")
+    return parser
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    """Parse and check the command line (usage errors: one line, exit status 2, before torch loads)."""
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1:
         parser.error("--max-new-tokens must be >= 1")
@@ -119,10 +125,10 @@ def check_paths(args: argparse.Namespace) -> None:
         args.target = embedded_target_dir()
         if args.prompts is None:
             args.prompts = SHIPPED_PROMPTS
-    if args.prompts is None:
-        raise UsageError("--prompts is required with a --target other than the embedded tiny target.")
     if not _looks_like_hub_id(args.target):
         require_dir("--target", args.target, "HF model directory", must_contain="config.json")
+    if args.prompts is None:
+        raise UsageError("--prompts is required with a --target other than the embedded tiny target.")
     require_dir("--draft", args.draft, "HF draft directory", must_contain="config.json")
     require_file("--prompts", args.prompts, "prompt file")
     if args.tokenizer is not None and not _looks_like_hub_id(args.tokenizer):

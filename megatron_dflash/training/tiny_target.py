@@ -30,7 +30,7 @@ from . import synthetic_corpus
 
 SHIPPED_TARGET_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets",
                                   "tiny_target")
-TRACE_STEPS = 4
+TRACE_STEPS = 2
 
 
 @dataclass(frozen=True)
