@@ -9,6 +9,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import shlex
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -59,6 +62,15 @@ def _run(argv, hooks=None, world_size=None):
 
 def _base(target, out, *extra):
     return ["--target", target, "--dflash-export", str(out / "hf"), *STEPS_ARGS, *extra]
+
+
+def _tool_module(name):
+    tools = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools")
+    sys.path.insert(0, tools)
+    try:
+        return __import__(name)
+    finally:
+        sys.path.pop(0)
 
 
 def _safetensors(directory):
@@ -238,6 +250,19 @@ def test_end_to_end_tp1(tiny_target, tmp_path, capsys):
     assert out.rstrip().splitlines()[-len(summary["next_steps"]) * 2 - 1].startswith("[result] decode acceptance")
     if summary["plot"] is not None:
         assert (tmp_path / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the printed next steps run as they are: the conversion (a subprocess, like a user's shell) ...
+    commands = [step["command"] for step in summary["next_steps"]]
+    assert [c for c in out.splitlines() if c.startswith("    python ")] == [f"    {c}" for c in commands]
+    convert_cmd, evaluate_cmd = commands
+    done = subprocess.run(convert_cmd, shell=True, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "validated: every tensor identical" in done.stdout, done.stderr
+    assert _safetensors(str(tmp_path / "converted-hf")).keys() == _safetensors(str(tmp_path / "hf")).keys()
+    # ... and the evaluation's command line is complete and names existing files
+    evaluate_acceptance = _tool_module("evaluate_acceptance")
+    words = shlex.split(evaluate_cmd)
+    assert words[0] == "python" and os.path.samefile(words[1], evaluate_acceptance.__file__)
+    parsed = evaluate_acceptance.parse_args(words[2:])
+    assert parsed.prompts == str(prompts) and parsed.draft == str(tmp_path / "hf")
     try:
         import tensorboard  # noqa: F401
     except ImportError:
