@@ -655,6 +655,7 @@ def train(job: Job, *, hooks: Optional[dict] = None, env=None) -> TrainResult:
         if exited:
             log(f"[dflash] exiting at iteration {iteration} (--exit-interval {args.exit_interval}); resume with "
                 f"--load {args.save}.")
+            run_dir.plot()
             result.wall_time_s = time.time() - t_start
             return result
         monitor.close()
@@ -684,49 +685,12 @@ def train(job: Job, *, hooks: Optional[dict] = None, env=None) -> TrainResult:
             dist.barrier()
         result.wall_time_s = time.time() - t_start
         _log(rank, f"[dflash] done: {iteration} iterations in {result.wall_time_s:.0f}s")
-        if rank == 0:
-            _finish_run_dir(run_dir, job, result)
+        run_dir.finish(job, result)  # summary.json, plot, the headline and the next steps (rank 0)
         return result
     finally:
         if monitor is not None:
             monitor.close()
         ctx.close()
-
-
-def _finish_run_dir(run_dir, job: Job, result: TrainResult) -> None:
-    """Plot, summary.json, and the closing lines: the headline result and the next commands."""
-    from .rundir import headline, next_step_commands
-
-    plot = run_dir.plot()
-    args = job.args
-    checkpoint = args.save if result.checkpoint_dir is not None else None
-    prompts_file = args.dflash_eval_prompts if args.dflash_eval_prompts and os.path.isfile(args.dflash_eval_prompts) \
-        else None
-    steps = next_step_commands(run_dir=job.run_dir, checkpoint_dir=checkpoint, export_dir=result.export_dir,
-                               target_dir=job.target_dir, embedded_target=job.embedded_target,
-                               eval_prompts_file=prompts_file)
-    last_train = next((m for m in reversed(result.metrics)), {})
-    run_dir.write_summary({
-        "headline": headline(result.final_acceptance),
-        "final_acceptance": result.final_acceptance,
-        "final_validation": result.validation[-1][1] if result.validation else None,
-        "final_train": last_train,
-        "iterations": result.iterations,
-        "wall_time_s": result.wall_time_s,
-        "run_dir": job.run_dir,
-        "target": job.target_dir,
-        "checkpoint": checkpoint,
-        "hf_export": result.export_dir,
-        "plot": plot,
-        "next_steps": [{"what": what, "command": command} for what, command in steps],
-    })
-    print(f"[run] {job.run_dir}: args.json, console.log, metrics.jsonl, "
-          f"{'metrics.png, ' if plot else ''}summary.json"
-          f"{', checkpoints/' if checkpoint and os.path.dirname(os.path.normpath(checkpoint)) == os.path.normpath(job.run_dir) else ''}"
-          f"{', hf/' if result.export_dir == os.path.join(job.run_dir, 'hf') else ''}", flush=True)
-    print(f"[result] {headline(result.final_acceptance)}", flush=True)
-    for what, command in steps:
-        print(f"[next] {what}:\n    {command}", flush=True)
 
 
 def run(argv: Optional[Sequence[str]] = None, *, hooks: Optional[dict] = None, env=None,

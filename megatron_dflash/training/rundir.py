@@ -242,6 +242,41 @@ class RunWriter:
                       (json.dumps(summary, indent=2, default=_json_default) + "\n").encode())
 
 
+    def finish(self, job, result) -> None:
+        """At the end of a run: the plot, summary.json, and the closing lines of the console, the
+        headline result and the next commands (`next_step_commands`), ready to paste."""
+        if not self.active:
+            return
+        args = job.args
+        plot = self.plot()
+        checkpoint = args.save if result.checkpoint_dir is not None else None
+        prompts = args.dflash_eval_prompts
+        steps = next_step_commands(
+            run_dir=self.path, checkpoint_dir=checkpoint, export_dir=result.export_dir, target_dir=job.target_dir,
+            embedded_target=job.embedded_target, eval_prompts_file=prompts if prompts and os.path.isfile(prompts) else None,
+        )
+        self.write_summary({
+            "headline": headline(result.final_acceptance),
+            "final_acceptance": result.final_acceptance,
+            "final_validation": result.validation[-1][1] if result.validation else None,
+            "final_train": result.metrics[-1] if result.metrics else None,
+            "iterations": result.iterations,
+            "wall_time_s": result.wall_time_s,
+            "run_dir": self.path,
+            "target": job.target_dir,
+            "checkpoint": checkpoint,
+            "hf_export": result.export_dir,
+            "plot": plot,
+            "next_steps": [{"what": what, "command": command} for what, command in steps],
+        })
+        files = sorted(name + ("/" if os.path.isdir(self.file(name)) else "") for name in os.listdir(self.path)
+                       if not name.startswith("."))
+        print(f"[run] {self.path}: {' '.join(files)}", flush=True)
+        print(f"[result] {headline(result.final_acceptance)}", flush=True)
+        for what, command in steps:
+            print(f"[next] {what}:\n    {command}", flush=True)
+
+
 # ------------------------------------------------------------------------------------------ next steps
 
 
