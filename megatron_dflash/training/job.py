@@ -304,6 +304,8 @@ def prepare_job(
     from .rundir import resolve_run_dir
 
     run_dir = resolve_run_dir(args, env)
+    if os.path.exists(run_dir) and not os.path.isdir(run_dir):
+        raise ArgumentError(f"--run-dir={run_dir} exists and is not a directory.")
     if args.dflash_export is not None:
         export_dir = args.dflash_export
     elif args.save is not None:

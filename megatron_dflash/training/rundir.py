@@ -97,9 +97,9 @@ class ConsoleLog:
         return log
 
     def record(self, text: str) -> None:
-        if "\r" in text:  # a progress bar redraw: keep only what follows the last one
+        if "\r" in text:  # a progress bar (re)draw: keep only a complete line after the last \r
             text = text.rsplit("\r", 1)[1]
-            if not text.strip() or "\033[K" in text:
+            if not text.endswith("\n") or not text.strip() or "\033[K" in text:
                 return
         if self._file is not None:
             self._file.write(text)
