@@ -20,6 +20,8 @@ import shutil
 import sys
 import time
 
+# Before torch loads OpenMP: idle threads sleep instead of spinning (as in pretrain_dflash.py).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # Run from a checkout without installing the package.
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
