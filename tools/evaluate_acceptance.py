@@ -119,12 +119,12 @@ def check_paths(args: argparse.Namespace) -> None:
 
     Resolves the defaults of --target (the embedded tiny target) and --prompts (its prompts).
     """
-    if args.target is None:
-        from megatron_dflash.training.tiny_target import embedded_target_dir
+    from megatron_dflash.training.tiny_target import embedded_target_dir, matches_recipe
 
+    if args.target is None:
         args.target = embedded_target_dir()
-        if args.prompts is None:
-            args.prompts = SHIPPED_PROMPTS
+    if args.prompts is None and matches_recipe(args.target):  # the embedded tiny target (shipped or built)
+        args.prompts = SHIPPED_PROMPTS
     if not _looks_like_hub_id(args.target):
         require_dir("--target", args.target, "HF model directory", must_contain="config.json")
     if args.prompts is None:
@@ -449,6 +449,7 @@ def evaluate(args: argparse.Namespace) -> dict:
     settings = {
         "target": args.target,
         "draft": args.draft,
+        "prompts": args.prompts,
         "draft_architecture": type(draft).__name__,
         "block_size": draft.config.block_size,
         "max_new_tokens": args.max_new_tokens,
