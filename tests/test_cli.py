@@ -48,6 +48,17 @@ def _parsers():
             **{f"convert {name}": sub for name, sub in subcommands.items()}}
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """One CPU thread in this process: OpenMP threads that spin on a loaded machine crawl."""
+    import torch
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
 def _env():
     """The environment of a fresh shell (an in-process entry point may have quieted this one)."""
     env = {k: v for k, v in os.environ.items() if k != "HF_HUB_DISABLE_PROGRESS_BARS"}
@@ -284,14 +295,18 @@ def test_shipped_prompts_are_tasks_the_shipped_target_knows():
     model = AutoModelForCausalLM.from_pretrained(SHIPPED_TARGET_DIR).eval()
     items = read_prompt_file(SHIPPED_PROMPTS)
     assert len(items) >= 12
-    exact = 0
-    for item in items:
-        ids = tokenize_prompt(item, tokenizer)
+    prompts = [tokenize_prompt(item, tokenizer) for item in items]
+    for item, ids in zip(items, prompts):
         assert unknown_token_fraction(ids, tokenizer) == 0.0, item.where
-        with torch.no_grad():
-            out = model.generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False,
-                                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-        answer = tokenizer.decode(out[0, len(ids):], skip_special_tokens=True).split()
+    width = max(len(p) for p in prompts)  # one left-padded batch: one forward per generated token
+    ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False,
+                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    exact = 0
+    for item, row in zip(items, out[:, width:].tolist()):
+        answer = tokenizer.decode(row, skip_special_tokens=True).split()
         reference = item.record["messages"][-1]["content"].split()
         if item.record["messages"][0]["content"].startswith("continue the sequence"):
             n = min(len(answer), len(reference))
@@ -340,7 +355,8 @@ def test_the_embedded_job_keeps_a_checkpoint_and_uses_the_shipped_target():
     assert job.args.save == os.path.join("runs", "first", "checkpoints")
     assert job.export_dir == os.path.join("runs", "first", "hf")
     assert len(job.eval_prompts) == 24
-    explicit = prepare_job(parse_args(["--target", SHIPPED_TARGET_DIR, "--dflash-eval-prompts", "0"]), world_size=1,
+    explicit = prepare_job(parse_args(["--target", SHIPPED_TARGET_DIR, "--data-format", "synthetic",
+                                       "--dflash-eval-prompts", "0"]), world_size=1,
                            env={"DFLASH_RUN_NAME": "second"}, cuda=False, log=print)
     assert explicit.args.save is None and not explicit.embedded_target  # real runs choose their --save
 

@@ -29,6 +29,9 @@ import sys
 import time
 from typing import Iterable, Optional
 
+# Before torch loads OpenMP: idle threads sleep instead of spinning (as in pretrain_dflash.py); on a
+# busy CPU spinning threads slow decoding down many times over.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # Run from a checkout without installing the package.
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
