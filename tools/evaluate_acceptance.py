@@ -383,9 +383,9 @@ def evaluate(args: argparse.Namespace) -> dict:
                     "generated_ids": generated,
                 }
             )
-            if decode is not None:
-                per_prompt[-1]["prompt_text"] = decode.decode(batch[row])
-                per_prompt[-1]["generated_text"] = decode.decode(generated)
+            if decode is not None:  # readable text: without the chat template's special tokens
+                per_prompt[-1]["prompt_text"] = decode.decode(batch[row], skip_special_tokens=True)
+                per_prompt[-1]["generated_text"] = decode.decode(generated, skip_special_tokens=True)
             if not cycles:
                 per_prompt[-1]["no_cycle_reason"] = no_cycle_reason(generated, stop_tokens, args.max_new_tokens)
         bar.update(len(batch))
