@@ -734,4 +734,9 @@ def test_cli_text_and_chat_prompts_with_sampling(tmp_path):
     expected_lengths = [len(tokenizer("1 2 3 4")["input_ids"]), len(chat), 3]
     assert [p["prompt_tokens"] for p in report["prompts"]] == expected_lengths
     assert all(p["generated_tokens"] == 6 for p in report["prompts"])
+    # decoded text next to the ids, and on the console
+    for p in report["prompts"]:
+        assert p["generated_text"] == tokenizer.decode(p["generated_ids"], skip_special_tokens=True)
+    assert report["prompts"][0]["prompt_text"] == "1 2 3 4"
+    assert report["prompts"][1]["prompt_text"] == "count 5 6 7"
     assert report["summary"]["greedy_outputs_identical_fraction"] is None  # sampling: not comparable

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Rebuild the tiny target that ships with the package and compare it with the shipped one.
 
-    python tools/build_tiny_target.py --output /tmp/tiny-target          # full build (minutes on a CPU)
-    python tools/build_tiny_target.py --output /tmp/tiny-target --install # then replace the shipped copy
+    python tools/build_tiny_target.py --output rebuilt-target          # full build (minutes on a CPU)
+    python tools/build_tiny_target.py --output rebuilt-target --install # then replace the shipped copy
 
 The shipped directory (`megatron_dflash/assets/tiny_target`) is exactly what this script writes:
 `train_tiny_target(TinyTargetRecipe())` (weights, tokenizer, chat template, `recipe.json`,
