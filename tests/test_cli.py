@@ -399,3 +399,20 @@ def test_readme_commands_parse_and_match_ci():
 
     for label in (TRAIN_ACCEPTANCE, VALID_ACCEPTANCE, DECODE_ACCEPTANCE):
         assert label in readme, label
+
+
+def test_the_shipped_target_is_package_data():
+    """An installed (non-editable) package carries every file of the shipped target."""
+    import ast
+    import fnmatch
+
+    from megatron_dflash.training.tiny_target import SHIPPED_TARGET_DIR
+
+    with open(os.path.join(ROOT, "setup.py")) as f:
+        tree = ast.parse(f.read())
+    call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "setup")
+    package_data = ast.literal_eval(next(k.value for k in call.keywords if k.arg == "package_data"))
+    package = os.path.join(ROOT, "megatron_dflash")
+    for name in os.listdir(SHIPPED_TARGET_DIR):
+        relative = os.path.relpath(os.path.join(SHIPPED_TARGET_DIR, name), package)
+        assert any(fnmatch.fnmatch(relative, pattern) for pattern in package_data["megatron_dflash"]), relative
