@@ -214,7 +214,8 @@ def test_end_to_end_tp1(tiny_target, tmp_path, capsys):
     result = _run(_base(tiny_target, tmp_path, "--train-iters", "4", "--micro-batch-size", "4",
                         "--global-batch-size", "8", "--save", str(save), "--save-interval", "2",
                         "--eval-interval", "2", "--dflash-eval-prompts", str(prompts),
-                        "--dflash-eval-max-new-tokens", "8", "--dflash-eval-ignore-eos", "--tensorboard-dir", str(tmp_path / "tb")))
+                        "--dflash-eval-max-new-tokens", "8", "--dflash-eval-ignore-eos", "--tensorboard-dir", str(tmp_path / "tb"),
+                        "--log-interval", "2"))
     assert result.iterations == 4 and len(result.losses) == 4
     assert all(math.isfinite(x) for x in result.losses)
     assert read_latest_iteration(str(save)) == 4
@@ -237,8 +238,10 @@ def test_end_to_end_tp1(tiny_target, tmp_path, capsys):
     assert [(r["split"], r["iteration"]) for r in records if r["split"] != "train"] == [
         ("valid", 2), ("decode", 2), ("valid", 4), ("decode", 4)]
     train = [r for r in records if r["split"] == "train"]
-    assert [r["iteration"] for r in train] == [1, 2, 3, 4]
-    assert [r["loss"] for r in train] == pytest.approx(result.losses)
+    assert [r["iteration"] for r in train] == [2, 4]  # means over each log interval, as on the console
+    losses = result.losses
+    assert [r["loss"] for r in train] == pytest.approx([(losses[0] + losses[1]) / 2, (losses[2] + losses[3]) / 2])
+    assert [r["learning rate"] for r in train] == pytest.approx([result.learning_rates[1], result.learning_rates[3]])
     assert {"train acceptance (teacher-forced)", "accuracy", "tokens per second", "learning rate",
             "grad norm"} <= set(train[0])
     assert records[-1]["decode acceptance length (speculative decoding)"] == pytest.approx(final["acceptance_length"])

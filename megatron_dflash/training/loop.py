@@ -594,7 +594,7 @@ def train(job: Job, *, hooks: Optional[dict] = None, env=None) -> TrainResult:
                 dist.barrier()
 
         # ---- train
-        window_t0, window_tokens = time.time(), 0.0
+        window_t0, window_tokens, window_start = time.time(), 0.0, start_iteration
         iteration = start_iteration
         exited = False
         while iteration < args.train_iters:
@@ -628,15 +628,19 @@ def train(job: Job, *, hooks: Optional[dict] = None, env=None) -> TrainResult:
             monitor.advance(f"loss {values['loss']:.3f} acc {values['accuracy']:.2f}")
             if iteration % args.log_interval == 0 or iteration == args.train_iters:
                 elapsed = time.time() - window_t0
+                # like megatron: the statistics are means over the log interval; lr and grad norm the last
+                window = result.metrics[window_start - iteration:]
+                means = {k: sum(m[k] for m in window) / len(window) for k in values
+                         if k not in ("learning rate", "grad norm", "tokens per second")}
                 line = {"iteration": f"{iteration:6d}/{args.train_iters}",
                         "consumed samples": iteration * args.global_batch_size,
-                        "elapsed time per iteration (ms)": 1000.0 * elapsed / max(1, args.log_interval)}
-                line.update(labelled(values, "train"))
+                        "elapsed time per iteration (ms)": 1000.0 * elapsed / len(window)}
+                line.update(labelled({**values, **means}, "train"))
                 line["tokens per second"] = window_tokens / max(1e-9, elapsed)
                 log(format_metrics(line))
                 run_dir.metrics({"iteration": iteration, "split": "train",
                                  **{k: v for k, v in line.items() if k != "iteration"}})
-                window_t0, window_tokens = time.time(), 0.0
+                window_t0, window_tokens, window_start = time.time(), 0.0, iteration
             if "on_step" in hooks:
                 hooks["on_step"](iteration, values, body)
             if args.save and args.save_interval and iteration % args.save_interval == 0:
