@@ -9,18 +9,23 @@ setup(
     long_description=open("README.md").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["megatron_dflash", "megatron_dflash.*"]),
+    # The trained tiny target of the embedded job (a few MB; tools/build_tiny_target.py rebuilds it).
+    package_data={"megatron_dflash": ["assets/tiny_target/*"]},
     python_requires=">=3.10",
     install_requires=[
-        # Pinned: a bare `torch` lets pip pull a multi-GB CUDA build onto CPU machines.
+        # Pinned to the tested version. On CPU-only machines install the CPU wheel first (see README):
+        # from the default index this version resolves to the CUDA build and its nvidia-* wheels.
         "torch==2.13.0",
         "megatron-core>=0.16,<0.17",
         "transformers>=4.57",
         "safetensors>=0.4",
         "numpy",
         "psutil",
+        "matplotlib",  # the run directory's metrics.png
     ],
     extras_require={
-        "test": ["pytest>=8", "hypothesis>=6"],
+        # scipy: the statistical test of speculative sampling (chi-square against the target's distribution)
+        "test": ["pytest>=8", "hypothesis>=6", "scipy"],
         # GPU only. Never install on CPU machines: its meta package breaks megatron imports.
         "te": ["transformer-engine[pytorch]"],
         # The published readers and writers of drafters, for parity checks: the z-lab reference

@@ -848,14 +848,14 @@ def _overlap(a: str, b: str) -> bool:
     return a == b or a.startswith(b + os.sep) or b.startswith(a + os.sep)
 
 
-def _check_output(output: str, force: bool, source: str) -> None:
+def _check_output(output: str, force: bool, source: str, force_flag: str = "force=True") -> None:
     if _overlap(output, source):
         raise ValueError(f"--output {output} overlaps the input {source}; write somewhere else.")
     if os.path.exists(output) and not os.path.isdir(output):
         raise FileExistsError(f"{output} exists and is not a directory; choose another --output.")
     if os.path.isdir(output) and os.listdir(output) and not force:
         raise FileExistsError(
-            f"{output} exists and is not empty; pass --force (force=True) to replace it, or choose a new "
+            f"{output} exists and is not empty; pass {force_flag} to replace it, or choose a new "
             "or empty directory."
         )
 
@@ -1083,7 +1083,9 @@ def _positive_int(text: str) -> int:
 
 
 def build_parser(prog: str = _PROG) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    from .cli import ArgumentParser  # one-line usage errors, each default shown once in --help
+
+    parser = ArgumentParser(
         prog=prog,
         description="Convert DFlash draft checkpoints (DFlash, DFlash 2 and other registered variants) "
         "between megatron's torch_dist training checkpoints and the HF format of the published "
@@ -1138,9 +1140,35 @@ def build_parser(prog: str = _PROG) -> argparse.ArgumentParser:
     return parser
 
 
+def _check_cli_paths(args) -> None:
+    """The command line's paths, checked before torch and megatron load (raises `UsageError`)."""
+    from .cli import UsageError, require_dir, require_file
+
+    require_dir("--load", args.load)
+    config = getattr(args, "config", None)
+    if config is not None and not os.path.isdir(config):
+        require_file("--config", config)
+    try:
+        _check_output(args.output, args.force, args.load, force_flag="--force")
+    except (ValueError, FileExistsError) as err:
+        raise UsageError(str(err)) from None
+
+
 def main(argv: Optional[list[str]] = None, prog: str = _PROG) -> int:
-    """CLI entry point; returns the exit status (0 ok, 1 conversion error, 2 usage error)."""
+    """CLI entry point; returns the exit status (0 ok, 1 conversion error, 2 usage error).
+
+    Usage errors (a bad flag, a missing --load, a non-empty --output without --force) are found
+    before torch and megatron are imported and reported in one line, like every tool here.
+    """
+    from .cli import USAGE_EXIT_CODE, UsageError, quiet_dependency_warnings
+
+    quiet_dependency_warnings()
     args = build_parser(prog).parse_args(argv)
+    try:
+        _check_cli_paths(args)
+    except UsageError as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return USAGE_EXIT_CODE
     try:
         if args.command == "to-hf":
             result = convert_megatron_to_hf(

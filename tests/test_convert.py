@@ -372,7 +372,9 @@ def test_refuses_a_non_empty_output_without_force(converted, tmp_path):
         target.mkdir()
         (target / "keep.txt").write_text("x")
         status, err = run_cli(command, "--load", source, "--output", target)
-        assert status == 1 and "not empty" in err and "--force" in err, err
+        # a usage error (exit 2), in the CLI's words
+        assert status == 2 and "not empty" in err and "pass --force " in err and "force=True" not in err, err
+        assert err.count("\n") == 1, err
         assert os.listdir(target) == ["keep.txt"]
         status, err = run_cli(command, "--load", source, "--output", target, "--force", "--validate")
         assert status == 0, err
@@ -381,9 +383,9 @@ def test_refuses_a_non_empty_output_without_force(converted, tmp_path):
     assert run_cli("to-hf", "--load", case["meg"], "--output", tmp_path / "empty")[0] == 0
     (tmp_path / "file").write_text("x")
     status, err = run_cli("to-hf", "--load", case["meg"], "--output", tmp_path / "file", "--force")
-    assert status == 1 and "not a directory" in err
+    assert status == 2 and "not a directory" in err
     status, err = run_cli("to-hf", "--load", case["meg"], "--output", os.path.join(case["meg"], "inside"), "--force")
-    assert status == 1 and "overlaps the input" in err
+    assert status == 2 and "overlaps the input" in err
     assert leftovers(tmp_path) == []
 
 

@@ -666,7 +666,7 @@ def test_cli_end_to_end(tmp_path, capsys, dflash2):
     ])
     assert code == 0
     printed = capsys.readouterr().out
-    assert "mean acceptance length" in printed and "speedup" in printed
+    assert "decode acceptance length (speculative decoding)" in printed and "speedup" in printed
     report = json.loads(report_path.read_text())
     assert report["settings"]["draft_architecture"] == ("DFlash2Body" if dflash2 else "DFlashBody")
     assert len(report["prompts"]) == 3
@@ -686,15 +686,17 @@ def test_cli_help_and_bad_prompts(tmp_path):
     for flag in ("--target", "--draft", "--prompts", "--max-new-tokens", "--temperature", "--top-p", "--top-k",
                  "--batch-size", "--limit", "--output", "--device", "--dtype"):
         assert flag in result.stdout
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"text": "no known field"}\n')
     sys.path.insert(0, os.path.join(ROOT, "tools"))
     try:
         import evaluate_acceptance
     finally:
         sys.path.pop(0)
-    with pytest.raises(SystemExit, match="input_ids"):
-        evaluate_acceptance.read_prompts(str(bad), None)
+    from megatron_dflash.prompts import PromptError, read_prompt_file
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "a known field"}\n{"question": "no known field"}\n')
+    with pytest.raises(PromptError, match=r"bad.jsonl:2: expected a JSON object with one of 'input_ids', 'text'"):
+        read_prompt_file(str(bad))
 
 
 def test_cli_text_and_chat_prompts_with_sampling(tmp_path):
@@ -732,4 +734,9 @@ def test_cli_text_and_chat_prompts_with_sampling(tmp_path):
     expected_lengths = [len(tokenizer("1 2 3 4")["input_ids"]), len(chat), 3]
     assert [p["prompt_tokens"] for p in report["prompts"]] == expected_lengths
     assert all(p["generated_tokens"] == 6 for p in report["prompts"])
+    # decoded text next to the ids, and on the console
+    for p in report["prompts"]:
+        assert p["generated_text"] == tokenizer.decode(p["generated_ids"], skip_special_tokens=True)
+    assert report["prompts"][0]["prompt_text"] == "1 2 3 4"
+    assert report["prompts"][1]["prompt_text"] == "count 5 6 7"
     assert report["summary"]["greedy_outputs_identical_fraction"] is None  # sampling: not comparable

@@ -9,6 +9,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import shlex
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -53,11 +56,23 @@ def _one_thread():
 def _run(argv, hooks=None, world_size=None):
     from megatron_dflash.training.loop import run
 
+    argv = list(argv)
+    if "--run-dir" not in argv and "--dflash-export" in argv:  # the run directory next to the export
+        argv += ["--run-dir", os.path.dirname(argv[argv.index("--dflash-export") + 1])]
     return run(argv, hooks=hooks, world_size=world_size)
 
 
 def _base(target, out, *extra):
     return ["--target", target, "--dflash-export", str(out / "hf"), *STEPS_ARGS, *extra]
+
+
+def _tool_module(name):
+    tools = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools")
+    sys.path.insert(0, tools)
+    try:
+        return __import__(name)
+    finally:
+        sys.path.pop(0)
 
 
 def _safetensors(directory):
@@ -202,7 +217,8 @@ def test_end_to_end_tp1(tiny_target, tmp_path, capsys):
     result = _run(_base(tiny_target, tmp_path, "--train-iters", "4", "--micro-batch-size", "4",
                         "--global-batch-size", "8", "--save", str(save), "--save-interval", "2",
                         "--eval-interval", "2", "--dflash-eval-prompts", str(prompts),
-                        "--dflash-eval-max-new-tokens", "8", "--dflash-eval-ignore-eos", "--tensorboard-dir", str(tmp_path / "tb")))
+                        "--dflash-eval-max-new-tokens", "8", "--dflash-eval-ignore-eos", "--tensorboard-dir", str(tmp_path / "tb"),
+                        "--log-interval", "2"))
     assert result.iterations == 4 and len(result.losses) == 4
     assert all(math.isfinite(x) for x in result.losses)
     assert read_latest_iteration(str(save)) == 4
@@ -217,6 +233,42 @@ def test_end_to_end_tp1(tiny_target, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "(autoregressive baseline 1.0)" in out and "loss:" in out and "grad norm:" in out
     assert "tokens per second:" in out and "learning rate:" in out and "accuracy:" in out
+    # one label per acceptance figure, on the console and in the run directory
+    assert "train acceptance (teacher-forced):" in out and "valid acceptance (teacher-forced):" in out
+    assert "[final] decode acceptance length (speculative decoding) " in out
+    assert " acceptance:" not in out and "acceptance length 1" not in out
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["split"], r["iteration"]) for r in records if r["split"] != "train"] == [
+        ("valid", 2), ("decode", 2), ("valid", 4), ("decode", 4)]
+    train = [r for r in records if r["split"] == "train"]
+    assert [r["iteration"] for r in train] == [2, 4]  # means over each log interval, as on the console
+    losses = result.losses
+    assert [r["loss"] for r in train] == pytest.approx([(losses[0] + losses[1]) / 2, (losses[2] + losses[3]) / 2])
+    assert [r["learning rate"] for r in train] == pytest.approx([result.learning_rates[1], result.learning_rates[3]])
+    assert {"train acceptance (teacher-forced)", "accuracy", "tokens per second", "learning rate",
+            "grad norm"} <= set(train[0])
+    assert records[-1]["decode acceptance length (speculative decoding)"] == pytest.approx(final["acceptance_length"])
+    args = json.loads((tmp_path / "args.json").read_text())
+    assert args["train_iters"] == 4 and args["global_batch_size"] == 8 and args["save"] == str(save)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["final_acceptance"]["acceptance_length"] == pytest.approx(final["acceptance_length"])
+    assert summary["checkpoint"] == str(save) and summary["hf_export"] == str(tmp_path / "hf")
+    assert out.rstrip().splitlines()[-len(summary["next_steps"]) * 2 - 1].startswith("[result] decode acceptance")
+    if summary["plot"] is not None:
+        assert (tmp_path / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the printed next steps run as they are: the conversion (a subprocess, like a user's shell) ...
+    commands = [step["command"] for step in summary["next_steps"]]
+    assert [c for c in out.splitlines() if c.startswith("    python ")] == [f"    {c}" for c in commands]
+    convert_cmd, evaluate_cmd = commands
+    done = subprocess.run(convert_cmd, shell=True, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "validated: every tensor identical" in done.stdout, done.stderr
+    assert _safetensors(str(tmp_path / "converted-hf")).keys() == _safetensors(str(tmp_path / "hf")).keys()
+    # ... and the evaluation's command line is complete and names existing files
+    evaluate_acceptance = _tool_module("evaluate_acceptance")
+    words = shlex.split(evaluate_cmd)
+    assert words[0] == "python" and os.path.samefile(words[1], evaluate_acceptance.__file__)
+    parsed = evaluate_acceptance.parse_args(words[2:])
+    assert parsed.prompts == str(prompts) and parsed.draft == str(tmp_path / "hf")
     try:
         import tensorboard  # noqa: F401
     except ImportError:

@@ -18,6 +18,10 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
+from megatron_dflash.cli import quiet_dependency_warnings  # noqa: E402
+
+quiet_dependency_warnings()  # before megatron loads
+
 from megatron_dflash.convert import main  # noqa: E402
 
 if __name__ == "__main__":

@@ -5,10 +5,14 @@ Runs `megatron_dflash.generate.spec_generate` over a JSONL file of prompts and t
 against plain autoregressive greedy decoding of the same target (HF `generate`), then prints
 per-prompt acceptance lengths, the means and the wall-clock speedup, and writes a JSON report.
 
-Prompt lines (one JSON object per line, any of):
+Prompt lines (one JSON object per line; the format of `megatron_dflash.prompts`, shared with
+`pretrain_dflash.py --dflash-eval-prompts`):
     {"input_ids": [1, 2, 3]}                          token ids, no tokenizer needed
-    {"prompt": "text"}                                tokenized with the target's tokenizer
+    {"text": "..."} or {"prompt": "..."}              tokenized with the target's tokenizer
     {"messages": [{"role": "user", "content": ...}]}  rendered with the tokenizer's chat template
+
+Without --target, the embedded tiny target of `python pretrain_dflash.py` is used, and without
+--prompts, with that target, the prompts it knows (examples/prompts_tiny_target.jsonl).
 
 Example:
     python tools/evaluate_acceptance.py --target Qwen/Qwen3-8B --draft runs/draft_hf \\
@@ -25,29 +29,40 @@ import sys
 import time
 from typing import Iterable, Optional
 
+# Before torch loads OpenMP: idle threads sleep instead of spinning (as in pretrain_dflash.py); on a
+# busy CPU spinning threads slow decoding down many times over.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # Run from a checkout without installing the package.
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
+from megatron_dflash.cli import ArgumentParser, UsageError, quiet_dependency_warnings, require_dir, require_file, usage_error  # noqa: E402,E501
+
 DTYPES = ("float32", "bfloat16", "float16")
+PROG = "evaluate_acceptance.py"
+SHIPPED_PROMPTS = os.path.join(_ROOT, "examples", "prompts_tiny_target.jsonl")
 
 
-def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(
+        prog=PROG,
         description="Speculative decoding with a DFlash draft: acceptance length, tokens per target "
         "forward and wall-clock speedup over autoregressive greedy decoding.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--target", required=True, help="HF directory (or hub id) of the target causal LM.")
+    parser.add_argument("--target", default=None,
+                        help="HF directory (or hub id) of the target causal LM (default: the embedded tiny "
+                        "target of `python pretrain_dflash.py`).")
     parser.add_argument(
         "--draft", required=True,
         help="HF draft directory (config.json + model.safetensors); DFlash 2 when its config says "
         "DFlash2DraftModel.",
     )
-    parser.add_argument("--prompts", required=True, help="JSONL file of prompts (input_ids, prompt or messages).")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --target); only "
-                        "needed for 'prompt'/'messages' lines.")
+    parser.add_argument("--prompts", default=None,
+                        help="JSONL file of prompts (input_ids, text/prompt or messages lines; default with "
+                        "the embedded tiny target: examples/prompts_tiny_target.jsonl).")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --target); needed "
+                        "for 'text'/'prompt'/'messages' lines and for the decoded text of the report.")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy.")
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -70,6 +85,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=1, help="untimed warm-up batches before measuring.")
     parser.add_argument("--attention-backend", default="chunked", choices=("chunked", "dense"),
                         help="block attention backend of the draft.")
+    return parser
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    """Parse and check the command line (usage errors: one line, exit status 2, before torch loads)."""
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1:
         parser.error("--max-new-tokens must be >= 1")
@@ -83,20 +104,54 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         parser.error("--top-p must be in (0, 1]")
     if args.top_k < 0:
         parser.error("--top-k must be >= 0")
+    try:
+        check_paths(args)
+    except UsageError as err:
+        usage_error(PROG, str(err))
     return args
+
+
+def _looks_like_hub_id(name: str) -> bool:
+    """`org/model` (what the hub accepts), not a filesystem path."""
+    return (name.count("/") == 1 and not name.startswith((".", "/", "~")) and not name.endswith("/")
+            and not os.path.exists(name))
+
+
+def check_paths(args: argparse.Namespace) -> None:
+    """Every path of the command line, before torch and transformers load (raises `UsageError`).
+
+    Resolves the defaults of --target (the embedded tiny target) and --prompts (its prompts).
+    """
+    from megatron_dflash.training.tiny_target import embedded_target_dir, matches_recipe
+
+    if args.target is None:
+        args.target = embedded_target_dir()
+    if args.prompts is None and matches_recipe(args.target):  # the embedded tiny target (shipped or built)
+        args.prompts = SHIPPED_PROMPTS
+    if not _looks_like_hub_id(args.target):
+        require_dir("--target", args.target, "HF model directory", must_contain="config.json")
+    if args.prompts is None:
+        raise UsageError("--prompts is required with a --target other than the embedded tiny target.")
+    require_dir("--draft", args.draft, "HF draft directory", must_contain="config.json")
+    require_file("--prompts", args.prompts, "prompt file")
+    if args.tokenizer is not None and not _looks_like_hub_id(args.tokenizer):
+        require_dir("--tokenizer", args.tokenizer, "tokenizer directory")
 
 
 # ================================================================================== progress
 
 
 class _SimpleProgress:
-    """A stand-in for tqdm: one updating line on stderr."""
+    """A stand-in for tqdm: one updating line on stderr, drawn on a terminal only."""
 
     def __init__(self, total: int, desc: str):
         self.total, self.desc, self.n = total, desc, 0
+        self.enabled = sys.stderr.isatty()
         self._draw()
 
     def _draw(self) -> None:
+        if not self.enabled:
+            return
         width = 30
         done = int(width * self.n / self.total) if self.total else width
         sys.stderr.write(f"\r{self.desc}: [{'#' * done}{'.' * (width - done)}] {self.n}/{self.total}")
@@ -107,15 +162,17 @@ class _SimpleProgress:
         self._draw()
 
     def close(self) -> None:
-        sys.stderr.write("\n")
-        sys.stderr.flush()
+        if self.enabled:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
 
 
 def progress(total: int, desc: str):
     try:
         from tqdm import tqdm
 
-        return tqdm(total=total, desc=desc, file=sys.stderr)
+        # disable=None: no bar when stderr is not a terminal (logs get the report only)
+        return tqdm(total=total, desc=desc, file=sys.stderr, disable=None)
     except ImportError:
         return _SimpleProgress(total, desc)
 
@@ -123,59 +180,47 @@ def progress(total: int, desc: str):
 # ================================================================================== loading
 
 
-def read_prompts(path: str, limit: Optional[int]) -> list[dict]:
-    records = []
-    with open(path) as f:
-        for number, line in enumerate(f, 1):
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise SystemExit(f"{path}:{number}: not valid JSON ({err}).")
-            if not isinstance(record, dict) or not any(k in record for k in ("input_ids", "prompt", "messages")):
-                raise SystemExit(
-                    f"{path}:{number}: each line must be an object with 'input_ids', 'prompt' or 'messages'."
-                )
-            records.append(record)
-            if limit is not None and len(records) >= limit:
-                break
-    if not records:
-        raise SystemExit(f"{path} holds no prompts.")
-    return records
+class _Tokenizer:
+    """The tokenizer of --tokenizer / --target, loaded on first use; `get()` raises a UsageError."""
 
+    def __init__(self, path: str):
+        self.path = path
+        self._tokenizer = None
+        self.error: Optional[str] = None
 
-def tokenize_prompts(records: list[dict], tokenizer_path: str) -> list[list[int]]:
-    """Token ids of every record; the tokenizer is loaded only if some record needs it."""
-    tokenizer = None
-    out = []
-    for index, record in enumerate(records):
-        if "input_ids" in record:
-            ids = record["input_ids"]
-            if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
-                raise SystemExit(f"prompt {index}: input_ids must be a non-empty list of integers.")
-            out.append(list(ids))
-            continue
-        if tokenizer is None:
+    def get(self):
+        if self._tokenizer is None:
             from transformers import AutoTokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-        if "messages" in record:
-            if getattr(tokenizer, "chat_template", None) is None:
-                raise SystemExit(
-                    f"prompt {index} has 'messages' but the tokenizer at {tokenizer_path} has no chat template."
-                )
-            ids = tokenizer.apply_chat_template(record["messages"], add_generation_prompt=True, tokenize=True)
-            if isinstance(ids, dict) or hasattr(ids, "keys"):
-                ids = ids["input_ids"]
-        else:
-            ids = tokenizer(record["prompt"], add_special_tokens=True)["input_ids"]
-        ids = [int(t) for t in ids]
-        if not ids:
-            raise SystemExit(f"prompt {index} tokenizes to nothing.")
-        out.append(ids)
-    return out
+            try:
+                self._tokenizer = AutoTokenizer.from_pretrained(self.path)
+            except Exception as err:  # noqa: BLE001 - any loader failure is a bad --tokenizer/--target
+                self.error = f"cannot load a tokenizer from {self.path} ({type(err).__name__}); pass --tokenizer DIR"
+                raise UsageError(self.error + ".") from None
+        return self._tokenizer
+
+    def maybe(self):
+        """The tokenizer, or None when there is none (decoded text is then left out)."""
+        try:
+            return self.get()
+        except UsageError:
+            return None
+
+
+def read_prompts(path: str, limit: Optional[int], tokenizer: _Tokenizer) -> tuple[list[list[int]], list[str]]:
+    """Token ids of every prompt, and a warning for each prompt that is mostly unknown tokens."""
+    from megatron_dflash.prompts import PromptError, read_prompt_file, tokenize_prompt, unknown_token_warning
+
+    try:
+        items = read_prompt_file(path, limit)
+        prompts = [tokenize_prompt(item, tokenizer.get) for item in items]
+    except PromptError as err:
+        raise UsageError(str(err)) from None
+    warnings = []
+    if any("input_ids" not in item.record for item in items):  # the tokenizer is loaded anyway
+        tok = tokenizer.get()
+        warnings = [w for w in (unknown_token_warning(ids, tok, item.where) for item, ids in zip(items, prompts)) if w]
+    return prompts, warnings
 
 
 def load_target(path: str, device, dtype):
@@ -192,17 +237,14 @@ def load_draft(path: str, device, dtype, attention_backend: str):
     """A DFlash or DFlash 2 body from a HF draft directory (architecture read from config.json)."""
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
-        raise SystemExit(f"{config_path} does not exist: --draft must be a HF draft directory.")
-    with open(config_path) as f:
-        architectures = json.load(f).get("architectures") or []
-    if "DFlash2DraftModel" in architectures:
-        from megatron_dflash.variants.dflash2 import load_dflash2_checkpoint
+        raise UsageError(f"--draft {path}: no config.json in it; expected a HF draft directory.")
+    from megatron_dflash.checkpoint import load_hf_checkpoint  # the variant comes from config.json
 
-        body = load_dflash2_checkpoint(path, attention_backend=attention_backend)
-    else:
-        from megatron_dflash.checkpoint import load_hf_checkpoint
-
+    try:
         body = load_hf_checkpoint(path, attention_backend=attention_backend)
+    except (OSError, ValueError, KeyError) as err:  # a broken config or weights file: exit 1, not a usage error
+        raise ValueError(f"--draft {path}: cannot load the draft ({type(err).__name__}: "
+                         f"{str(err).splitlines()[0] if str(err) else ''}).") from None
     return body.to(device=device, dtype=dtype).eval()
 
 
@@ -273,10 +315,17 @@ def evaluate(args: argparse.Namespace) -> dict:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     dtype = getattr(torch, dtype_name)
-    records = read_prompts(args.prompts, args.limit)
-    prompts = tokenize_prompts(records, args.tokenizer or args.target)
-    target = load_target(args.target, device, dtype)
+    tokenizer = _Tokenizer(args.tokenizer or args.target)
+    prompts, prompt_warnings = read_prompts(args.prompts, args.limit, tokenizer)
+    for warning in prompt_warnings:
+        print(warning, file=sys.stderr, flush=True)
+    try:
+        target = load_target(args.target, device, dtype)
+    except (OSError, ValueError) as err:  # a hub id that does not resolve, a broken directory
+        raise UsageError(f"--target {args.target}: cannot load a causal LM ({type(err).__name__}: "
+                         f"{str(err).splitlines()[0] if str(err) else ''}).") from None
     draft = load_draft(args.draft, device, dtype, args.attention_backend)
+    decode = tokenizer.maybe()
     if args.ignore_eos:
         stop_tokens: list[int] = []
     elif args.stop_token_ids:
@@ -327,6 +376,11 @@ def evaluate(args: argparse.Namespace) -> dict:
                     "generated_ids": generated,
                 }
             )
+            if decode is not None:  # readable text: without the chat template's special tokens
+                per_prompt[-1]["prompt_text"] = decode.decode(batch[row], skip_special_tokens=True)
+                per_prompt[-1]["generated_text"] = decode.decode(generated, skip_special_tokens=True)
+            if not cycles:
+                per_prompt[-1]["no_cycle_reason"] = no_cycle_reason(generated, stop_tokens, args.max_new_tokens)
         bar.update(len(batch))
     bar.close()
 
@@ -367,6 +421,12 @@ def evaluate(args: argparse.Namespace) -> dict:
         "spec_seconds": spec_time,
         "spec_tokens_per_second": spec_tps,
     }
+    if not all_cycles:
+        summary["no_cycle_reason"] = (
+            "no speculative cycle ran: every prompt ended with the target's first generated token ("
+            + "; ".join(sorted({p["no_cycle_reason"] for p in per_prompt})) + "). Use prompts the target "
+            "continues (for the embedded tiny target: examples/prompts_tiny_target.jsonl), or --ignore-eos."
+        )
     if ar_time is not None:
         ar_tps = ar_tokens / ar_time if ar_time > 0 else math.nan
         summary.update(
@@ -379,9 +439,13 @@ def evaluate(args: argparse.Namespace) -> dict:
                 "greedy_outputs_identical_fraction": greedy_match,
             }
         )
+        note = speedup_note(summary["speedup"], summary["tokens_per_target_forward"], device.type)
+        if note:
+            summary["speedup_note"] = note
     settings = {
         "target": args.target,
         "draft": args.draft,
+        "prompts": args.prompts,
         "draft_architecture": type(draft).__name__,
         "block_size": draft.config.block_size,
         "max_new_tokens": args.max_new_tokens,
@@ -397,6 +461,26 @@ def evaluate(args: argparse.Namespace) -> dict:
     return {"settings": settings, "summary": summary, "prompts": per_prompt}
 
 
+def no_cycle_reason(generated: list[int], stop_tokens: list[int], max_new_tokens: int) -> str:
+    """Why a prompt ran no verify cycle (its acceptance length is undefined)."""
+    if generated and generated[-1] in stop_tokens and len(generated) == 1:
+        return f"the target's first token is the stop token {generated[-1]}"
+    if max_new_tokens <= 1:
+        return "--max-new-tokens 1 leaves nothing to speculate after the prefill"
+    return "decoding ended at the prefill's token"
+
+
+def speedup_note(speedup: Optional[float], tokens_per_forward: Optional[float], device: str) -> Optional[str]:
+    """One line on why the wall-clock speedup is below 1 (when it is)."""
+    if speedup is None or not math.isfinite(speedup) or speedup >= 1.0:
+        return None
+    gain = f"{tokens_per_forward:.2f} tokens per target forward" if tokens_per_forward else "the saved target forwards"
+    where = "on CPU " if device == "cpu" else ""
+    return (f"speedup < 1: {where}a small target costs about as much per forward as the draft, so "
+            f"{gain} do not pay for the draft's forwards; speculative decoding saves time when a target "
+            "forward is much more expensive than a draft forward (large targets, memory-bound GPU decoding).")
+
+
 def _mean(values: list[float]) -> Optional[float]:
     return sum(values) / len(values) if values else None
 
@@ -405,15 +489,27 @@ def _fmt(value, spec: str = ".2f") -> str:
     return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
 
 
+def _short(text: str, width: int = 60) -> str:
+    text = " ".join(text.split())
+    return json.dumps(text if len(text) <= width else text[: width - 3] + "...")
+
+
 def print_report(report: dict) -> None:
     for p in report["prompts"]:
-        print(
-            f"prompt {p['index']:4d}: acceptance length {_fmt(p['mean_acceptance_length'])} "
-            f"over {len(p['acceptance_lengths'])} cycles, {p['generated_tokens']} tokens, "
-            f"{_fmt(p['tokens_per_target_forward'])} tokens/target forward"
-        )
+        line = (f"prompt {p['index']:4d}: acceptance length {_fmt(p['mean_acceptance_length'])} "
+                f"over {len(p['acceptance_lengths'])} cycles, {p['generated_tokens']} tokens, "
+                f"{_fmt(p['tokens_per_target_forward'])} tokens/target forward")
+        if "prompt_text" in p:
+            line += f" | {_short(p['prompt_text'], 40)} -> {_short(p['generated_text'])}"
+        else:
+            line += f" | ids {p['generated_ids'][:12]}{' ...' if len(p['generated_ids']) > 12 else ''}"
+        if p.get("no_cycle_reason"):
+            line += f" (no cycle: {p['no_cycle_reason']})"
+        print(line)
     s = report["summary"]
-    print(f"mean acceptance length:      {_fmt(s['mean_acceptance_length'])}")
+    print(f"decode acceptance length (speculative decoding): {_fmt(s['mean_acceptance_length'])}")
+    if s.get("no_cycle_reason"):
+        print(f"  {s['no_cycle_reason']}")
     print(f"tokens per target forward:   {_fmt(s['tokens_per_target_forward'])}")
     print(f"spec decoding:               {s['generated_tokens']} tokens in {s['spec_seconds']:.2f} s "
           f"({_fmt(s['spec_tokens_per_second'], '.1f')} tok/s)")
@@ -421,22 +517,28 @@ def print_report(report: dict) -> None:
         print(f"autoregressive greedy:       {s['autoregressive_tokens']} tokens in "
               f"{s['autoregressive_seconds']:.2f} s ({_fmt(s['autoregressive_tokens_per_second'], '.1f')} tok/s)")
         print(f"speedup (throughput):        {_fmt(s['speedup'])}x")
+        if s.get("speedup_note"):
+            print(f"  {s['speedup_note']}")
         if s.get("greedy_outputs_identical_fraction") is not None:
             print(f"greedy outputs identical:    {s['greedy_outputs_identical_fraction']:.0%}")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """Exit status 0, or 1 with one `error:` line for a bad model, draft or prompt (the traceback too with
-    MEGATRON_DFLASH_DEBUG=1)."""
+    """Exit status 0; 2 with one `error:` line for a bad flag or path; 1 with one `error:` line for a damaged
+    model, draft or prompt (the traceback too with MEGATRON_DFLASH_DEBUG=1)."""
+    quiet_dependency_warnings()
     args = parse_args(argv)
     try:
         report = evaluate(args)
+    except UsageError as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr, flush=True)
+        return 2
     except (ValueError, OSError) as err:  # unreadable or mismatched files, bad decoding inputs
         if os.environ.get("MEGATRON_DFLASH_DEBUG", "").lower() in ("1", "true", "yes"):
             import traceback
 
             traceback.print_exc()
-        print(f"evaluate_acceptance.py: error: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
+        print(f"{PROG}: error: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
         return 1
     print_report(report)
     if args.output:

@@ -56,13 +56,14 @@ class ArgumentError(RunError):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    from ..cli import ArgumentParser
+
+    p = ArgumentParser(
         prog="pretrain_dflash.py",
         description=(
             "Train a DFlash block-diffusion draft model next to a frozen target LLM (megatron-core). "
             "Without arguments: a complete small job on the embedded tiny target (CPU, a few minutes)."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         allow_abbrev=False,
     )
     g = p.add_argument_group("parallelism")
@@ -103,7 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--bf16", action="store_true", help="bf16 weights and activations (fp32 master weights).")
 
     g = p.add_argument_group("checkpoints, evaluation, logging")
-    g.add_argument("--save", default=None, help="directory of torch_dist training checkpoints.")
+    g.add_argument("--run-dir", default=None,
+                   help="where the run writes args.json, console.log, metrics.jsonl, metrics.png, summary.json "
+                   "(default: runs/<$DFLASH_RUN_NAME or dflash-<time>>; runs/latest points to the newest).")
+    g.add_argument("--save", default=None,
+                   help="directory of torch_dist training checkpoints (default: <run-dir>/checkpoints for the "
+                   "embedded job, else none).")
     g.add_argument("--load", default=None,
                    help="resume from the checkpoint named by this directory's latest_checkpointed_iteration.txt "
                    "(absent or empty: train from scratch, with a warning).")
@@ -179,7 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dflash-eval-ignore-eos", action="store_true",
                    help="acceptance evaluation: always generate --dflash-eval-max-new-tokens (no stop token).")
     g.add_argument("--dflash-export", default=None,
-                   help="HF draft directory written at the end (default: <save>/hf, else runs/<time>/hf).")
+                   help="HF draft directory written at the end (default: <save>/hf when --save is given, else "
+                   "<run-dir>/hf).")
     add_draft_recipe_arguments(p)
     return p
 

@@ -51,6 +51,8 @@ class Job:
     stop_token_ids: list = field(default_factory=list)
     pad_token_id: int = 0
     init_from: Optional[str] = None
+    run_dir: str = "runs"
+    embedded_target: bool = False  # the tiny target of the default job (no --target)
 
     @property
     def tp(self) -> int:
@@ -73,18 +75,18 @@ def _local_rank_zero(env) -> bool:
 
 
 def resolve_target_dir(args, env=None, log=print, wait_s: float = 3600.0) -> str:
-    """`--target`, or the embedded tiny target (built once and cached).
+    """`--target`, or the embedded tiny target (shipped with the package; else built once and cached).
 
-    With several ranks on a node, local rank 0 builds the tiny target while the others wait for
-    the cache entry to appear (file polling, no collective).
+    When it must be built, with several ranks on a node, local rank 0 builds the tiny target while
+    the others wait for the cache entry to appear (file polling, no collective).
     """
     if args.target is not None:
         return args.target
-    from .tiny_target import TinyTargetRecipe, default_cache_dir, ensure_tiny_target
+    from .tiny_target import SHIPPED_TARGET_DIR, TinyTargetRecipe, default_cache_dir, embedded_target_dir, matches_recipe
 
     env = os.environ if env is None else env
-    if _local_rank_zero(env):
-        return ensure_tiny_target(log=log)
+    if _local_rank_zero(env) or matches_recipe(SHIPPED_TARGET_DIR):
+        return embedded_target_dir(log=log)
     recipe = TinyTargetRecipe()
     final = os.path.join(default_cache_dir(), f"tiny-qwen3-target-{recipe.key()}")
     deadline = time.monotonic() + wait_s
@@ -202,42 +204,22 @@ def _resolve_mask_token(args, tokenizer, tokenizer_dir: str) -> int:
 # ------------------------------------------------------------------------------------------ evaluation
 
 
-def load_eval_prompts(path: str, tokenizer, limit: Optional[int] = None) -> list[list[int]]:
-    """Token ids of every prompt in a JSONL file: `{"input_ids"}`, `{"prompt"}` or `{"messages"}` lines.
+def load_eval_prompts(path: str, tokenizer, limit: Optional[int] = None, log=None) -> list[list[int]]:
+    """Token ids of every prompt in a JSONL file, in the format of `megatron_dflash.prompts`
+    (`input_ids`, `text` / `prompt` or `messages` lines; chats get the generation prompt).
+    `log` (when given) receives a warning for each prompt that is mostly unknown tokens."""
+    from ..prompts import PromptError, read_prompt_file, tokenize_prompt, unknown_token_warning
 
-    Chats are rendered with the generation prompt (the model answers the last user turn).
-    """
-    prompts: list[list[int]] = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ArgumentError(f"{path}:{lineno}: invalid JSON ({err.msg}).") from None
-            if not isinstance(record, dict):
-                raise ArgumentError(f"{path}:{lineno}: expected a JSON object.")
-            if "input_ids" in record:
-                ids = [int(t) for t in record["input_ids"]]
-            elif "messages" in record:
-                messages = record["messages"]
-                if messages and messages[-1].get("role") == "assistant":
-                    messages = messages[:-1]  # prompt = everything before the answer
-                out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
-                                                    return_dict=True)
-                ids = [int(t) for t in out["input_ids"]]
-            elif "prompt" in record or "text" in record:
-                ids = [int(t) for t in tokenizer(record.get("prompt", record.get("text")))["input_ids"]]
-            else:
-                raise ArgumentError(f"{path}:{lineno}: expected 'input_ids', 'prompt' or 'messages'.")
-            if not ids:
-                raise ArgumentError(f"{path}:{lineno}: the prompt has no tokens.")
-            prompts.append(ids)
-            if limit is not None and len(prompts) >= limit:
-                break
-    if not prompts:
-        raise ArgumentError(f"--dflash-eval-prompts={path} holds no prompt.")
+    try:
+        items = read_prompt_file(path, limit)
+        prompts = [tokenize_prompt(item, tokenizer) for item in items]
+    except PromptError as err:
+        raise ArgumentError(f"--dflash-eval-prompts: {err}") from None
+    if log is not None:
+        for item, ids in zip(items, prompts):
+            warning = unknown_token_warning(ids, tokenizer, item.where)
+            if warning:
+                log(f"[eval] {warning}")
     return prompts
 
 
@@ -373,14 +355,20 @@ def prepare_job(
         )
     decay_gamma = resolve_decay_gamma(args, config.block_size)
 
-    # export directory
+    # run directory, export directory; the embedded job keeps a checkpoint by default
+    from .rundir import resolve_run_dir
+
+    run_dir = resolve_run_dir(args, env)
+    if os.path.exists(run_dir) and not os.path.isdir(run_dir):
+        raise ArgumentError(f"--run-dir={run_dir} exists and is not a directory.")
     if args.dflash_export is not None:
         export_dir = args.dflash_export
     elif args.save is not None:
         export_dir = os.path.join(args.save, "hf")
     else:
-        stamp = env.get("DFLASH_RUN_NAME") or time.strftime("dflash-%Y%m%d-%H%M%S")
-        export_dir = os.path.join("runs", stamp, "hf")
+        export_dir = os.path.join(run_dir, "hf")
+    if args.save is None and args.target is None:
+        args.save = os.path.join(run_dir, "checkpoints")
     check_outputs(args, export_dir)
 
     # evaluation prompts
@@ -401,7 +389,7 @@ def prepare_job(
         else:
             eval_prompts = synthetic_eval_prompts(tokenizer, n)
     else:
-        eval_prompts = load_eval_prompts(source, tokenizer)
+        eval_prompts = load_eval_prompts(source, tokenizer, log=log)
     if eval_prompts is not None and args.target_backend != "hf":
         skip = ("the target runs as a megatron model (--target-backend megatron); measure acceptance with "
                 f"tools/evaluate_acceptance.py --target {target_dir} --draft {export_dir}")
@@ -431,4 +419,6 @@ def prepare_job(
         stop_token_ids=stop,
         pad_token_id=int(pad),
         init_from=args.dflash_init_from,
+        run_dir=run_dir,
+        embedded_target=args.target is None,
     )

@@ -450,14 +450,34 @@ def acceptance_length(target_model, draft, prompts: list, job: Job, batch_size: 
     finally:
         draft.train(was_training)
     mean = sum(lengths) / len(lengths) if lengths else float("nan")
-    return {"acceptance_length": mean, "cycles": len(lengths), "generated_tokens": generated,
-            "tokens_per_target_forward": generated / max(1, forwards), "prompts": len(prompts)}
+    result = {"acceptance_length": mean, "cycles": len(lengths), "generated_tokens": generated,
+              "tokens_per_target_forward": generated / max(1, forwards), "prompts": len(prompts)}
+    if not lengths:
+        # Each prompt's first token comes from the prefill; a cycle needs a second one to draft for.
+        result["no_cycle_reason"] = (
+            f"no verify cycle ran: every prompt ended at the target's first generated token "
+            f"({generated} tokens for {len(prompts)} prompts: a stop token, or prompts the target cannot "
+            "continue); use prompts the target knows, or --dflash-eval-ignore-eos")
+    return result
 
 
 def _acceptance_line(result: dict) -> str:
-    return (f"acceptance length {result['acceptance_length']:.3f} (autoregressive baseline 1.0) over "
+    from .monitor import DECODE_ACCEPTANCE, DECODE_TOKENS_PER_FORWARD
+
+    if not result["cycles"]:
+        return f"{DECODE_ACCEPTANCE} n/a over {result['prompts']} held-out prompts: {result['no_cycle_reason']}"
+    return (f"{DECODE_ACCEPTANCE} {result['acceptance_length']:.3f} (autoregressive baseline 1.0) over "
             f"{result['prompts']} held-out prompts, {result['cycles']} verify cycles, "
-            f"{result['tokens_per_target_forward']:.2f} tokens per target forward per sequence")
+            f"{result['tokens_per_target_forward']:.2f} {DECODE_TOKENS_PER_FORWARD} per sequence")
+
+
+def _decode_record(iteration: int, result: dict) -> dict:
+    """The metrics.jsonl / TensorBoard values of one speculative-decoding evaluation."""
+    from .monitor import DECODE_ACCEPTANCE, DECODE_TOKENS_PER_FORWARD
+
+    return {DECODE_ACCEPTANCE: result["acceptance_length"] if result["cycles"] else None,
+            DECODE_TOKENS_PER_FORWARD: result["tokens_per_target_forward"], "verify cycles": result["cycles"],
+            "prompts": result["prompts"]}
 
 
 # ------------------------------------------------------------------------------------------ train
@@ -516,10 +536,11 @@ def train(job: Job, *, hooks: Optional[dict] = None, env=None) -> TrainResult:
     from ..data import Collator, MicroBatchIterator
     from ..parallel import SingleRankGroup
     from .checkpointing import load_checkpoint, save_checkpoint
-    from .monitor import Monitor, format_metrics
+    from .monitor import Monitor, format_metrics, labelled
     from .optim import build_engine
     from .errors import DataError
     from .resume import agree_on_resume_point
+    from .rundir import RunWriter
 
     hooks = hooks or {}
     args = job.args
@@ -599,6 +620,11 @@ def train(job: Job, *, hooks: Optional[dict] = None, env=None) -> TrainResult:
         monitor = Monitor(args, rank=rank, total_iters=args.train_iters, start_iter=start_iteration,
                           config=_args_snapshot(args))
         log = monitor.print
+        run_dir = RunWriter(job.run_dir, active=rank == 0, log=log)
+        run_dir.write_args(args)
+        run_dir.link_latest()
+        if start_iteration > 0:
+            run_dir.load_existing_metrics(start_iteration)
         eval_here = rank == 0 and job.eval_prompts is not None and job.tp == 1 and target.hf_model is not None
         if job.eval_prompts is None:
             log(f"[eval] acceptance evaluation skipped: {job.eval_skip_reason}.")
@@ -627,18 +653,21 @@ def train(job: Job, *, hooks: Optional[dict] = None, env=None) -> TrainResult:
             if valid_ds is not None:
                 values = validation_loss(runner, valid_ds, job)
                 result.validation.append((iteration, values))
-                log(f"[eval] iteration {iteration} validation | {format_metrics(values)}")
-                monitor.scalars(values, iteration, prefix="valid")
+                log(f"[eval] iteration {iteration} validation | {format_metrics(labelled(values, 'valid'))}")
+                monitor.scalars(labelled(values, "valid"), iteration, prefix="valid")
+                run_dir.metrics({"iteration": iteration, "split": "valid", **labelled(values, "valid")})
             if eval_here:
                 acc = acceptance_length(target.hf_model, body, job.eval_prompts, job)
                 result.acceptance.append((iteration, acc))
                 log(f"[eval] iteration {iteration} | {_acceptance_line(acc)}")
-                monitor.scalars({"acceptance length": acc["acceptance_length"]}, iteration, prefix="valid")
+                monitor.scalars(_decode_record(iteration, acc), iteration, prefix="decode")
+                run_dir.metrics({"iteration": iteration, "split": "decode", **_decode_record(iteration, acc)})
+            run_dir.plot()
             if dist.is_initialized() and ctx.world_size > 1:
                 dist.barrier()
 
         # ---- train
-        window_t0, window_tokens = time.time(), 0.0
+        window_t0, window_tokens, window_start = time.time(), 0.0, start_iteration
         iteration = start_iteration
         exited = False
         while iteration < args.train_iters:
@@ -685,17 +714,23 @@ def train(job: Job, *, hooks: Optional[dict] = None, env=None) -> TrainResult:
             result.metrics.append(values)
             result.iterations = iteration
             window_tokens += totals.tokens
-            monitor.scalars(values, iteration)
+            monitor.scalars(labelled(values, "train"), iteration)
             monitor.advance(f"loss {values['loss']:.3f} acc {values['accuracy']:.2f}")
             if iteration % args.log_interval == 0 or iteration == args.train_iters:
                 elapsed = time.time() - window_t0
+                # like megatron: the statistics are means over the log interval; lr and grad norm the last
+                window = result.metrics[window_start - iteration:]
+                means = {k: sum(m[k] for m in window) / len(window) for k in values
+                         if k not in ("learning rate", "grad norm", "tokens per second")}
                 line = {"iteration": f"{iteration:6d}/{args.train_iters}",
                         "consumed samples": iteration * args.global_batch_size,
-                        "elapsed time per iteration (ms)": 1000.0 * elapsed / max(1, args.log_interval)}
-                line.update(values)
+                        "elapsed time per iteration (ms)": 1000.0 * elapsed / len(window)}
+                line.update(labelled({**values, **means}, "train"))
                 line["tokens per second"] = window_tokens / max(1e-9, elapsed)
                 log(format_metrics(line))
-                window_t0, window_tokens = time.time(), 0.0
+                run_dir.metrics({"iteration": iteration, "split": "train",
+                                 **{k: v for k, v in line.items() if k != "iteration"}})
+                window_t0, window_tokens, window_start = time.time(), 0.0, iteration
             if "on_step" in hooks:
                 hooks["on_step"](iteration, values, body)
             if args.save and args.save_interval and iteration % args.save_interval == 0:
@@ -714,13 +749,15 @@ def train(job: Job, *, hooks: Optional[dict] = None, env=None) -> TrainResult:
         if exited:
             log(f"[dflash] exiting at iteration {iteration} (--exit-interval {args.exit_interval}); resume with "
                 f"--load {args.save}.")
+            run_dir.plot()
             result.wall_time_s = time.time() - t_start
             return result
         monitor.close()
         if valid_ds is not None:
             values = validation_loss(runner, valid_ds, job)
             result.validation.append((iteration, values))
-            _log(rank, f"[eval] final validation | {format_metrics(values)}")
+            _log(rank, f"[eval] final validation | {format_metrics(labelled(values, 'valid'))}")
+            run_dir.metrics({"iteration": iteration, "split": "valid", **labelled(values, "valid")})
         _export(job, body)
         result.export_dir = job.export_dir
         _log(rank, f"[export] HF draft written to {job.export_dir}")
@@ -734,6 +771,7 @@ def train(job: Job, *, hooks: Optional[dict] = None, env=None) -> TrainResult:
             result.final_acceptance = final
             result.acceptance.append((iteration, final))
             print(f"[final] {_acceptance_line(final)}", flush=True)
+            run_dir.metrics({"iteration": iteration, "split": "decode", **_decode_record(iteration, final)})
         elif job.eval_prompts is None:
             _log(rank, f"[final] acceptance evaluation skipped: {job.eval_skip_reason}.")
         if dist.is_initialized() and ctx.world_size > 1:
@@ -744,6 +782,7 @@ def train(job: Job, *, hooks: Optional[dict] = None, env=None) -> TrainResult:
             skipped = (f" ({result.empty_micro_batches} micro-batch(es) without a supervised slot, "
                        f"{result.skipped_steps} optimizer step(s) skipped)")
         _log(rank, f"[dflash] done: {iteration} iterations in {result.wall_time_s:.0f}s{skipped}")
+        run_dir.finish(job, result)  # summary.json, plot, the headline and the next steps (rank 0)
         return result
     finally:
         if monitor is not None:
@@ -752,10 +791,14 @@ def train(job: Job, *, hooks: Optional[dict] = None, env=None) -> TrainResult:
 
 
 def run(argv: Optional[Sequence[str]] = None, *, hooks: Optional[dict] = None, env=None,
-        world_size: Optional[int] = None) -> TrainResult:
-    """Parse, validate, train. Raises `ArgumentError` for a bad command line (before any collective)."""
+        world_size: Optional[int] = None, console=None) -> TrainResult:
+    """Parse, validate, train. Raises `ArgumentError` for a bad command line (before any collective).
+
+    `console` (a `rundir.ConsoleLog`) is attached to `<run-dir>/console.log` once the job is valid."""
     args = parse_args(argv)
     job = prepare_job(args, world_size, env)
+    if console is not None:
+        console.attach(os.path.join(job.run_dir, "console.log"))
     return train(job, hooks=hooks, env=env)
 
 
@@ -770,9 +813,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """The command line: expected failures (arguments, checkpoints, data) end in one line on stderr
     (exit 2 for arguments, 1 otherwise) on every rank; bugs keep their traceback."""
     from .errors import RunError
+    from .rundir import ConsoleLog
 
+    # rank 0 keeps the console log (the other ranks print nothing but errors)
+    console = ConsoleLog.start() if os.environ.get("RANK", "0") == "0" else None
     try:
-        run(argv)
+        run(argv, console=console)
     except RunError as err:
         if _debug_requested(argv):
             import traceback
@@ -780,4 +826,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             traceback.print_exc()
         print(f"pretrain_dflash.py: error: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
         return 2 if isinstance(err, ArgumentError) else 1
+    finally:
+        if console is not None:
+            console.stop()
     return 0

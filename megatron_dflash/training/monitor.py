@@ -7,11 +7,39 @@ progress bar is tqdm's when installed, else a small one of our own (only on a te
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from typing import Optional
 
-__all__ = ["Monitor", "format_metrics"]
+__all__ = ["Monitor", "format_metrics", "labelled", "ACCEPTANCE_LABELS", "TRAIN_ACCEPTANCE", "VALID_ACCEPTANCE",
+           "DECODE_ACCEPTANCE", "DECODE_TOKENS_PER_FORWARD"]
+
+# One name per acceptance figure, used on the console, in metrics.jsonl, the plot, TensorBoard/W&B
+# and the README. They measure different things:
+# * train / valid acceptance (teacher-forced): per training block, 1 + the number of consecutive
+#   correct draft predictions from slot 1, with the true tokens as context (the training loss's
+#   blocks; valid: on held-out data, no gradient);
+# * decode acceptance length (speculative decoding): committed tokens per verify cycle when the
+#   draft really drafts for the target (greedy), on held-out prompts: the number that sets speed.
+TRAIN_ACCEPTANCE = "train acceptance (teacher-forced)"
+VALID_ACCEPTANCE = "valid acceptance (teacher-forced)"
+DECODE_ACCEPTANCE = "decode acceptance length (speculative decoding)"
+DECODE_TOKENS_PER_FORWARD = "decode tokens per target forward"
+ACCEPTANCE_LABELS = {"train": TRAIN_ACCEPTANCE, "valid": VALID_ACCEPTANCE}
+
+
+def labelled(values: dict, split: str) -> dict:
+    """`values` with the block-acceptance statistic ("acceptance") under the label of `split`."""
+    label = ACCEPTANCE_LABELS[split]
+    return {(label if key == "acceptance" else key): value for key, value in values.items()}
+
+
+def _tag(prefix: str, key: str) -> str:
+    """TensorBoard / W&B tag: `train/acceptance_teacher_forced` for "train acceptance (teacher-forced)"."""
+    if key.startswith(prefix + " "):
+        key = key[len(prefix) + 1:]
+    return f"{prefix}/" + re.sub(r"[^0-9A-Za-z]+", "_", key).strip("_")
 
 
 def format_metrics(values: dict) -> str:
@@ -122,10 +150,9 @@ class Monitor:
         if self.tb is not None:
             for key, value in values.items():
                 if isinstance(value, (int, float)):
-                    self.tb.add_scalar(f"{prefix}/{key.replace(' ', '_')}", value, step)
+                    self.tb.add_scalar(_tag(prefix, key), value, step)
         if self.wandb is not None:
-            self.wandb.log({f"{prefix}/{k.replace(' ', '_')}": v for k, v in values.items()
-                            if isinstance(v, (int, float))}, step=step)
+            self.wandb.log({_tag(prefix, k): v for k, v in values.items() if isinstance(v, (int, float))}, step=step)
 
     def close(self) -> None:
         if self.bar is not None:

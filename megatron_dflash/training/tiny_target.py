@@ -1,10 +1,17 @@
-"""Build (and cache) the tiny Qwen3-architecture target of the embedded default job.
+"""The tiny Qwen3-architecture target of the embedded default job: shipped, or built and cached.
 
-`ensure_tiny_target()` returns a HF directory (config, safetensors weights, tokenizer
-with chat template) of a small Qwen3 model trained on `synthetic_corpus`. Training takes
-a couple of minutes on a CPU and happens once: the directory is cached under a key that
-covers every setting, and written atomically so an interrupted build never leaves a
-half-written target behind.
+`embedded_target_dir()` returns a HF directory (config, safetensors weights, tokenizer with
+chat template) of a small Qwen3 model trained on `synthetic_corpus`. The package ships that
+directory, built by `train_tiny_target(TinyTargetRecipe())` (`SHIPPED_TARGET_DIR`, a few MB;
+`tools/build_tiny_target.py` rebuilds it and compares it bit for bit), so the first run of
+`pretrain_dflash.py` does not spend minutes training it. When the shipped copy does not match
+the recipe (an edited recipe), `ensure_tiny_target()` trains the target once and caches it
+under a key that covers every setting, written atomically so an interrupted build never
+leaves a half-written target behind.
+
+`recipe.json` of a built target also records a *trace*: the losses of the first
+`TRACE_STEPS` steps and the parameter norms after them, which a short rebuild reproduces
+(see the tests) without spending the minutes of a full build.
 """
 
 from __future__ import annotations
@@ -19,9 +26,11 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Optional
 
-import torch
-
 from . import synthetic_corpus
+
+SHIPPED_TARGET_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets",
+                                  "tiny_target")
+TRACE_STEPS = 2
 
 
 @dataclass(frozen=True)
@@ -61,6 +70,8 @@ def tokenize_conversation(tokenizer, messages: list[dict]) -> tuple[list[int], l
 
 def _batches(tokenizer, recipe: TinyTargetRecipe):
     """Endless [batch, seq] id tensors of packed chats (the target learns whole chats)."""
+    import torch
+
     pad = tokenizer.pad_token_id
     stream: list[int] = []
     chats = synthetic_corpus.conversations(recipe.seed, 10**9)
@@ -76,7 +87,9 @@ def _batches(tokenizer, recipe: TinyTargetRecipe):
     del pad
 
 
-def train_tiny_target(recipe: TinyTargetRecipe, out_dir: str, log=print) -> None:
+def _train(recipe: TinyTargetRecipe, log=print, stop_after: Optional[int] = None):
+    """(model, tokenizer, losses) after `stop_after` (default: all) steps of the recipe."""
+    import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     tokenizer = synthetic_corpus.build_tokenizer()
@@ -109,7 +122,9 @@ def train_tiny_target(recipe: TinyTargetRecipe, out_dir: str, log=print) -> None
 
     start = time.time()
     batches = _batches(tokenizer, recipe)
-    for step in range(recipe.train_steps):
+    losses = []
+    steps = recipe.train_steps if stop_after is None else min(stop_after, recipe.train_steps)
+    for step in range(steps):
         ids = next(batches)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step)
@@ -118,13 +133,49 @@ def train_tiny_target(recipe: TinyTargetRecipe, out_dir: str, log=print) -> None
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
+        losses.append(loss.item())
         if step % 100 == 0 or step == recipe.train_steps - 1:
             log(f"[tiny target] step {step:4d}/{recipe.train_steps} loss {loss.item():.3f} ({time.time() - start:.0f}s)")
     model.eval()
+    return model, tokenizer, losses
+
+
+def parameter_norms(model) -> dict:
+    """{name: float L2 norm} of every parameter (the trace's weight fingerprint)."""
+    return {name: float(p.detach().double().norm()) for name, p in sorted(model.named_parameters())}
+
+
+def recipe_trace(recipe: TinyTargetRecipe, steps: int = TRACE_STEPS, log=print) -> dict:
+    """The losses of the first `steps` training steps and the parameter norms after them."""
+    model, _, losses = _train(recipe, log=log, stop_after=steps)
+    return {"steps": steps, "losses": losses, "parameter_norms": parameter_norms(model)}
+
+
+def train_tiny_target(recipe: TinyTargetRecipe, out_dir: str, log=print) -> None:
+    model, tokenizer, _ = _train(recipe, log=log)
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
     with open(os.path.join(out_dir, "recipe.json"), "w") as f:
         json.dump(asdict(recipe), f, indent=2)
+    # After the full build, from a fresh short run (the trace is a function of the recipe).
+    with open(os.path.join(out_dir, "trace.json"), "w") as f:
+        json.dump(recipe_trace(recipe, log=lambda _: None), f, indent=2)
+
+
+def matches_recipe(directory: str, recipe: TinyTargetRecipe = TinyTargetRecipe()) -> bool:
+    """Whether `directory` holds a complete target built from `recipe`."""
+    try:
+        with open(os.path.join(directory, "recipe.json")) as f:
+            return json.load(f) == asdict(recipe) and os.path.isfile(os.path.join(directory, "model.safetensors"))
+    except (OSError, ValueError):
+        return False
+
+
+def embedded_target_dir(log=print) -> str:
+    """The target of the embedded job: the shipped one when it matches the recipe, else the cached build."""
+    if matches_recipe(SHIPPED_TARGET_DIR):
+        return SHIPPED_TARGET_DIR
+    return ensure_tiny_target(log=log)
 
 
 def ensure_tiny_target(

@@ -1,0 +1,86 @@
+#!/usr/bin/env python
+"""Rebuild the tiny target that ships with the package and compare it with the shipped one.
+
+    python tools/build_tiny_target.py --output rebuilt-target          # full build (minutes on a CPU)
+    python tools/build_tiny_target.py --output rebuilt-target --install # then replace the shipped copy
+
+The shipped directory (`megatron_dflash/assets/tiny_target`) is exactly what this script writes:
+`train_tiny_target(TinyTargetRecipe())` (weights, tokenizer, chat template, `recipe.json`,
+`trace.json`). The comparison reports whether `model.safetensors` is identical byte for byte
+and, if not, the largest difference per tensor (a different torch build or CPU may round
+differently). Edit `TinyTargetRecipe` (and bump its `version`) to change the target, then
+rebuild with `--install`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+import time
+
+# Before torch loads OpenMP: idle threads sleep instead of spinning (as in pretrain_dflash.py).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Run from a checkout without installing the package.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+from megatron_dflash.cli import ArgumentParser, quiet_dependency_warnings, usage_error  # noqa: E402
+
+PROG = "build_tiny_target.py"
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def compare(built: str, shipped: str) -> tuple[bool, str]:
+    """(identical, description) of two targets' `model.safetensors`."""
+    a, b = os.path.join(built, "model.safetensors"), os.path.join(shipped, "model.safetensors")
+    if _sha256(a) == _sha256(b):
+        return True, f"identical to the shipped target (sha256 {_sha256(a)[:16]}...)"
+    from safetensors.torch import load_file
+
+    x, y = load_file(a), load_file(b)
+    if x.keys() != y.keys():
+        return False, "different tensors than the shipped target"
+    worst = max(((float((x[k].double() - y[k].double()).abs().max()), k) for k in x), default=(0.0, ""))
+    return False, f"differs from the shipped target: largest difference {worst[0]:.3e} in {worst[1]}"
+
+
+def main(argv=None) -> int:
+    quiet_dependency_warnings()
+    parser = ArgumentParser(prog=PROG, description="Rebuild the shipped tiny target of the embedded job.")
+    parser.add_argument("--output", required=True, help="directory to write (must not exist).")
+    parser.add_argument("--install", action="store_true",
+                        help="replace the shipped copy in megatron_dflash/assets/tiny_target with the result.")
+    args = parser.parse_args(argv)
+    if os.path.exists(args.output):
+        usage_error(PROG, f"--output {args.output} exists; choose a new directory.")
+
+    from megatron_dflash.training.tiny_target import SHIPPED_TARGET_DIR, TinyTargetRecipe, train_tiny_target
+
+    start = time.time()
+    os.makedirs(args.output)
+    train_tiny_target(TinyTargetRecipe(), args.output)
+    print(f"built {args.output} in {time.time() - start:.0f}s")
+    identical = None
+    if os.path.isfile(os.path.join(SHIPPED_TARGET_DIR, "model.safetensors")):
+        identical, text = compare(args.output, SHIPPED_TARGET_DIR)
+        print(text)
+    if args.install:
+        if os.path.isdir(SHIPPED_TARGET_DIR):
+            shutil.rmtree(SHIPPED_TARGET_DIR)
+        shutil.copytree(args.output, SHIPPED_TARGET_DIR)
+        print(f"installed into {SHIPPED_TARGET_DIR}")
+    return 0 if identical in (None, True) or args.install else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
