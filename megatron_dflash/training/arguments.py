@@ -63,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--use-distributed-optimizer", action="store_true",
-                   help="megatron's distributed optimizer (CUDA only).")
+                   help="megatron's distributed optimizer: Adam state and fp32 main weights sharded over "
+                        "data-parallel ranks (ZeRO-1); checkpoints resume exactly at the same or another DP size.")
 
     g = p.add_argument_group("batch and schedule")
     g.add_argument("--micro-batch-size", type=int, default=16, help="rows per micro-batch per data-parallel rank.")
@@ -254,10 +255,6 @@ def validate_args(
             f"--target-backend hf runs the target as one transformers model and needs "
             f"--tensor-model-parallel-size 1 and --pipeline-model-parallel-size 1 (got TP={tp}, PP={pp}); "
             "use --target-backend megatron for tensor/pipeline parallelism."
-        )
-    if args.use_distributed_optimizer and not cuda:
-        raise ArgumentError(
-            "--use-distributed-optimizer needs CUDA (megatron's distributed optimizer); drop it on CPU."
         )
 
     # ---- batch

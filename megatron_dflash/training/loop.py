@@ -460,7 +460,7 @@ def train(job: Job, *, hooks: Optional[dict] = None, env=None) -> TrainResult:
     from ..parallel import SingleRankGroup
     from .checkpointing import load_checkpoint, save_checkpoint
     from .monitor import Monitor, format_metrics
-    from .optim import build_engine
+    from .optim import build_engine, optimizer_layout
 
     hooks = hooks or {}
     args = job.args
@@ -502,7 +502,8 @@ def train(job: Job, *, hooks: Optional[dict] = None, env=None) -> TrainResult:
         # ---- resume
         start_iteration = 0
         if args.load is not None:
-            state = load_checkpoint(args.load, body, engine, log=lambda t: _log(rank, t))
+            layout = optimizer_layout(args.use_distributed_optimizer, args.tensor_model_parallel_size)
+            state = load_checkpoint(args.load, body, engine, log=lambda t: _log(rank, t), optimizer_layout=layout)
             if state is None:
                 _log(rank, f"[checkpoint] no checkpoint in {args.load}; training from scratch.")
             else:

@@ -1,0 +1,200 @@
+"""The training engine is megatron-core's, for real: DDP, `finalize_model_grads`, `get_megatron_optimizer`.
+
+Every run here trains the tiny embedded job with `MegatronEngine` on gloo CPU ranks (the same code
+a GPU launch runs, under `device_shim.cuda_on_cpu()`), and compares it with an independent oracle:
+
+* `reference_engine.ReferenceEngine`, megatron's DDP / clipped-Adam / fp32-master semantics in
+  plain torch, on the same run (TP=1 and TP=2 x DP=2; fp32 and bf16; gradient accumulation over
+  several micro-batches; clipping active on every step; warm-up + cosine schedule);
+* the uninterrupted run, for resume (also with the distributed optimizer, at the same and another
+  DP size).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+
+import pytest
+import torch
+
+from reference_engine import reference_engine
+
+# Small enough to clip on every step of these runs (their grad norms are ~1-10).
+CLIP = 0.25
+SCHEDULE = ["--train-iters", "5", "--lr", "2e-3", "--lr-warmup-iters", "2", "--lr-decay-style", "cosine",
+            "--min-lr", "1e-4", "--clip-grad", str(CLIP), "--weight-decay", "0.1"]
+DATA = ["--data-format", "synthetic", "--no-progress-bar", "--log-interval", "1", "--seq-length", "48",
+        "--synthetic-train-samples", "64", "--synthetic-valid-samples", "8", "--eval-iters", "1",
+        "--dflash-anchors-per-sample", "4", "--dflash-eval-prompts", "0"]
+# fp32: the engines differ only in the summation order of the grad norm (~1e-7 relative), hence in the
+# clip coefficient by as much; the weights then agree to one fp32 ulp.
+# bf16: the same fp32 differences in the fp32 main weights occasionally round a bf16 weight to its
+# neighbour (one bf16 ulp, 2^-8 relative); the next forward then differs at bf16 precision and the
+# difference grows over the steps (measured over 5 steps: losses 1e-4, grad norms 3e-3 relative, weights
+# 2 bf16 ulps). A wrong update (no clipping, no fp32 main weights, wrong normalisation or step count)
+# moves the losses by 1e-2 or more.
+TOLERANCE = {"fp32": dict(loss=1e-6, norm=1e-6, weight=1e-6), "bf16": dict(loss=1e-3, norm=1e-2, weight=8e-3)}
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory):
+    from megatron_dflash.training.tiny_target import TinyTargetRecipe, ensure_tiny_target
+
+    cache = tmp_path_factory.mktemp("dflash-cache")
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return ensure_tiny_target(str(cache), TinyTargetRecipe(train_steps=20, batch_size=8, seq_length=48),
+                                  log=lambda *a: None)
+    finally:
+        torch.set_num_threads(saved)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+def _argv(target, out_dir, *extra):
+    return ["--target", target, "--dflash-export", str(pathlib.Path(out_dir) / "hf"), *DATA, *extra]
+
+
+def _run(argv, reference: bool = False):
+    """(losses, grad norms, learning rates, exported weights) of one training run in this process."""
+    from safetensors.torch import load_file
+
+    from megatron_dflash.training.loop import run
+
+    if reference:
+        with reference_engine():
+            result = run(argv)
+    else:
+        result = run(argv)
+    weights = None
+    if result.export_dir is not None and os.path.isfile(os.path.join(result.export_dir, "model.safetensors")):
+        weights = load_file(os.path.join(result.export_dir, "model.safetensors"))
+    return result.losses, result.grad_norms, result.learning_rates, weights
+
+
+def _assert_close(a, b, rel: float, what: str):
+    assert len(a) == len(b), (what, a, b)
+    for x, y in zip(a, b):
+        assert abs(x - y) <= rel * max(1.0, abs(x)), (what, a, b)
+
+
+def _assert_same_run(real, ref, precision: str):
+    tol = TOLERANCE[precision]
+    _assert_close(real[0], ref[0], tol["loss"], "loss")
+    _assert_close(real[1], ref[1], tol["norm"], "grad norm")
+    assert real[2] == ref[2]  # the learning rates: the same schedule, driven identically
+    assert all(n > CLIP for n in ref[1]), ref[1]  # clipping was active on every step
+    assert real[3].keys() == ref[3].keys()
+    for key in ref[3]:
+        diff = (real[3][key].float() - ref[3][key].float()).abs().max().item()
+        scale = max(1.0, ref[3][key].float().abs().max().item())
+        assert diff <= tol["weight"] * scale, (key, diff)
+
+
+def _max_differences(real, ref) -> dict:
+    rel = lambda a, b: max(abs(x - y) / max(1e-12, abs(y)) for x, y in zip(a, b))  # noqa: E731
+    weight = max((real[3][k].float() - ref[3][k].float()).abs().max().item() for k in ref[3])
+    return {"loss": rel(real[0], ref[0]), "grad_norm": rel(real[1], ref[1]), "weight_abs": weight}
+
+
+# ------------------------------------------------------------------------------------------ equivalence
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_megatron_engine_matches_the_reference_tp1(tiny_target, tmp_path, precision):
+    """TP=1: 4 micro-batches of 2 rows per step (accumulation), clipped Adam, warm-up + cosine."""
+    extra = [*SCHEDULE, "--micro-batch-size", "2", "--global-batch-size", "8"]
+    extra += ["--bf16"] if precision == "bf16" else []
+    real = _run(_argv(tiny_target, tmp_path / "megatron", *extra))
+    ref = _run(_argv(tiny_target, tmp_path / "reference", *extra), reference=True)
+    print(precision, "TP=1 max differences", _max_differences(real, ref))
+    _assert_same_run(real, ref, precision)
+
+
+def _tp2_dp2(rank, world_size, target, out_dir, precision):
+    import megatron_cpu
+
+    extra = [*SCHEDULE, "--micro-batch-size", "2", "--global-batch-size", "8", "--tensor-model-parallel-size", "2",
+             "--target-backend", "megatron"] + (["--bf16"] if precision == "bf16" else [])
+    torch.set_num_threads(1)
+    with megatron_cpu.patched():  # the megatron target (GPTModel) on CPU
+        real = _run(_argv(target, pathlib.Path(out_dir) / "megatron", *extra))
+        ref = _run(_argv(target, pathlib.Path(out_dir) / "reference", *extra), reference=True)
+    return real, ref
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_megatron_engine_matches_the_reference_tp2_dp2(tp_pool, tiny_target, tmp_path, precision):
+    """TP=2 x DP=2 (4 gloo ranks): 2 micro-batches of 2 rows per DP rank per step, sharded grad norm."""
+    results = tp_pool(4).run(_tp2_dp2, tiny_target, str(tmp_path), precision, tp=2, timeout=400)
+    real, ref = results[0]
+    assert all(r[0][:3] == real[:3] and r[1][:3] == ref[:3] for r in results)  # every rank logs the same
+    print(precision, "TP=2 x DP=2 max differences", _max_differences(real, ref))
+    _assert_same_run(real, ref, precision)
+
+
+# ------------------------------------------------------------------------------------------ distributed optimizer
+
+DISTRIBUTED = ["--train-iters", "6", "--lr", "2e-3", "--lr-warmup-iters", "2", "--lr-decay-style", "cosine",
+               "--clip-grad", str(CLIP), "--micro-batch-size", "2", "--global-batch-size", "8"]
+
+
+def _dp_run(rank, world_size, target, out_dir, *extra):
+    torch.set_num_threads(1)
+    return _run(_argv(target, out_dir, *DISTRIBUTED, *extra))
+
+
+def test_distributed_optimizer_resumes_exactly(tp_pool, tiny_target, tmp_path):
+    """DP=2 with megatron's DistributedOptimizer (Adam state and fp32 main weights sharded over DP):
+    6 steps straight == 3 steps, exit, resume, 3 steps (bitwise); it equals the replicated optimizer;
+    its checkpoint resumes at DP=1 (distributed or not) where the DP=2 run would be, and converts to HF."""
+    from safetensors.torch import load_file
+
+    from megatron_dflash.convert import convert_megatron_to_hf
+
+    pool = tp_pool(2)
+    save = str(tmp_path / "ckpt")
+    dist_opt = ["--use-distributed-optimizer"]
+    straight = pool.run(_dp_run, tiny_target, str(tmp_path / "straight"), *dist_opt, tp=1, timeout=300)[0]
+    replicated = pool.run(_dp_run, tiny_target, str(tmp_path / "replicated"), tp=1, timeout=300)[0]
+    first = pool.run(_dp_run, tiny_target, str(tmp_path / "resumed"), *dist_opt, "--save", save,
+                     "--exit-interval", "3", tp=1, timeout=300)[0]
+    second = pool.run(_dp_run, tiny_target, str(tmp_path / "resumed"), *dist_opt, "--save", save, "--load", save,
+                      tp=1, timeout=300)[0]
+    assert len(first[0]) == 3 and len(second[0]) == 3
+    assert first[0] + second[0] == straight[0]  # bitwise
+    assert first[2] + second[2] == straight[2]
+    for key in straight[3]:
+        assert torch.equal(second[3][key], straight[3][key]), key
+    # sharded over DP or replicated: the same update (the reduce-scatter sums what the all-reduce sums)
+    _assert_close(replicated[0], straight[0], 1e-6, "loss, replicated vs distributed")
+    # the checkpoint of iteration 3 at DP=1 (the same global batch as 4 micro-batches per step)
+    ckpt = str(tmp_path / "ckpt-iter3")
+    shutil.copytree(save, ckpt)
+    with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("3")
+    resumed = _run(_argv(tiny_target, tmp_path / "dp1", *DISTRIBUTED, *dist_opt, "--load", ckpt))
+    _assert_close(resumed[0], straight[0][3:], 1e-6, "loss, DP=2 -> DP=1")
+    _assert_close(resumed[1], straight[1][3:], 1e-5, "grad norm, DP=2 -> DP=1")
+    for key in straight[3]:
+        assert torch.allclose(resumed[3][key], straight[3][key], atol=1e-6, rtol=0), key
+    # megatron's distributed-optimizer state does not load into the replicated optimizer: refused up front
+    with pytest.raises(ValueError, match=r"holds the state of a distributed optimizer \(dp_reshardable\) at TP=1, "
+                                         r"this run has a replicated optimizer"):
+        _run(_argv(tiny_target, tmp_path / "dp1-replicated", *DISTRIBUTED, "--load", ckpt))
+    # a distributed-optimizer training checkpoint converts to HF like any other
+    result = convert_megatron_to_hf(save, str(tmp_path / "converted"), validate=True)
+    assert result.source.endswith("iter_0000006")
+    converted = load_file(str(tmp_path / "converted" / "model.safetensors"))
+    assert converted.keys() == straight[3].keys()
+    for key in converted:
+        assert torch.equal(converted[key], straight[3][key]), key
