@@ -106,6 +106,28 @@ def _max_differences(real, ref) -> dict:
     return {"loss": rel(real[0], ref[0]), "grad_norm": rel(real[1], ref[1]), "weight_abs": weight}
 
 
+# ------------------------------------------------------------------------------------------ device shim
+
+
+def test_device_shim_maps_cuda_to_the_cpu_and_restores_everything():
+    from megatron_dflash.training.device_shim import cuda_on_cpu
+
+    saved = torch.cuda.current_device, torch.cuda.synchronize, torch.cuda.empty_cache
+    x = torch.ones(3, dtype=torch.bfloat16)
+    with cuda_on_cpu():
+        assert torch.zeros(2, device="cuda").device.type == "cpu"
+        assert torch.tensor([1.0], device=torch.device("cuda", 0)).device.type == "cpu"
+        assert torch.empty(4, device=torch.cuda.current_device()).device.type == "cpu"
+        assert x.cuda() is x and x.to("cuda").device.type == "cpu"
+        assert x.type() == "torch.cuda.BFloat16Tensor" and x.float().type() == "torch.cuda.FloatTensor"
+        assert x.type(torch.float32).dtype == torch.float32  # a conversion is not a query
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        assert not torch.cuda.is_available()  # code that picks a backend by it is unaffected
+    assert (torch.cuda.current_device, torch.cuda.synchronize, torch.cuda.empty_cache) == saved
+    assert x.type() == "torch.BFloat16Tensor"
+
+
 # ------------------------------------------------------------------------------------------ equivalence
 
 
@@ -144,7 +166,7 @@ def test_megatron_engine_matches_the_reference_tp2_dp2(tp_pool, tiny_target, tmp
 
 # ------------------------------------------------------------------------------------------ distributed optimizer
 
-DISTRIBUTED = ["--train-iters", "6", "--lr", "2e-3", "--lr-warmup-iters", "2", "--lr-decay-style", "cosine",
+DISTRIBUTED = ["--train-iters", "4", "--lr", "2e-3", "--lr-warmup-iters", "2", "--lr-decay-style", "cosine",
                "--clip-grad", str(CLIP), "--micro-batch-size", "2", "--global-batch-size", "8"]
 
 
@@ -155,7 +177,7 @@ def _dp_run(rank, world_size, target, out_dir, *extra):
 
 def test_distributed_optimizer_resumes_exactly(tp_pool, tiny_target, tmp_path):
     """DP=2 with megatron's DistributedOptimizer (Adam state and fp32 main weights sharded over DP):
-    6 steps straight == 3 steps, exit, resume, 3 steps (bitwise); it equals the replicated optimizer;
+    4 steps straight == 2 steps, exit, resume, 2 steps (bitwise); it equals the replicated optimizer;
     its checkpoint resumes at DP=1 (distributed or not) where the DP=2 run would be, and converts to HF."""
     from safetensors.torch import load_file
 
@@ -167,24 +189,24 @@ def test_distributed_optimizer_resumes_exactly(tp_pool, tiny_target, tmp_path):
     straight = pool.run(_dp_run, tiny_target, str(tmp_path / "straight"), *dist_opt, tp=1, timeout=300)[0]
     replicated = pool.run(_dp_run, tiny_target, str(tmp_path / "replicated"), tp=1, timeout=300)[0]
     first = pool.run(_dp_run, tiny_target, str(tmp_path / "resumed"), *dist_opt, "--save", save,
-                     "--exit-interval", "3", tp=1, timeout=300)[0]
+                     "--exit-interval", "2", tp=1, timeout=300)[0]
     second = pool.run(_dp_run, tiny_target, str(tmp_path / "resumed"), *dist_opt, "--save", save, "--load", save,
                       tp=1, timeout=300)[0]
-    assert len(first[0]) == 3 and len(second[0]) == 3
+    assert len(first[0]) == 2 and len(second[0]) == 2
     assert first[0] + second[0] == straight[0]  # bitwise
     assert first[2] + second[2] == straight[2]
     for key in straight[3]:
         assert torch.equal(second[3][key], straight[3][key]), key
     # sharded over DP or replicated: the same update (the reduce-scatter sums what the all-reduce sums)
     _assert_close(replicated[0], straight[0], 1e-6, "loss, replicated vs distributed")
-    # the checkpoint of iteration 3 at DP=1 (the same global batch as 4 micro-batches per step)
-    ckpt = str(tmp_path / "ckpt-iter3")
+    # the checkpoint of iteration 2 at DP=1 (the same global batch as 4 micro-batches per step)
+    ckpt = str(tmp_path / "ckpt-iter2")
     shutil.copytree(save, ckpt)
     with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as f:
-        f.write("3")
+        f.write("2")
     resumed = _run(_argv(tiny_target, tmp_path / "dp1", *DISTRIBUTED, *dist_opt, "--load", ckpt))
-    _assert_close(resumed[0], straight[0][3:], 1e-6, "loss, DP=2 -> DP=1")
-    _assert_close(resumed[1], straight[1][3:], 1e-5, "grad norm, DP=2 -> DP=1")
+    _assert_close(resumed[0], straight[0][2:], 1e-6, "loss, DP=2 -> DP=1")
+    _assert_close(resumed[1], straight[1][2:], 1e-5, "grad norm, DP=2 -> DP=1")
     for key in straight[3]:
         assert torch.allclose(resumed[3][key], straight[3][key], atol=1e-6, rtol=0), key
     # megatron's distributed-optimizer state does not load into the replicated optimizer: refused up front
@@ -193,8 +215,76 @@ def test_distributed_optimizer_resumes_exactly(tp_pool, tiny_target, tmp_path):
         _run(_argv(tiny_target, tmp_path / "dp1-replicated", *DISTRIBUTED, "--load", ckpt))
     # a distributed-optimizer training checkpoint converts to HF like any other
     result = convert_megatron_to_hf(save, str(tmp_path / "converted"), validate=True)
-    assert result.source.endswith("iter_0000006")
+    assert result.source.endswith("iter_0000004")
     converted = load_file(str(tmp_path / "converted" / "model.safetensors"))
     assert converted.keys() == straight[3].keys()
     for key in converted:
         assert torch.equal(converted[key], straight[3][key]), key
+
+
+# ------------------------------------------------------------------------------------------ failures
+
+
+def _nan_on_rank_1(rank, world_size):
+    import types
+
+    from builders import tiny_draft_kwargs
+
+    from megatron_dflash.body import DFlashBody
+    from megatron_dflash.config import DFlashConfig
+    from megatron_dflash.training.optim import build_engine
+
+    args = types.SimpleNamespace(
+        lr=1e-3, min_lr=0.0, lr_warmup_iters=0, lr_decay_iters=10, lr_decay_style="constant", weight_decay=0.0,
+        train_iters=10, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=1.0, bf16=False,
+        tensor_model_parallel_size=1, pipeline_model_parallel_size=1, use_distributed_optimizer=True)
+    config = DFlashConfig(**tiny_draft_kwargs())
+    body = DFlashBody(config)
+    engine = build_engine(body, args, config, use_cuda=False)
+    engine.zero_grad()
+    for p in body.parameters():
+        p.main_grad.fill_(float("nan") if rank == 1 else 1.0)
+    before = [p.detach().clone() for p in body.parameters()]
+    engine.finish_grads(torch.tensor(4.0))
+    try:
+        engine.step()
+    except FloatingPointError as err:
+        unchanged = all(torch.equal(a, p) for a, p in zip(before, body.parameters()))
+        return str(err), unchanged
+    return None, None
+
+
+def test_a_nan_gradient_on_one_rank_stops_every_rank_before_the_update(tp_pool):
+    """DP=2 with the distributed optimizer: rank 1's NaN fails both ranks with one clear error, no hang,
+    and no weight moves (megatron's own NaN check would raise on rank 1 only, before the reduction)."""
+    results = tp_pool(2).run(_nan_on_rank_1, tp=1, timeout=120)
+    for message, unchanged in results:
+        assert message is not None and "non-finite gradients (NaN or Inf)" in message and "--lr" in message
+        assert unchanged
+
+
+# ------------------------------------------------------------------------------------------ pipeline
+
+
+def _pp2_dp2_run(rank, world_size, target, out_dir, *extra):
+    import megatron_cpu
+
+    torch.set_num_threads(1)
+    argv = _argv(target, out_dir, *DISTRIBUTED, "--train-iters", "3", "--pipeline-model-parallel-size", "2",
+                 "--target-backend", "megatron", *extra)
+    with megatron_cpu.patched(skip_embedding_group_sync=True):  # megatron's GPTModel (the target) on CPU
+        return _run(argv)[:3]
+
+
+def test_distributed_optimizer_under_pipeline_parallelism(tp_pool, tiny_target, tmp_path):
+    """PP=2 x DP=2 with the distributed optimizer: the draft's stage builds megatron's optimizer without the
+    other stage (its parameter-group alignment and grad norm stay on the draft's TP x DP ranks), and the run
+    equals the single-rank run."""
+    reference = _run(_argv(tiny_target, tmp_path / "single", *DISTRIBUTED, "--train-iters", "3"))
+    results = tp_pool(4).run(_pp2_dp2_run, tiny_target, str(tmp_path / "pp2"), "--use-distributed-optimizer", tp=None,
+                             timeout=300)
+    assert all(r == results[0] for r in results), results
+    losses, norms, lrs = results[0]
+    _assert_close(losses, reference[0], 1e-6, "loss, PP=2 x DP=2 vs one rank")
+    _assert_close(norms, reference[1], 1e-5, "grad norm, PP=2 x DP=2 vs one rank")
+    assert lrs == reference[2]

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -160,7 +159,9 @@ class MegatronEngine(Engine):
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=False,
             use_distributed_optimizer=args.use_distributed_optimizer,
-            check_for_nan_in_grad=True,
+            # megatron's check raises on the rank that sees a NaN before the all-reduce, leaving the others
+            # waiting in it; `step` checks after the reduction, on every rank alike.
+            check_for_nan_in_grad=False,
         )
         self.pp = int(args.pipeline_model_parallel_size)
         self.distributed = bool(args.use_distributed_optimizer)
@@ -189,13 +190,15 @@ class MegatronEngine(Engine):
             with _world_collectives_within_the_draft_stage(self.pp > 1):
                 self.optimizer = get_megatron_optimizer(opt_config, [self.model], config_overrides=overrides)
         if self.pp > 1:
-            # The body is on one stage: the grad norm is reduced over TP only (megatron's default, the
-            # model-parallel TP x PP group, would wait for the other stages forever).
+            # The body is on one stage: the grad norm is reduced over that stage's ranks only (megatron's
+            # default spans every stage, which would wait for the other stages forever): its TP group, or with
+            # the distributed optimizer (each DP rank holds a shard of the gradients) its TP x DP group.
             from megatron.core import parallel_state
 
-            tp_group = parallel_state.get_tensor_model_parallel_group()
+            stats_group = (parallel_state.get_tensor_and_data_parallel_group() if self.distributed
+                           else parallel_state.get_tensor_model_parallel_group())
             for opt in [self.optimizer] + list(getattr(self.optimizer, "chained_optimizers", [])):
-                opt.grad_stats_parallel_group = tp_group
+                opt.grad_stats_parallel_group = stats_group
         self.scheduler = build_scheduler(self.optimizer, args)
 
     def zero_grad(self) -> None:
@@ -223,7 +226,28 @@ class MegatronEngine(Engine):
             finalize_model_grads([self.model], num_tokens=num_tokens)  # all-reduces num_tokens over DP
         return float(num_tokens.item())
 
+    def _check_finite_gradients(self) -> None:
+        """Raise on every rank of the draft alike if any rank holds a NaN / Inf gradient (one small all-reduce).
+
+        The whole local gradient buffer is checked: after the data-parallel reduction a non-finite value is
+        on every DP rank, and under the distributed optimizer a rank's unreduced part still shows its own."""
+        from megatron.core import parallel_state
+
+        finite = torch.ones(1, dtype=torch.float32, device=self.device)
+        for buffer in self.model.buffers:
+            finite *= torch.isfinite(buffer.grad_data).all().to(torch.float32)
+        if dist.is_available() and dist.is_initialized() and parallel_state.model_parallel_is_initialized():
+            group = parallel_state.get_tensor_and_data_parallel_group()
+            if _group_size(group) > 1:
+                dist.all_reduce(finite, op=dist.ReduceOp.MIN, group=group)
+        if float(finite.item()) < 1.0:
+            raise FloatingPointError(
+                "non-finite gradients (NaN or Inf) after this step's micro-batches, on at least one rank; the "
+                "update is skipped and training stops: lower --lr, check the data, or drop --bf16."
+            )
+
     def step(self) -> float:
+        self._check_finite_gradients()
         with self.device_context():
             ok, grad_norm, _ = self.optimizer.step()
         if not ok:
