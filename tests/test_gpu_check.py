@@ -79,6 +79,15 @@ def test_checks_that_need_hardware_skip_with_a_reason(gpu_check, tiny_target):
         assert tp2.status == "skip" and "0 GPU(s)" in tp2.detail
 
 
+def test_te_check_runs_its_comparison_with_the_local_spec(gpu_check, tiny_target):
+    import megatron_cpu
+
+    torch.set_num_threads(1)
+    with megatron_cpu.patched():  # megatron's GPTModel (the target) on CPU
+        row = gpu_check.check_te_layer_spec(tiny_target, "cpu", specs=(False, False))
+    assert row.status == "ok" and row.measured == "max rel diff of the taps 0.00e+00", row
+
+
 def test_table_and_exit_status(gpu_check, monkeypatch, capsys):
     rows = [gpu_check.Row("a", "ok", "1 ms", "x"), gpu_check.Row("b", "skip", "", "no GPU")]
     table = gpu_check.format_table(rows)
