@@ -170,6 +170,12 @@ DISTRIBUTED = ["--train-iters", "4", "--lr", "2e-3", "--lr-warmup-iters", "2", "
                "--clip-grad", str(CLIP), "--micro-batch-size", "2", "--global-batch-size", "8"]
 
 
+def _checkpoint_keys(directory: str) -> list:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return list(FileSystemReader(directory).read_metadata().state_dict_metadata)
+
+
 def _dp_run(rank, world_size, target, out_dir, *extra):
     torch.set_num_threads(1)
     return _run(_argv(target, out_dir, *DISTRIBUTED, *extra))
@@ -178,7 +184,8 @@ def _dp_run(rank, world_size, target, out_dir, *extra):
 def test_distributed_optimizer_resumes_exactly(tp_pool, tiny_target, tmp_path):
     """DP=2 with megatron's DistributedOptimizer (Adam state and fp32 main weights sharded over DP):
     4 steps straight == 2 steps, exit, resume, 2 steps (bitwise); it equals the replicated optimizer;
-    its checkpoint resumes at DP=1 (distributed or not) where the DP=2 run would be, and converts to HF."""
+    its checkpoint resumes at DP=1 where the DP=2 run would be (as does the replicated optimizer's; switching
+    between the two is refused), and converts to HF."""
     from safetensors.torch import load_file
 
     from megatron_dflash.convert import convert_megatron_to_hf
@@ -187,7 +194,9 @@ def test_distributed_optimizer_resumes_exactly(tp_pool, tiny_target, tmp_path):
     save = str(tmp_path / "ckpt")
     dist_opt = ["--use-distributed-optimizer"]
     straight = pool.run(_dp_run, tiny_target, str(tmp_path / "straight"), *dist_opt, tp=1, timeout=300)[0]
-    replicated = pool.run(_dp_run, tiny_target, str(tmp_path / "replicated"), tp=1, timeout=300)[0]
+    save_replicated = str(tmp_path / "ckpt-replicated")
+    replicated = pool.run(_dp_run, tiny_target, str(tmp_path / "replicated"), "--save", save_replicated,
+                          "--save-interval", "2", tp=1, timeout=300)[0]
     first = pool.run(_dp_run, tiny_target, str(tmp_path / "resumed"), *dist_opt, "--save", save,
                      "--exit-interval", "2", tp=1, timeout=300)[0]
     second = pool.run(_dp_run, tiny_target, str(tmp_path / "resumed"), *dist_opt, "--save", save, "--load", save,
@@ -209,10 +218,22 @@ def test_distributed_optimizer_resumes_exactly(tp_pool, tiny_target, tmp_path):
     _assert_close(resumed[1], straight[1][2:], 1e-5, "grad norm, DP=2 -> DP=1")
     for key in straight[3]:
         assert torch.allclose(resumed[3][key], straight[3][key], atol=1e-6, rtol=0), key
+    # the replicated optimizer's checkpoint too (its state is sharded like the parameters)
+    with open(os.path.join(save_replicated, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("2")
+    resumed = _run(_argv(tiny_target, tmp_path / "dp1-replicated", *DISTRIBUTED, "--load", save_replicated))
+    _assert_close(resumed[0], replicated[0][2:], 1e-6, "loss, DP=2 -> DP=1, replicated")
+    for key in replicated[3]:
+        assert torch.allclose(resumed[3][key], replicated[3][key], atol=1e-6, rtol=0), key
+    # both checkpoints hold megatron's optimizer state next to the model (torch_dist metadata)
+    assert any(k.startswith("optimizer.distributed.dp_group_idx_0.gbuf_idx_0.") and k.endswith(".exp_avg_sq")
+               for k in _checkpoint_keys(os.path.join(save, "iter_0000002")))
+    assert any(k.startswith("optimizer.state.exp_avg_sq.model.") for k in _checkpoint_keys(
+        os.path.join(save_replicated, "iter_0000002")))
     # megatron's distributed-optimizer state does not load into the replicated optimizer: refused up front
     with pytest.raises(ValueError, match=r"holds the state of a distributed optimizer \(dp_reshardable\) at TP=1, "
                                          r"this run has a replicated optimizer"):
-        _run(_argv(tiny_target, tmp_path / "dp1-replicated", *DISTRIBUTED, "--load", ckpt))
+        _run(_argv(tiny_target, tmp_path / "refused", *DISTRIBUTED, "--load", ckpt))
     # a distributed-optimizer training checkpoint converts to HF like any other
     result = convert_megatron_to_hf(save, str(tmp_path / "converted"), validate=True)
     assert result.source.endswith("iter_0000004")
