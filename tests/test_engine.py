@@ -230,6 +230,15 @@ def test_distributed_optimizer_resumes_exactly(tp_pool, tiny_target, tmp_path):
                for k in _checkpoint_keys(os.path.join(save, "iter_0000002")))
     assert any(k.startswith("optimizer.state.exp_avg_sq.model.") for k in _checkpoint_keys(
         os.path.join(save_replicated, "iter_0000002")))
+    # a checkpoint of the earlier CPU engine (its own optimizer layout) is refused with what to do instead
+    old = str(tmp_path / "ckpt-old-cpu-engine")
+    shutil.copytree(save_replicated, old)
+    common_file = os.path.join(old, "iter_0000002", "common.pt")
+    common = torch.load(common_file, weights_only=False)
+    common.update(checkpoint_version=1, args=dict(common["args"], use_cuda=False))
+    torch.save(common, common_file)
+    with pytest.raises(ValueError, match="written on CPU by an earlier megatron-dflash.*--dflash-init-from"):
+        _run(_argv(tiny_target, tmp_path / "refused-old", *DISTRIBUTED, "--load", old))
     # megatron's distributed-optimizer state does not load into the replicated optimizer: refused up front
     with pytest.raises(ValueError, match=r"holds the state of a distributed optimizer \(dp_reshardable\) at TP=1, "
                                          r"this run has a replicated optimizer"):

@@ -63,7 +63,8 @@ __all__ = [
 ]
 
 LATEST_FILE = TRACKER_FILENAME
-CHECKPOINT_VERSION = 1
+# 2: megatron's optimizer state on every device (version 1 CPU runs stored a layout of their own)
+CHECKPOINT_VERSION = 2
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -341,6 +342,12 @@ def _check_optimizer_layout(common: dict, directory: str, expected: Optional[str
     from .optim import optimizer_layout
 
     saved_args = common.get("args", {})
+    if int(common.get("checkpoint_version", 1)) < 2 and not saved_args.get("use_cuda", False):
+        raise ValueError(
+            f"{directory} was written on CPU by an earlier megatron-dflash, whose optimizer state has a layout of "
+            "its own; its weights carry over: tools/convert_checkpoint.py to-hf, then --dflash-init-from (a new "
+            "optimizer)."
+        )
     saved = optimizer_layout(bool(saved_args.get("use_distributed_optimizer", False)),
                              int(saved_args.get("tensor_model_parallel_size", 1)))
     if expected is not None and saved != expected:
