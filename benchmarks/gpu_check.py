@@ -159,15 +159,16 @@ def _have_transformer_engine() -> bool:
     return True
 
 
-def check_te_layer_spec(target_dir: Optional[str], device: str, *, specs: tuple = (False, True)) -> Row:
+def check_te_layer_spec(target_dir, device: str, *, specs: tuple = (False, True)) -> Row:
     """Taps of the megatron target with the TE layer spec against the local spec (one rank).
 
+    `target_dir`: the HF target, or a function that returns it (called only when the check runs).
     `specs`: the two `use_te` values compared (the tests compare the local spec with itself on the CPU,
     to keep this code path working where Transformer Engine cannot be installed)."""
     if any(specs) and not _have_transformer_engine():
         return Row("te_layer_spec", "skip", "", "transformer_engine does not import")
-    if target_dir is None:
-        return Row("te_layer_spec", "skip", "", "no target directory")
+    if callable(target_dir):
+        target_dir = target_dir()
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -365,8 +366,8 @@ def main(argv=None) -> int:
                         "(default: a temporary directory)")
     args = parser.parse_args(argv)
     if not args.device.startswith("cuda"):
-        print("gpu_check: no CUDA device; the checks below ran on the CPU at full size where feasible and are "
-              "not the GPU acceptance result.", flush=True)
+        print("gpu_check: no CUDA device: the checks run on the CPU (attention forward only, full sizes are slow "
+              "there); this is not the GPU acceptance result.", flush=True)
     wanted = set(args.only or ["attention", "train_step", "te_layer_spec", "torchrun_tp2", "draft_step"])
     with tempfile.TemporaryDirectory(prefix="gpu-check-cache-") as tmp_cache:
         cache = args.cache or tmp_cache
@@ -377,12 +378,12 @@ def main(argv=None) -> int:
         if "train_step" in wanted:
             rows.append(_guarded("train_step", lambda: check_train_step(cache_dir=cache)))
         if "te_layer_spec" in wanted:
-            def te():
+            def tiny_target():
                 from megatron_dflash.training.tiny_target import ensure_tiny_target
 
-                return check_te_layer_spec(ensure_tiny_target(cache, log=lambda *a: None), args.device)
+                return ensure_tiny_target(cache, log=lambda *a: None)
 
-            rows.append(_guarded("te_layer_spec", te))
+            rows.append(_guarded("te_layer_spec", lambda: check_te_layer_spec(tiny_target, args.device)))
         if "torchrun_tp2" in wanted:
             rows.append(_guarded("torchrun_tp2", lambda: check_torchrun_tp2(cache)))
         if "draft_step" in wanted:
