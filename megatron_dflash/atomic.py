@@ -26,12 +26,11 @@ def atomic_directory(output: str, *, replace: bool) -> Iterator[str]:
     output = os.path.abspath(output)
     parent = os.path.dirname(output)
     os.makedirs(parent, exist_ok=True)
+    remove_stale_siblings(output)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(output)}.tmp-", dir=parent)
     try:
         yield tmp
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private
+        _ordinary_permissions(tmp)
         if os.path.isdir(output) and os.listdir(output):
             if not replace:
                 raise FileExistsError(f"{output} is not empty; refusing to replace it.")
@@ -45,3 +44,30 @@ def atomic_directory(output: str, *, replace: bool) -> Iterator[str]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def remove_stale_siblings(output: str) -> None:
+    """Delete the temporary and swapped-out siblings of `output` that a killed writer left behind
+    (`.NAME.tmp-*`, `.NAME.old-*`: full copies of a model)."""
+    output = os.path.abspath(output)
+    parent, name = os.path.dirname(output), os.path.basename(output)
+    if not os.path.isdir(parent):
+        return
+    for entry in os.listdir(parent):
+        if entry.startswith(f".{name}.tmp-") or entry.startswith(f".{name}.old-"):
+            shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
+
+
+def _ordinary_permissions(root: str) -> None:
+    """Directories 0777 and files 0666 less the umask (0755 / 0644 usually): `mkdtemp` makes the
+    directory private and safetensors writes 0600 files, which the rest of a shared cluster cannot read."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(root, 0o777 & ~umask)
+    for here, dirs, files in os.walk(root):
+        for d in dirs:
+            os.chmod(os.path.join(here, d), 0o777 & ~umask)
+        for f in files:
+            path = os.path.join(here, f)
+            if not os.path.islink(path):
+                os.chmod(path, 0o666 & ~umask)

@@ -272,18 +272,16 @@ def save_hf_checkpoint(
 
 
 def read_safetensors(directory: str) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
     single = os.path.join(directory, SAFETENSORS_NAME)
     index = os.path.join(directory, SAFETENSORS_INDEX_NAME)
     if os.path.isfile(single):
-        return load_file(single)
+        return _load_safetensors_file(single)
     if os.path.isfile(index):  # a sharded HF save
         with open(index) as f:
             files = sorted(set(json.load(f)["weight_map"].values()))
         out: dict[str, torch.Tensor] = {}
         for name in files:
-            out.update(load_file(os.path.join(directory, name)))
+            out.update(_load_safetensors_file(os.path.join(directory, name)))
         return out
     raise FileNotFoundError(
         f"{directory} has neither {SAFETENSORS_NAME} nor {SAFETENSORS_INDEX_NAME}: not a HF draft "
@@ -291,14 +289,35 @@ def read_safetensors(directory: str) -> dict[str, torch.Tensor]:
     )
 
 
+def _load_safetensors_file(path: str) -> dict[str, torch.Tensor]:
+    """The tensors of one safetensors file; `ValueError` naming the file when it cannot be read or holds
+    NaN/inf (a damaged or diverged checkpoint: its outputs, and any comparison with it, mean nothing)."""
+    from safetensors.torch import load_file
+
+    try:
+        tensors = load_file(path)
+    except Exception as err:  # noqa: BLE001 - SafetensorError, OSError, ...: the file is the cause
+        raise ValueError(f"{path} is not a readable safetensors file ({type(err).__name__}: {err}).") from None
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise ValueError(f"{path}: tensor {name} holds NaN or inf values; the checkpoint is damaged or diverged.")
+    return tensors
+
+
 def _architecture(directory: str) -> Optional[str]:
     """The first entry of `architectures` in `directory/config.json` (None when absent)."""
     path = os.path.join(directory, "config.json")
     if not os.path.isfile(path):
         return None
-    with open(path) as f:
-        architectures = json.load(f).get("architectures") or [None]
-    return architectures[0]
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path} is not valid JSON: {err}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object.")
+    architectures = data.get("architectures") or [None]
+    return architectures[0] if isinstance(architectures, list) else architectures
 
 
 def _is_domino(directory: str) -> bool:
@@ -309,7 +328,10 @@ def _is_domino(directory: str) -> bool:
     from .variants.domino import is_domino_hf_config
 
     with open(path) as f:
-        return is_domino_hf_config(json.load(f))
+        try:
+            return is_domino_hf_config(json.load(f))
+        except (ValueError, AttributeError, TypeError):  # malformed: the config parser says what is wrong
+            return False
 
 
 def load_hf_checkpoint(
@@ -341,6 +363,14 @@ def load_hf_checkpoint(
 
         return load_domino_checkpoint(
             directory, parallel_config=parallel_config, tp_group=tp_group, attention_backend=attention_backend
+        )
+    architecture = _architecture(directory)
+    from .convert import _known_names  # convert builds on this module
+
+    if architecture is not None and architecture not in _known_names():
+        raise ValueError(
+            f"{os.path.join(directory, 'config.json')} has architectures=[{architecture!r}], not a draft model "
+            f"(known: {_known_names()}); pass a DFlash drafter directory."
         )
     config = DFlashConfig.from_pretrained(directory)
     if parallel_config is None:

@@ -362,8 +362,18 @@ class DFlashConfig:
         path = os.path.join(directory, "config.json")
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{path} does not exist: not a HF draft directory.")
-        with open(path) as f:
-            return cls.from_hf_dict(json.load(f), **overrides)
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except (ValueError, UnicodeDecodeError) as err:
+            raise ValueError(f"{path} is not valid JSON: {err}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{path} must hold a JSON object.")
+        try:
+            return cls.from_hf_dict(data, **overrides)
+        except (TypeError, AttributeError, KeyError, ValueError) as err:  # a malformed or missing field
+            detail = err if isinstance(err, ValueError) else f"{type(err).__name__}: {err}"
+            raise ValueError(f"{path} is not a valid {cls.__name__} config: {detail}") from None
 
 
 # Target-derived fields that serving runtimes read from the draft's config.json.

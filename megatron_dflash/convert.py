@@ -419,7 +419,7 @@ def _config_from_dict(data: Mapping[str, Any], source: str):
     architecture = architecture_for_config(data, source)
     try:
         config = architecture.config_cls().from_hf_dict(dict(data))
-    except (TypeError, KeyError, ValueError) as err:
+    except (TypeError, KeyError, ValueError, AttributeError) as err:
         raise ValueError(f"{source} is not a valid {architecture.name} config: {err}") from err
     return architecture, config
 

@@ -35,9 +35,11 @@ V vocabulary, L cache length, Hq / Hkv query / KV heads, D head_dim.
 from __future__ import annotations
 
 import inspect
+import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -57,6 +59,10 @@ __all__ = [
     "greedy_verify",
     "rejection_verify",
 ]
+
+# Temperatures below this decode greedily: softmax(logits / T) over- or underflows long before T = 0,
+# and its limit is the argmax (the reference decoder's rule and threshold).
+GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
 # ================================================================================== output
@@ -279,10 +285,9 @@ class DraftKVCache:
         draft = self.draft
         B, S, _ = taps.shape
         positions = start[:, None] + torch.arange(S, device=start.device)  # [B, S]
-        if int(positions.max()) >= self.capacity:
-            raise ValueError(
-                f"draft KV cache overflow: position {int(positions.max())} >= capacity {self.capacity}."
-            )
+        needed = int(positions.max()) + 1
+        if needed > self.capacity:
+            self.grow(max(needed, 2 * self.capacity))
         context = draft.hidden_norm(draft.fc(taps.to(draft.fc.weight.dtype)))  # [B, S, H]
         cos, sin = _rope(draft.config, positions)
         index = positions[:, :, None, None]
@@ -294,6 +299,20 @@ class DraftKVCache:
             expand = index.expand(-1, -1, attn.num_kv_heads, attn.head_dim)
             self.keys[i].scatter_(1, expand, k.to(self.keys[i].dtype))
             self.values[i].scatter_(1, expand, v.to(self.values[i].dtype))
+
+    def grow(self, capacity: int) -> None:
+        """Room for positions `< capacity` (the entries so far are kept). `write` grows the cache by
+        doubling, so its size follows what is generated, not what `max_new_tokens` allows."""
+        if capacity <= self.capacity:
+            return
+        def grown(t: torch.Tensor) -> torch.Tensor:
+            out = t.new_zeros((t.shape[0], capacity) + tuple(t.shape[2:]))
+            out[:, : self.capacity] = t
+            return out
+
+        self.keys = [grown(k) for k in self.keys]
+        self.values = [grown(v) for v in self.values]
+        self.capacity = capacity
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only `rows` (int64 indices) of the batch."""
@@ -502,12 +521,49 @@ def _prompt_list(input_ids, attention_mask) -> list[list[int]]:
 def _check_sampling(temperature, top_p, top_k, max_new_tokens) -> None:
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a non-negative integer.")
-    if not isinstance(temperature, (int, float)) or not temperature >= 0:
-        raise ValueError(f"temperature={temperature!r} must be >= 0 (0 = greedy).")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature < math.inf:
+        raise ValueError(f"temperature={temperature!r} must be a finite number >= 0 (0 = greedy).")
     if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
         raise ValueError(f"top_p={top_p!r} must be in (0, 1].")
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
         raise ValueError(f"top_k={top_k!r} must be a non-negative integer (0 = off).")
+
+
+def _stop_set(stop_token_ids) -> set:
+    """`stop_token_ids` as a set: None, one id, or a sequence of ids."""
+    if stop_token_ids is None:
+        return set()
+    if isinstance(stop_token_ids, (int, np.integer)) and not isinstance(stop_token_ids, bool):
+        return {int(stop_token_ids)}
+    if isinstance(stop_token_ids, torch.Tensor):
+        stop_token_ids = stop_token_ids.reshape(-1).tolist()
+    try:
+        ids = list(stop_token_ids)
+    except TypeError:
+        raise ValueError(f"stop_token_ids={stop_token_ids!r} must be a token id or a sequence of token ids.") from None
+    if any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in ids):
+        raise ValueError(f"stop_token_ids={stop_token_ids!r} must hold integer token ids.")
+    return {int(t) for t in ids}
+
+
+def _check_prompts(prompts: list, target: nn.Module, draft: DFlashBody) -> None:
+    """Ids inside the target's embedding, lengths inside the model's positions."""
+    rows = getattr(target.get_input_embeddings(), "num_embeddings", None) or draft.config.vocab_size
+    for b, prompt in enumerate(prompts):
+        low, high = min(prompt), max(prompt)
+        if low < 0 or high >= rows:
+            raise ValueError(
+                f"prompt {b} has token id {low if low < 0 else high}, outside the target's vocabulary [0, {rows}); "
+                "tokenise with the target's tokenizer."
+            )
+    limit = min(int(getattr(target.config, "max_position_embeddings", None) or draft.config.max_position_embeddings),
+                int(draft.config.max_position_embeddings))
+    longest = max(range(len(prompts)), key=lambda b: len(prompts[b]))
+    if len(prompts[longest]) >= limit:
+        raise ValueError(
+            f"prompt {longest} has {len(prompts[longest])} tokens, but the model has {limit} positions "
+            "(max_position_embeddings) and needs one more for the first generated token; shorten the prompt."
+        )
 
 
 def _check_pair(target: nn.Module, draft: DFlashBody) -> None:
@@ -527,6 +583,12 @@ def _check_pair(target: nn.Module, draft: DFlashBody) -> None:
         )
     embedding = target.get_input_embeddings()
     rows = getattr(embedding, "num_embeddings", None)
+    vocab = getattr(tcfg, "vocab_size", None) or rows
+    if vocab is not None and cfg.vocab_size != vocab:
+        raise ValueError(
+            f"the draft's vocab_size={cfg.vocab_size} differs from the target's {vocab}; the draft's proposals "
+            "and the target's distributions must share one vocabulary. Use the draft trained for this target."
+        )
     if rows is not None and not cfg.mask_token_id < rows:
         raise ValueError(
             f"mask_token_id={cfg.mask_token_id} is not a row of the target embedding ({rows} rows)."
@@ -616,9 +678,13 @@ def spec_generate(
     empty = [b for b, p in enumerate(prompts) if len(p) == 0]
     if empty:
         raise ValueError(f"prompts {empty} are empty; every prompt needs at least one token.")
+    _check_prompts(prompts, target, draft)
     if pad_token_id is None:
         pad_token_id = _default_pad(target.config)
-    stop_set = {int(t) for t in stop_token_ids} if stop_token_ids is not None else set()
+    stop_set = _stop_set(stop_token_ids)
+    if temperature < GREEDY_BELOW_TEMPERATURE:
+        # softmax(logits / T) over- or underflows for tiny T; its limit is the argmax (the reference's rule)
+        temperature = 0.0
 
     device = _device_of(target)
     cfg = draft.config
@@ -712,7 +778,8 @@ def _decode(
     first = _sample(target_dist(last_logits), generator) if sampling else last_logits.argmax(dim=-1)
 
     # Draft context of the prompt, written at index = position (undo the left padding).
-    draft_cache = DraftKVCache(draft, B, S + max_new_tokens + W)
+    # sized for the first cycles only; `write` grows it (doubling) as tokens are committed
+    draft_cache = DraftKVCache(draft, B, S + W + min(max_new_tokens, 4 * W))
     taps = taps_of(out.hidden_states)  # [B, S, taps*H]
     gather = (columns + offsets[:, None]).clamp(max=S - 1)  # position t of row b sits in column t + offset
     taps = taps.gather(1, gather[:, :, None].expand(-1, -1, taps.shape[-1]))

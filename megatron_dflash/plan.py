@@ -48,6 +48,20 @@ from .hashing import absorb, mix32, seed_step_hash
 __all__ = ["DFlashBatchPlan", "build_dflash_batch_plan"]
 
 _MAX_SEQ_LENGTH = (1 << 31) - 1  # positions live in the low 31 bits of a key
+# Upper bounds far above any draft (published block sizes are 8-16; a few hundred anchors per row), so
+# that a typo ends in a clear error instead of an allocation of [batch, blocks, block_size] tensors.
+MAX_BLOCK_SIZE = 1 << 12
+MAX_BLOCKS_PER_ROW = 1 << 20
+MAX_PLAN_SLOTS = 1 << 27  # batch * blocks * block_size: each [B, N, W] int64 field stays below 1 GiB
+
+
+def _check_plan_size(batch: int, num_blocks: int, block_size: int) -> None:
+    slots = batch * num_blocks * block_size
+    if slots > MAX_PLAN_SLOTS:
+        raise ValueError(
+            f"the plan would hold batch x blocks x block_size = {batch} x {num_blocks} x {block_size} = {slots} slots, "
+            f"more than {MAX_PLAN_SLOTS}; use fewer anchors per sample or smaller micro-batches."
+        )
 
 # Per-stage constants (arbitrary odd 32-bit values) so that absorbing the same value at different
 # stages (e.g. seed == step) does not cancel out.
@@ -161,6 +175,8 @@ def _check_block_size(block_size) -> int:
             f"block_size must be >= 2 (one anchor slot plus at least one predicted slot, block_size = gamma + 1), "
             f"got {block_size}."
         )
+    if block_size > MAX_BLOCK_SIZE:
+        raise ValueError(f"block_size must be <= {MAX_BLOCK_SIZE}, got {block_size}.")
     return block_size
 
 
@@ -360,6 +376,7 @@ class DFlashBatchPlan:
             )
         device = anchor_positions.device
         batch, num_blocks = anchor_positions.shape
+        _check_plan_size(batch, num_blocks, block_size)
 
         if input_mask is None:
             if seq_length is None:
@@ -394,8 +411,8 @@ class DFlashBatchPlan:
         zero = torch.zeros((), dtype=torch.int64, device=device)
         anchors = torch.where(block_valid, anchor_positions.to(torch.int64), zero)
 
-        last = anchors + (block_size - 1)
-        out_of_range = block_valid & ((anchors < 0) | (last > seq_length - 1))
+        # compared without adding to the anchor: an anchor near the int64 maximum would wrap around
+        out_of_range = block_valid & ((anchors < 0) | (anchors > seq_length - block_size))
         if bool(out_of_range.any()):
             row, blk = (int(v) for v in out_of_range.nonzero()[0])
             raise ValueError(
@@ -404,6 +421,7 @@ class DFlashBatchPlan:
                 f"choose another anchor or mark the block invalid with block_valid."
             )
 
+        last = anchors + (block_size - 1)  # in range now
         run_start, run_id = _runs(document_ids, batch, seq_length, device)
         if document_ids is not None:
             first_run = torch.gather(run_id, 1, anchors)
@@ -503,6 +521,10 @@ def build_dflash_batch_plan(
     _check_device("sample_ids", sample_ids, "input_mask", device)
     sample_ids = sample_ids.to(torch.int64)
     num_blocks = _check_int("anchors_per_sample", anchors_per_sample, minimum=1)
+    if num_blocks > MAX_BLOCKS_PER_ROW:
+        raise ValueError(f"anchors_per_sample must be <= {MAX_BLOCKS_PER_ROW}, got {num_blocks}.")
+    block_size = _check_block_size(block_size)
+    _check_plan_size(batch, num_blocks, block_size)
     block_size = _check_block_size(block_size)
     optimizer_step = _check_int("optimizer_step", optimizer_step, minimum=0)
     if optimizer_step >= 1 << 64:

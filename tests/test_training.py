@@ -96,7 +96,7 @@ VALIDATION_CASES = [
     (["--wandb-exp-name", "x"], 1, "--wandb-exp-name needs --wandb-project"),
     (["--dflash-eval-prompts", "/nonexistent.jsonl"], 1, "is neither a JSONL file nor an integer"),
     (["--target", "/nonexistent-target", "--data-format", "synthetic"], 1, "is not a HF model directory"),
-    (["--load", "/nonexistent-ckpt"], 1, "--load=/nonexistent-ckpt is not a directory"),
+    (["--load", __file__], 1, f"--load={__file__} is not a directory"),  # absent: from scratch, see below
 ]
 
 

@@ -426,8 +426,18 @@ def print_report(report: dict) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    """Exit status 0, or 1 with one `error:` line for a bad model, draft or prompt (the traceback too with
+    MEGATRON_DFLASH_DEBUG=1)."""
     args = parse_args(argv)
-    report = evaluate(args)
+    try:
+        report = evaluate(args)
+    except (ValueError, OSError) as err:  # unreadable or mismatched files, bad decoding inputs
+        if os.environ.get("MEGATRON_DFLASH_DEBUG", "").lower() in ("1", "true", "yes"):
+            import traceback
+
+            traceback.print_exc()
+        print(f"evaluate_acceptance.py: error: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
+        return 1
     print_report(report)
     if args.output:
         directory = os.path.dirname(os.path.abspath(args.output))

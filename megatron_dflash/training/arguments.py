@@ -20,6 +20,8 @@ import math
 import os
 from typing import Mapping, Optional, Sequence
 
+from .errors import RunError
+
 __all__ = [
     "ArgumentError",
     "VARIANTS",
@@ -45,7 +47,7 @@ EMBEDDED_SYNTHETIC_TRAIN_SEED = 20250101
 EMBEDDED_SYNTHETIC_HELDOUT_SEED = 20250202
 
 
-class ArgumentError(ValueError):
+class ArgumentError(RunError):
     """A bad command line; the message says which flags and how to fix them."""
 
 
@@ -88,7 +90,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("checkpoints, evaluation, logging")
     g.add_argument("--save", default=None, help="directory of torch_dist training checkpoints.")
-    g.add_argument("--load", default=None, help="resume from the latest checkpoint in this directory.")
+    g.add_argument("--load", default=None,
+                   help="resume from the checkpoint named by this directory's latest_checkpointed_iteration.txt "
+                   "(absent or empty: train from scratch, with a warning).")
+    g.add_argument("--dflash-override-checkpoint-config", action="store_true",
+                   help="resume although the checkpoint's draft config (dflash_config.json) differs from this "
+                   "run's (block size, MASK token, target layers, ...): its weights continue under the new settings.")
+    g.add_argument("--debug", action="store_true",
+                   help="print the traceback of expected failures too (also: MEGATRON_DFLASH_DEBUG=1).")
     g.add_argument("--save-interval", type=int, default=None, help="save every N iterations (and at the end).")
     g.add_argument("--eval-interval", type=int, default=None,
                    help="validation loss + acceptance length every N iterations (default: none during "
@@ -317,7 +326,7 @@ def validate_args(
         raise ArgumentError("--save-interval needs --save (the checkpoint directory).")
     if args.save is not None and os.path.exists(args.save) and not os.path.isdir(args.save):
         raise ArgumentError(f"--save={args.save} exists and is not a directory.")
-    if args.load is not None and not os.path.isdir(args.load):
+    if args.load is not None and os.path.exists(args.load) and not os.path.isdir(args.load):
         raise ArgumentError(f"--load={args.load} is not a directory.")
     if args.wandb_exp_name is not None and args.wandb_project is None:
         raise ArgumentError("--wandb-exp-name needs --wandb-project.")

@@ -33,6 +33,7 @@ state (scheduler, optimizer step) and `dflash_config.json` come from the draft's
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
@@ -47,12 +48,12 @@ from ..convert import (
     RELEASE,
     TRACKER_FILENAME,
     iteration_dir_name,
-    list_iterations,
     load_megatron_draft_into,
-    read_tracker,
     save_megatron_draft,
     write_tracker,
 )
+from .errors import CheckpointError
+from .resume import ResumePoint, find_resume_point, is_stale_temporary
 
 __all__ = [
     "LATEST_FILE",
@@ -107,21 +108,11 @@ def _all_ok(ok: bool) -> bool:
 
 
 def read_latest_iteration(directory: str):
-    """The newest complete checkpoint of `directory`: an iteration number, `"release"`, or None.
-
-    Reads megatron's tracker file; if the directory it names is gone or incomplete (a crash while
-    a same-iteration checkpoint was being replaced), falls back to the newest complete `iter_*`.
-    """
-    latest = read_tracker(directory) if os.path.isdir(directory) else None
-    if latest is not None and _complete(os.path.join(directory, iteration_dir_name(latest))):
-        return latest
-    complete = [it for it in list_iterations(directory) if it != RELEASE
-                and _complete(os.path.join(directory, iteration_dir_name(it)))]
-    return max(complete) if complete else None
-
-
-def _complete(path: str) -> bool:
-    return os.path.isdir(path) and os.path.isfile(os.path.join(path, "metadata.json"))
+    """The checkpoint `directory` resumes from: an iteration number, `"release"`, or None (absent or
+    empty directory). Raises `CheckpointError` when the tracker names a missing or incomplete
+    checkpoint, or the directory is not a save directory (see `resume.find_resume_point`)."""
+    point = find_resume_point(directory)
+    return None if point is None else point.iteration
 
 
 def _rng_state() -> dict:
@@ -223,9 +214,14 @@ def save_checkpoint(
     if _rank() == 0:
         try:
             os.makedirs(save_dir, exist_ok=True)
-            for entry in os.listdir(save_dir):  # leftovers of interrupted saves
-                if entry.startswith(".iter_") and (entry.endswith(".tmp") or entry.endswith(".old")):
-                    shutil.rmtree(os.path.join(save_dir, entry), ignore_errors=True)
+            for entry in os.listdir(save_dir):  # leftovers of interrupted saves (directories, tracker files)
+                if is_stale_temporary(entry):
+                    path = os.path.join(save_dir, entry)
+                    if os.path.isdir(path):
+                        shutil.rmtree(path, ignore_errors=True)
+                    else:
+                        with contextlib.suppress(OSError):
+                            os.unlink(path)
             os.makedirs(tmp)
         except OSError as err:
             log(f"[checkpoint] cannot prepare {tmp}: {err}")
@@ -288,24 +284,63 @@ def save_checkpoint(
     return final
 
 
-def load_checkpoint(load_dir: str, body, engine, *, log: Callable = print,
-                    optimizer_layout: Optional[str] = None) -> Optional[dict]:
-    """Restore the newest checkpoint of `load_dir`.
+def load_checkpoint(load_dir: str, body, engine, *, point: Optional[ResumePoint] = None,
+                    log: Callable = print, optimizer_layout: Optional[str] = None) -> Optional[dict]:
+    """Restore the checkpoint `point` of `load_dir` (default: `find_resume_point(load_dir)`).
 
     A training checkpoint (`iter_*`) restores the draft, the optimizer (moments, step count), the
     scheduler and the RNGs and returns its common state (with `iteration`). A `release` checkpoint
     (converted weights, no optimizer) restores the draft only and returns `{"iteration": 0}`.
-    Returns None when `load_dir` holds no checkpoint. `optimizer_layout` (`optim.optimizer_layout` of
-    this run): a training checkpoint whose optimizer state has another layout is refused.
+    Returns None when there is nothing to resume from (`load_dir` absent or empty).
+    `optimizer_layout` (`optim.optimizer_layout` of this run): a training checkpoint whose optimizer state
+    has another layout is refused.
+
+    Raises `CheckpointError` on every rank when the checkpoint cannot be read on any rank (damaged
+    shards, a missing common state, tensors of another shape), naming the directory.
     """
+    if point is None:
+        point = find_resume_point(load_dir)
+    if point is None:
+        return None
+    error: Optional[BaseException] = None
+    out = None
+    try:
+        out = _load(point.directory, point.iteration, body, engine, log, optimizer_layout)
+    except BaseException as err:  # noqa: BLE001 - every rank must learn about any rank's failure
+        if isinstance(err, (KeyboardInterrupt, SystemExit)):  # torch's CheckpointException is a BaseException
+            raise
+        error = err
+    if not _all_ok(error is None):
+        hint = ("resume from an earlier checkpoint (write its iteration into "
+                f"{os.path.join(load_dir, TRACKER_FILENAME)}) or start from scratch with a new --save/--load directory")
+        if error is None:
+            raise CheckpointError(f"loading {point.directory} failed on another rank (see its error); {hint}.")
+        if isinstance(error, CheckpointError):
+            raise error
+        raise CheckpointError(
+            f"cannot load {point.directory}: {_describe(error)}; the checkpoint is damaged or was not written for this "
+            f"draft: {hint}."
+        ) from error
+    return out
+
+
+def _describe(error: BaseException) -> str:
+    """`Type: first line` of an exception; for torch's CheckpointException, of the first rank's cause."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, cause = next(iter(sorted(failures.items(), key=lambda kv: kv[0])))
+        cause = cause[0] if isinstance(cause, tuple) else cause
+        if isinstance(cause, BaseException):
+            return f"{_describe(cause)} (rank {rank})"
+    first = (str(error).strip().splitlines() or [""])[0][:300]
+    return f"{type(error).__name__}: {first}" if first else type(error).__name__
+
+
+def _load(directory: str, iteration, body, engine, log: Callable, optimizer_layout: Optional[str]) -> dict:
     from megatron.core import dist_checkpointing
 
     from ..checkpoint import load_sharded_state_dict_into
 
-    iteration = read_latest_iteration(load_dir)
-    if iteration is None:
-        return None
-    directory = os.path.join(load_dir, iteration_dir_name(iteration))
     if body is None:  # a pipeline stage without the draft: join the collective load, nothing to restore
         return _load_off_draft_stage(directory, iteration, optimizer_layout)
     if iteration == RELEASE:
@@ -314,7 +349,7 @@ def load_checkpoint(load_dir: str, body, engine, *, log: Callable = print,
         return {"iteration": 0, "directory": directory, "release": True}
     common = dist_checkpointing.load_common_state_dict(directory)
     if "scheduler" not in common:
-        raise ValueError(
+        raise CheckpointError(
             f"{directory} holds draft weights but no training state (no optimizer/scheduler); start a new run "
             "from it with --dflash-init-from (after converting to HF) or as a 'release' checkpoint."
         )
@@ -343,7 +378,7 @@ def _check_optimizer_layout(common: dict, directory: str, expected: Optional[str
 
     saved_args = common.get("args", {})
     if int(common.get("checkpoint_version", 1)) < 2 and not saved_args.get("use_cuda", False):
-        raise ValueError(
+        raise CheckpointError(
             f"{directory} was written on CPU by an earlier megatron-dflash, whose optimizer state has a layout of "
             "its own; its weights carry over: tools/convert_checkpoint.py to-hf, then --dflash-init-from (a new "
             "optimizer)."
@@ -351,7 +386,7 @@ def _check_optimizer_layout(common: dict, directory: str, expected: Optional[str
     saved = optimizer_layout(bool(saved_args.get("use_distributed_optimizer", False)),
                              int(saved_args.get("tensor_model_parallel_size", 1)))
     if expected is not None and saved != expected:
-        raise ValueError(
+        raise CheckpointError(
             f"{directory} holds the state of a {saved}, this run has a {expected}; resume with the layout it "
             "was written with (the distributed optimizer's state resumes at any DP size but only at its TP "
             "size), or start a new run from its weights (tools/convert_checkpoint.py to-hf, then "
@@ -368,12 +403,12 @@ def _load_off_draft_stage(directory: str, iteration, optimizer_layout: Optional[
         return {"iteration": 0, "directory": directory, "release": True}
     common = dist_checkpointing.load_common_state_dict(directory)
     if "scheduler" not in common:
-        raise ValueError(f"{directory} holds draft weights but no training state (no optimizer/scheduler).")
+        raise CheckpointError(f"{directory} holds draft weights but no training state (no optimizer/scheduler).")
     _check_optimizer_layout(common, directory, optimizer_layout)
     same_world = common.get("world_size") == _world()
     loaded = dist_checkpointing.load({"rng_state": _rng_sharded(None)} if same_world else {}, directory)
     if same_world and loaded.get("rng_state") is not None:
         _set_rng_state(loaded["rng_state"])
-    out = {k: v for k, v in loaded.items() if k not in ("model", "rng_state") and not k.startswith("optimizer.")}
+    out = {k: v for k, v in loaded.items() if k not in ("model", "rng_state", "optimizer")}
     out["directory"] = directory
     return out

@@ -21,6 +21,7 @@ from .arguments import (
     validate_args,
     world_size_from_env,
 )
+from .outputs import check_outputs
 from .variants import VariantSpec, get_variant
 
 __all__ = ["Job", "prepare_job", "draft_config_from_target", "load_eval_prompts", "resolve_target_dir"]
@@ -247,6 +248,30 @@ def synthetic_eval_prompts(tokenizer, count: int, seed: int = EMBEDDED_SYNTHETIC
     return prompts
 
 
+def _check_prompt_ids(prompts: list, vocab: int, source) -> None:
+    for i, ids in enumerate(prompts):
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ArgumentError(
+                f"--dflash-eval-prompts={source}: prompt {i + 1} has token id {bad[0]}, outside the target's "
+                f"vocabulary [0, {vocab})."
+            )
+
+
+def _megatron_can_run(cuda: bool) -> bool:
+    """Megatron-core's GPTModel asks for the current CUDA device while it builds and runs; without CUDA
+    that fails deep inside the first step. (A CPU emulation that answers the question may stand in.)"""
+    if cuda:
+        return True
+    import torch
+
+    try:
+        torch.cuda.current_device()
+    except (AssertionError, RuntimeError):
+        return False
+    return True
+
+
 # ------------------------------------------------------------------------------------------ the job
 
 
@@ -279,6 +304,13 @@ def prepare_job(
             raise ArgumentError(f"--target-backend megatron: {err}") from None
     tokenizer_dir = args.tokenizer or target_dir
     tokenizer = _load_tokenizer(tokenizer_dir)
+    vocab = int(target_config["vocab_size"])
+    if len(tokenizer) > vocab:
+        raise ArgumentError(
+            f"the tokenizer in {tokenizer_dir} has {len(tokenizer)} tokens but the target's vocabulary has {vocab} "
+            "rows: its ids past the vocabulary would index outside the target's embedding. Use the target's "
+            "tokenizer (--tokenizer)."
+        )
 
     mask = None
     if args.dflash_init_from is None:
@@ -326,6 +358,7 @@ def prepare_job(
     else:
         stamp = env.get("DFLASH_RUN_NAME") or time.strftime("dflash-%Y%m%d-%H%M%S")
         export_dir = os.path.join("runs", stamp, "hf")
+    check_outputs(args, export_dir)
 
     # evaluation prompts
     eval_prompts = None
@@ -350,6 +383,13 @@ def prepare_job(
         skip = ("the target runs as a megatron model (--target-backend megatron); measure acceptance with "
                 f"tools/evaluate_acceptance.py --target {target_dir} --draft {export_dir}")
         eval_prompts = None
+    if eval_prompts is not None:
+        _check_prompt_ids(eval_prompts, vocab, source)
+    if args.target_backend == "megatron" and not _megatron_can_run(args.use_cuda):
+        raise ArgumentError(
+            "--target-backend megatron needs CUDA (megatron-core's GPTModel runs on GPUs); on this machine use "
+            "--target-backend hf (TP=PP=1)."
+        )
     stop = _token_ids(getattr(tokenizer, "eos_token_id", None)) or _token_ids(target_config.get("eos_token_id"))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stop[0] if stop else 0)
     return Job(

@@ -110,6 +110,10 @@ def initialize_distributed(job: Job, env=None) -> DistContext:
     world = dist.get_world_size()
     if world != job.world_size:
         raise RuntimeError(f"the process group has {world} ranks but the job was validated for {job.world_size}.")
+    # before megatron's groups and any other collective: every rank resolved the same job
+    from .agreement import agree_on_job
+
+    agree_on_job(job)
     tp, pp = job.tp, job.pp
     owns_mp = False
     if parallel_state.model_parallel_is_initialized():
@@ -250,6 +254,20 @@ def build_datasets(job: Job):
     return train, valid
 
 
+def _check_data(job: Job, train_ds, collate, log=print) -> None:
+    """Token ids of pre-tokenised data inside the target's vocabulary; something to learn in the training data
+    (JSONL and synthetic data come from a tokenizer that `prepare_job` checked against the vocabulary)."""
+    from .data_checks import check_indexed_token_range, check_something_to_learn
+
+    args = job.args
+    if args.data_format == "indexed":
+        for path in [args.train_path] + ([args.valid_data] if args.valid_data else []):
+            check_indexed_token_range(path, int(job.target_config["vocab_size"]))
+    check_something_to_learn(train_ds, collate, block_size=job.draft_config.block_size,
+                             use_documents=args.pack_sequences, seed=args.seed,
+                             what=f"the training data ({args.train_path or 'synthetic'})", log=log)
+
+
 # ------------------------------------------------------------------------------------------ one step
 
 
@@ -274,6 +292,7 @@ class _StepRunner:
         self.args = job.args
         self.config = job.draft_config
         self.ratios: dict = {}
+        self._verified_step: Optional[int] = None  # last step whose plan the TP group compared
 
     def micro_batch(self, batch: dict, step: int, seed: int, backward: bool) -> list:
         """Forward (+ backward) of one micro-batch; returns the additive statistics as tensors."""
@@ -288,6 +307,19 @@ class _StepRunner:
         attach_dflash_plan(batch, optimizer_step=step, seed=seed, anchors_per_sample=args.dflash_anchors_per_sample,
                            block_size=cfg.block_size, use_documents=args.pack_sequences)
         plan = batch["dflash_plan"]
+        if self.job.tp > 1 and backward and step != self._verified_step and (
+                self._verified_step is None or step % args.log_interval == 0):
+            # The TP ranks of a group must hold the same batch and plan (they build them independently): checked
+            # on the first step and then once per logging interval (one small all-reduce over the TP group).
+            from ..data import PlanDisagreementError, verify_plan_agreement
+            from .errors import DataError
+
+            try:
+                verify_plan_agreement(plan, extra={"tokens": batch["tokens"]})
+            except PlanDisagreementError as err:  # raised on every rank of the group alike
+                raise DataError(f"{err} The tensor-parallel ranks read different data: the data files must be "
+                                "identical on every node.") from err
+            self._verified_step = step
         prefix = None
         if args.dflash_variable_prefix is not None:
             from ..variable_prefix import sample_prefix_lengths
@@ -343,6 +375,7 @@ class _StepRunner:
 
 
 _N_TOTALS = 7  # the fixed fields of _Totals, before `extra`
+_EMPTY_MICRO_BATCHES = "empty_micro_batches"  # appended by the training loop to the statistics of each micro-batch
 
 
 def _accumulate(acc: Optional[list], values: list) -> list:
@@ -440,6 +473,25 @@ class TrainResult:
     checkpoint_dir: Optional[str]
     wall_time_s: float
     exited_early: bool = False
+    skipped_steps: int = 0            # global batches without a supervised slot: no optimizer step
+    empty_micro_batches: int = 0      # micro-batches without a supervised slot (summed over DP)
+
+
+def _export(job: Job, body) -> None:
+    """The HF export. Every rank (also off the draft's pipeline stage) checks again that the directory is
+    empty or this run's own earlier export (it may have filled up during training): file reads only, so
+    all ranks raise alike. Then the draft's stage writes it and records the run in it."""
+    from megatron.core import parallel_state
+
+    from .outputs import check_export_directory, mark_export, run_name
+
+    check_export_directory(job.export_dir, run_name(job.args))
+    if body is None:
+        return
+    job.variant.save_hf(body, job.export_dir, overwrite=True)  # collective over the draft's TP group
+    if not parallel_state.model_parallel_is_initialized() or (
+            parallel_state.get_tensor_model_parallel_rank() == 0 and parallel_state.get_data_parallel_rank() == 0):
+        mark_export(job.export_dir, job.args)
 
 
 def _log(ctx_rank: int, text: str) -> None:
@@ -461,6 +513,8 @@ def train(job: Job, *, hooks: Optional[dict] = None, env=None) -> TrainResult:
     from .checkpointing import load_checkpoint, save_checkpoint
     from .monitor import Monitor, format_metrics
     from .optim import build_engine, optimizer_layout
+    from .errors import DataError
+    from .resume import agree_on_resume_point
 
     hooks = hooks or {}
     args = job.args
@@ -478,6 +532,11 @@ def train(job: Job, *, hooks: Optional[dict] = None, env=None) -> TrainResult:
              f"{args.global_batch_size} = micro {args.micro_batch_size} x {args.num_micro_batches} x DP {job.dp}; "
              f"device {ctx.device.type}")
 
+        # ---- data, checked before anything is built: same verdict on every rank (file reads only)
+        train_ds, valid_ds = build_datasets(job)
+        collate = Collator(job.pad_token_id, args.seq_length, args.pack_sequences)
+        _check_data(job, train_ds, collate, log=lambda t: _log(rank, t))
+
         # ---- models
         target = _Target(job, ctx.device, dtype)
         # PP > 1: the draft (body, optimizer) lives on one stage only; the other stages run the target.
@@ -492,7 +551,10 @@ def train(job: Job, *, hooks: Optional[dict] = None, env=None) -> TrainResult:
             if job.init_from is not None:
                 from ..checkpoint import load_hf_state_dict_into, read_safetensors
 
-                load_hf_state_dict_into(body, read_safetensors(job.init_from))
+                try:
+                    load_hf_state_dict_into(body, read_safetensors(job.init_from))
+                except ValueError as err:  # damaged weights: the same on every rank (each reads the file)
+                    raise ArgumentError(f"--dflash-init-from={job.init_from}: {err}") from err
                 _log(rank, f"[dflash] initialised the draft from {job.init_from}")
             body.to(ctx.device)
             body.train()
@@ -502,22 +564,29 @@ def train(job: Job, *, hooks: Optional[dict] = None, env=None) -> TrainResult:
         # ---- resume
         start_iteration = 0
         if args.load is not None:
-            layout = optimizer_layout(args.use_distributed_optimizer, args.tensor_model_parallel_size)
-            state = load_checkpoint(args.load, body, engine, log=lambda t: _log(rank, t), optimizer_layout=layout)
+            # read on rank 0 and broadcast: every rank resumes at the same iteration or raises the same error
+            point = agree_on_resume_point(args.load, cfg,
+                                          override_config=getattr(args, "dflash_override_checkpoint_config", False),
+                                          log=lambda t: _log(rank, t))
+            state = None
+            if point is not None:
+                layout = optimizer_layout(args.use_distributed_optimizer, args.tensor_model_parallel_size)
+                state = load_checkpoint(args.load, body, engine, point=point, log=lambda t: _log(rank, t),
+                                        optimizer_layout=layout)
             if state is None:
-                _log(rank, f"[checkpoint] no checkpoint in {args.load}; training from scratch.")
+                _log(rank, f"[checkpoint] WARNING: --load={args.load} is {'empty' if os.path.isdir(args.load) else 'absent'}"
+                     ": no checkpoint to resume from, TRAINING FROM SCRATCH.")
             else:
                 start_iteration = int(state["iteration"])
                 saved = state.get("args", {})
-                for key in ("global_batch_size", "seed", "data_format", "dflash_block_size", "dflash_variant"):
-                    if key in saved and saved[key] != getattr(args, key):
+                # the draft's own settings were compared with its dflash_config.json; these set the data order
+                for key in ("global_batch_size", "seed", "data_format"):
+                    if saved.get(key) is not None and saved[key] != getattr(args, key):
                         _log(rank, f"[checkpoint] warning: --{key.replace('_', '-')} was {saved[key]} in the "
                              f"checkpoint and is {getattr(args, key)} now; the run does not continue exactly.")
                 _log(rank, f"[checkpoint] resumed from {state['directory']} at iteration {start_iteration}")
 
         # ---- data
-        train_ds, valid_ds = build_datasets(job)
-        collate = Collator(job.pad_token_id, args.seq_length, args.pack_sequences)
         data_iter = MicroBatchIterator(
             train_ds, micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
             dp_rank=parallel_state.get_data_parallel_rank(), dp_size=job.dp, seed=args.seed,
@@ -576,20 +645,37 @@ def train(job: Job, *, hooks: Optional[dict] = None, env=None) -> TrainResult:
             acc, names = None, []
             weight = torch.zeros((), dtype=torch.float64, device=ctx.device)
             for _ in range(args.num_micro_batches):
-                values, names = runner.micro_batch(next(data_iter), step=iteration, seed=args.seed, backward=True)
+                try:
+                    batch = next(data_iter)
+                except ValueError as err:  # a record that cannot be tokenised (named by file and line)
+                    raise DataError(str(err)) from None
+                values, names = runner.micro_batch(batch, step=iteration, seed=args.seed, backward=True)
+                # a micro-batch without a supervised slot (no valid anchor) adds nothing: counted, not an error
+                values, names = values + [(values[1] == 0).to(torch.float64)], names + [_EMPTY_MICRO_BATCHES]
                 weight = weight + values[1]
                 acc = _accumulate(acc, values)
             lr = grad_norm = float("nan")
             if engine is not None:
                 lr = engine.lr
-                engine.finish_grads(weight)
-                grad_norm = engine.step()
+                # No supervised slot in the whole global batch (the weight is summed over DP, so every rank
+                # decides alike): no optimizer step, so neither Adam's moments nor the schedule move.
+                if engine.finish_grads(weight) > 0:
+                    grad_norm = engine.step()
             totals = runner.reduce(acc, names, {"lr": lr, "grad_norm": grad_norm})
             lr, grad_norm = totals.scalars["lr"], totals.scalars["grad_norm"]
             iteration += 1
+            empty = int(round(totals.extra.pop(_EMPTY_MICRO_BATCHES, 0.0)))
+            result.empty_micro_batches += empty
+            if totals.weight_sum <= 0:
+                result.skipped_steps += 1
+                log(f"[dflash] iteration {iteration}: no supervised slot in the global batch ({empty} empty "
+                    f"micro-batch(es)); optimizer step skipped ({result.skipped_steps} skipped so far).")
             values = _metrics(totals, runner.ratios)
             tps = totals.tokens / max(1e-9, time.time() - step_t0)
             values.update({"learning rate": lr, "grad norm": grad_norm, "tokens per second": tps})
+            if result.empty_micro_batches:
+                values.update({"empty micro-batches": result.empty_micro_batches,
+                               "skipped steps": result.skipped_steps})
             result.losses.append(values["loss"])
             result.learning_rates.append(lr)
             result.grad_norms.append(grad_norm)
@@ -632,8 +718,7 @@ def train(job: Job, *, hooks: Optional[dict] = None, env=None) -> TrainResult:
             values = validation_loss(runner, valid_ds, job)
             result.validation.append((iteration, values))
             _log(rank, f"[eval] final validation | {format_metrics(values)}")
-        if body is not None:  # the draft stage's ranks (collective over their TP group)
-            job.variant.save_hf(body, job.export_dir, overwrite=True)
+        _export(job, body)
         result.export_dir = job.export_dir
         _log(rank, f"[export] HF draft written to {job.export_dir}")
         if dist.is_initialized() and ctx.world_size > 1:
@@ -651,7 +736,11 @@ def train(job: Job, *, hooks: Optional[dict] = None, env=None) -> TrainResult:
         if dist.is_initialized() and ctx.world_size > 1:
             dist.barrier()
         result.wall_time_s = time.time() - t_start
-        _log(rank, f"[dflash] done: {iteration} iterations in {result.wall_time_s:.0f}s")
+        skipped = ""
+        if result.empty_micro_batches:
+            skipped = (f" ({result.empty_micro_batches} micro-batch(es) without a supervised slot, "
+                       f"{result.skipped_steps} optimizer step(s) skipped)")
+        _log(rank, f"[dflash] done: {iteration} iterations in {result.wall_time_s:.0f}s{skipped}")
         return result
     finally:
         if monitor is not None:
@@ -667,10 +756,25 @@ def run(argv: Optional[Sequence[str]] = None, *, hooks: Optional[dict] = None, e
     return train(job, hooks=hooks, env=env)
 
 
+def _debug_requested(argv: Optional[Sequence[str]]) -> bool:
+    from .errors import DEBUG_ENV
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    return "--debug" in argv or os.environ.get(DEBUG_ENV, "").lower() in ("1", "true", "yes")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """The command line: expected failures (arguments, checkpoints, data) end in one line on stderr
+    (exit 2 for arguments, 1 otherwise) on every rank; bugs keep their traceback."""
+    from .errors import RunError
+
     try:
         run(argv)
-    except ArgumentError as err:
-        print(f"pretrain_dflash.py: error: {err}", file=sys.stderr, flush=True)
-        return 2
+    except RunError as err:
+        if _debug_requested(argv):
+            import traceback
+
+            traceback.print_exc()
+        print(f"pretrain_dflash.py: error: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
+        return 2 if isinstance(err, ArgumentError) else 1
     return 0

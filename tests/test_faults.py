@@ -1,0 +1,615 @@
+"""The fault suite: nothing lost, nothing hung, every failure explained.
+
+Outputs that would replace what the run did not write, `--load` at the wrong kind of directory,
+trackers naming missing checkpoints, ranks launched with different arguments or seeing different
+trackers, resumes with another draft, data with nothing to learn, damaged checkpoints, stale
+temporaries. Multi-rank cases run on the gloo pool with a timeout, so a hang fails the test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+
+import pytest
+import torch
+
+from megatron_dflash.training.arguments import ArgumentError, parse_args
+from megatron_dflash.training.errors import CheckpointError, DataError, RunError
+from megatron_dflash.training.job import prepare_job
+from test_training import STEPS_ARGS, _base, _run, tiny_target  # noqa: F401 - the module fixture
+
+MULTI_RANK_TIMEOUT_S = 300.0  # generous (a shared, loaded machine), but a hang fails instead of blocking
+SHORT = ["--train-iters", "2", "--micro-batch-size", "4", "--global-batch-size", "4", "--dflash-eval-prompts", "0"]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_target, tmp_path_factory):
+    """A save directory with the checkpoints of iterations 1 and 2 of a short run."""
+    root = tmp_path_factory.mktemp("trained")
+    save = root / "ckpt"
+    _run(_base(tiny_target, root, *SHORT, "--save", str(save), "--save-interval", "1"))
+    return save
+
+
+def _copy(save, tmp_path, name="copy"):
+    out = tmp_path / name
+    shutil.copytree(save, out)
+    return out
+
+
+def _job_error(tiny_target, tmp_path, *argv):
+    with pytest.raises(ArgumentError) as info:
+        prepare_job(parse_args(["--target", tiny_target, "--data-format", "synthetic", *argv]), 1, env={}, cuda=False)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+# ------------------------------------------------------------------------------------------ 1. data loss
+
+
+def test_export_never_replaces_the_checkpoints_or_foreign_files(tiny_target, tmp_path, trained):
+    save = _copy(trained, tmp_path)
+    before = sorted(os.listdir(save))
+    # the export directory may not be the --save directory, nor contain it or any input
+    assert "is or contains --save" in _job_error(tiny_target, tmp_path, "--save", str(save),
+                                                 "--dflash-export", str(save))
+    assert "is or contains --save" in _job_error(tiny_target, tmp_path, "--save", str(save),
+                                                 "--dflash-export", str(tmp_path))
+    assert "is or contains --load" in _job_error(tiny_target, tmp_path, "--load", str(save),
+                                                 "--dflash-export", str(save))
+    assert "is or contains --target" in _job_error(tiny_target, tmp_path, "--dflash-export", tiny_target)
+    # a directory with files the run did not write is never replaced
+    foreign = tmp_path / "results"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    assert "holds files this run did not write" in _job_error(tiny_target, tmp_path, "--dflash-export", str(foreign))
+    # an output path under a regular file fails before training, not after it
+    (tmp_path / "file").write_text("x")
+    assert "is a file, not a directory" in _job_error(tiny_target, tmp_path, "--dflash-export",
+                                                      str(tmp_path / "file" / "hf"))
+    assert "is a file, not a directory" in _job_error(tiny_target, tmp_path, "--save", str(tmp_path / "file" / "c"))
+    assert sorted(os.listdir(save)) == before and (foreign / "notes.txt").read_text() == "mine"
+
+
+def test_export_replaces_only_its_own_runs_export(tiny_target, tmp_path):
+    save, export = tmp_path / "ckpt", tmp_path / "export"
+    argv = ["--target", tiny_target, *STEPS_ARGS, *SHORT, "--save", str(save), "--dflash-export", str(export)]
+    _run(argv)
+    mode = stat.S_IMODE(os.stat(export / "model.safetensors").st_mode)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert mode == 0o666 & ~umask  # readable by the cluster (0644 with the usual umask), not 0600
+    # the same run, restarted for more steps: its own export is replaced
+    again = _run(argv[:argv.index("--train-iters")] + ["--train-iters", "3"] + argv[argv.index("--train-iters") + 2:]
+                 + ["--load", str(save)])
+    assert again.start_iteration == 2 and again.export_dir == str(export)
+    # another run (another --save) may not replace it
+    other = ["--target", tiny_target, *STEPS_ARGS, *SHORT, "--save", str(tmp_path / "other"),
+             "--dflash-export", str(export)]
+    with pytest.raises(ArgumentError, match=r"holds the export of another run \(--save "):
+        _run(other)
+
+
+def test_load_layouts_are_recognised(tiny_target, tmp_path, trained):
+    from megatron_dflash.training.resume import find_resume_point
+
+    assert find_resume_point(str(tmp_path / "absent")) is None
+    (tmp_path / "empty").mkdir()
+    assert find_resume_point(str(tmp_path / "empty")) is None
+    point = find_resume_point(str(trained))
+    assert point.iteration == 2 and point.directory.endswith("iter_0000002")
+
+    def refused(path, *expected):
+        with pytest.raises(CheckpointError) as info:
+            find_resume_point(str(path))
+        for text in expected:
+            assert text in str(info.value), str(info.value)
+        assert "\n" not in str(info.value)
+
+    refused(trained / "iter_0000002", "is one checkpoint, not a save directory", f"--load {trained}")
+    no_tracker = _copy(trained, tmp_path, "no_tracker")
+    os.remove(no_tracker / "latest_checkpointed_iteration.txt")
+    refused(no_tracker, "no latest_checkpointed_iteration.txt", "complete checkpoints are [1, 2]", "echo 2 >")
+    hf = tmp_path / "hf"
+    _run(_base(tiny_target, tmp_path, *SHORT))
+    refused(hf, "is a HF drafter directory", f"--dflash-init-from {hf}")
+    (tmp_path / "typo").mkdir()
+    (tmp_path / "typo" / "data.bin").write_text("x")
+    refused(tmp_path / "typo", "holds no checkpoint (data.bin)")
+    # a tracker naming a missing or incomplete checkpoint is an error, never an older one or scratch
+    missing = _copy(trained, tmp_path, "missing")
+    shutil.rmtree(missing / "iter_0000002")
+    refused(missing, "names iteration 2 but", "does not exist", "complete checkpoints are [1]")
+    incomplete = _copy(trained, tmp_path, "incomplete")
+    os.remove(incomplete / "iter_0000002" / "common.pt")
+    refused(incomplete, "is incomplete")
+    only = _copy(trained, tmp_path, "only")
+    shutil.rmtree(only / "iter_0000001")
+    shutil.rmtree(only / "iter_0000002")
+    refused(only, "names iteration 2 but", "holds no complete checkpoint")
+    binary = _copy(trained, tmp_path, "binary")
+    (binary / "latest_checkpointed_iteration.txt").write_bytes(b"\xff\xfe\x00garbage")
+    refused(binary, "is not a text file")
+    # the temporaries of an interrupted first save do not count as content
+    first = tmp_path / "first"
+    (first / ".iter_0000001.tmp").mkdir(parents=True)
+    assert find_resume_point(str(first)) is None
+
+
+def test_load_at_a_wrong_directory_never_overwrites_the_checkpoints(tiny_target, tmp_path, trained):
+    """--load at an iter_* directory with --save on the real directory: refused, nothing rewound."""
+    save = _copy(trained, tmp_path)
+    tracker = (save / "latest_checkpointed_iteration.txt").read_text()
+    listing = sorted(os.listdir(save))
+    with pytest.raises(CheckpointError, match="is one checkpoint, not a save directory"):
+        _run(_base(tiny_target, tmp_path, *SHORT, "--save", str(save), "--load", str(save / "iter_0000001")))
+    assert (save / "latest_checkpointed_iteration.txt").read_text() == tracker
+    assert sorted(os.listdir(save)) == listing
+
+
+def test_load_of_an_absent_directory_trains_from_scratch_loudly(tiny_target, tmp_path, capsys):
+    result = _run(_base(tiny_target, tmp_path, *SHORT, "--load", str(tmp_path / "new"), "--save",
+                        str(tmp_path / "new")))
+    assert result.start_iteration == 0 and result.iterations == 2
+    assert "TRAINING FROM SCRATCH" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------------------ 3. draft config
+
+
+def test_resume_refuses_a_different_draft(tiny_target, tmp_path, trained):
+    save = _copy(trained, tmp_path)
+    more = [a if a != "2" else "3" for a in SHORT]  # --train-iters 3
+    mask = prepare_job(parse_args(["--target", tiny_target, "--data-format", "synthetic"]), 1, env={},
+                       cuda=False).draft_config.mask_token_id
+    for flag, value, field in (("--dflash-target-layer-ids", "1,2", "target_layer_ids"),
+                               ("--dflash-mask-token-id", str(mask - 1), "mask_token_id"),
+                               ("--dflash-block-size", "4", "block_size")):
+        with pytest.raises(CheckpointError) as info:
+            _run(_base(tiny_target, tmp_path, *more, "--load", str(save), flag, value))
+        message = str(info.value)
+        assert f"{field}: checkpoint" in message and "--dflash-override-checkpoint-config" in message, message
+        assert "was None in the checkpoint" not in message
+    # the explicit override resumes (the weights' shapes do not depend on the MASK token)
+    result = _run(_base(tiny_target, tmp_path, *more, "--load", str(save), "--dflash-mask-token-id", str(mask - 1),
+                        "--dflash-override-checkpoint-config"))
+    assert result.start_iteration == 2 and result.iterations == 3
+
+
+# ------------------------------------------------------------------------------------------ 2. ranks agree
+
+
+def _rank_run(rank, world_size, target, out_dir, per_rank: dict, patch_rank=None):
+    """One DP rank of a launch; `per_rank[rank]` extra arguments; returns the error line or the result."""
+    import pathlib
+
+    from megatron_dflash.training import checkpointing, resume
+
+    torch.set_num_threads(1)
+    if rank == patch_rank:
+        # this rank would see no checkpoint (a stale view of a shared file system): it must not matter,
+        # the tracker is read on rank 0 only
+        checkpointing.read_latest_iteration = lambda *a, **k: None
+        resume.find_resume_point = lambda *a, **k: (_ for _ in ()).throw(AssertionError("rank 1 read the tracker"))
+    argv = _base(target, pathlib.Path(out_dir), "--micro-batch-size", "4", "--global-batch-size", "8",
+                 "--dflash-eval-prompts", "0", *per_rank.get(rank, []))
+    try:
+        result = _run(argv)
+    except (ArgumentError, CheckpointError) as err:
+        return "error", str(err)
+    return "ok", (result.start_iteration, result.iterations, result.losses)
+
+
+def test_ranks_launched_with_different_arguments_stop_alike(tp_pool, tiny_target, tmp_path):
+    pool = tp_pool(2)
+    results = pool.run(_rank_run, tiny_target, str(tmp_path / "a"),
+                       {0: ["--train-iters", "2"], 1: ["--train-iters", "2", "--lr", "3e-3", "--seed", "7"]},
+                       tp=1, timeout=MULTI_RANK_TIMEOUT_S)
+    assert results[0] == results[1] and results[0][0] == "error", results
+    message = results[0][1]
+    assert "--lr (rank 0: 0.002; rank 1: 0.003)" in message and "--seed (rank 0: 1234; rank 1: 7)" in message
+    # a shape-changing difference (block size) is caught the same way, before any collective of the model
+    results = pool.run(_rank_run, tiny_target, str(tmp_path / "b"),
+                       {0: ["--train-iters", "2"], 1: ["--train-iters", "2", "--dflash-block-size", "4"]},
+                       tp=1, timeout=MULTI_RANK_TIMEOUT_S)
+    assert results[0] == results[1] and results[0][0] == "error"
+    assert "draft config block_size (rank 0: 8; rank 1: 4)" in results[0][1]
+
+
+def test_resume_iteration_is_read_once_and_shared(tp_pool, tiny_target, tmp_path, trained):
+    """Rank 1 sees no checkpoint; both ranks still resume at iteration 2 (rank 0's reading)."""
+    save = _copy(trained, tmp_path)
+    extra = ["--train-iters", "3", "--load", str(save)]
+    results = tp_pool(2).run(_rank_run, tiny_target, str(tmp_path / "r"), {0: extra, 1: extra}, 1,
+                             tp=1, timeout=MULTI_RANK_TIMEOUT_S)
+    assert results[0] == results[1], results
+    assert results[0][0] == "ok" and results[0][1][:2] == (2, 3)
+    # an unusable checkpoint: the same one-line error on every rank, no hang
+    missing = _copy(trained, tmp_path, "missing")
+    shutil.rmtree(missing / "iter_0000002")
+    extra = ["--train-iters", "3", "--load", str(missing)]
+    results = tp_pool(2).run(_rank_run, tiny_target, str(tmp_path / "m"), {0: extra, 1: extra},
+                             tp=1, timeout=MULTI_RANK_TIMEOUT_S)
+    assert results[0] == results[1] and results[0][0] == "error" and "names iteration 2 but" in results[0][1]
+
+
+# ------------------------------------------------------------------------------------------ 7. explained
+
+
+def _main(argv, capsys, monkeypatch, debug=False):
+    """`pretrain_dflash.py ARGV` in this process: (exit status, stderr)."""
+    from megatron_dflash.training.errors import DEBUG_ENV
+    from megatron_dflash.training.loop import main
+
+    monkeypatch.setenv(DEBUG_ENV, "1" if debug else "0")
+    capsys.readouterr()
+    status = main(argv)
+    return status, capsys.readouterr().err
+
+
+def test_damaged_checkpoints_end_in_one_line(tiny_target, tmp_path, trained, capsys, monkeypatch):
+    """Zero-length shard, missing common.pt, binary tracker, garbage shard: one line naming the file, exit 1."""
+    zero = _copy(trained, tmp_path, "zero")
+    shard = next(p for p in sorted(os.listdir(zero / "iter_0000002")) if p.endswith(".distcp"))
+    (zero / "iter_0000002" / shard).write_bytes(b"")
+    common = _copy(trained, tmp_path, "common")
+    os.remove(common / "iter_0000002" / "common.pt")
+    binary = _copy(trained, tmp_path, "binary")
+    (binary / "latest_checkpointed_iteration.txt").write_bytes(b"\x80\x81\x82")
+    bad = _copy(trained, tmp_path, "bad")
+    (bad / "iter_0000002" / shard).write_bytes(b"not a torch file")
+    for directory, expected in ((zero, f"{shard} is empty"), (common, "is incomplete"), (binary, "not a text file"),
+                                (bad, f"cannot load {bad / 'iter_0000002'}: EOFError")):
+        status, err = _main(_base(tiny_target, tmp_path, *SHORT, "--load", str(directory)), capsys, monkeypatch)
+        lines = err.strip().splitlines()
+        assert status == 1 and "Traceback" not in err, err[-2000:]
+        assert lines[-1].startswith("pretrain_dflash.py: error:") and expected in lines[-1], err[-2000:]
+    # --debug (or MEGATRON_DFLASH_DEBUG=1) shows the traceback as well
+    status, err = _main(_base(tiny_target, tmp_path, *SHORT, "--load", str(bad)), capsys, monkeypatch, debug=True)
+    assert status == 1 and "Traceback" in err and "EOFError" in err
+
+
+# ------------------------------------------------------------------------------------------ 8. housekeeping
+
+
+def test_the_next_save_removes_stale_temporaries(tiny_target, tmp_path, trained):
+    save = _copy(trained, tmp_path)
+    (save / ".latest_checkpointed_iteration.txt.tmp-abc123").write_text("3")
+    (save / ".iter_0000003.tmp").mkdir()
+    stale_export = tmp_path / ".hf.tmp-xyz"
+    stale_export.mkdir()
+    (stale_export / "model.safetensors").write_bytes(b"partial")
+    more = [a if a != "2" else "3" for a in SHORT]
+    _run(_base(tiny_target, tmp_path, *more, "--load", str(save), "--save", str(save)))
+    assert sorted(p for p in os.listdir(save) if p.startswith(".")) == []
+    assert not stale_export.exists()
+
+
+# ------------------------------------------------------------------------------------------ 4. nothing to learn
+
+
+def _chats(path, with_answer: list):
+    from megatron_dflash.training.synthetic_corpus import conversations
+
+    chats = list(conversations(7, len(with_answer)))
+    with open(path, "w") as f:
+        for chat, answer in zip(chats, with_answer):
+            f.write(json.dumps({"messages": chat if answer else chat[:1]}) + "\n")
+
+
+def _chat_args(tiny_target, tmp_path, data, *extra):
+    return ["--target", tiny_target, "--no-progress-bar", "--seq-length", "48", "--dflash-anchors-per-sample", "4",
+            "--lr-warmup-iters", "1", "--dflash-eval-prompts", "0", "--data-format", "chat", "--train-data", str(data),
+            "--dflash-export", str(tmp_path / "hf"), *extra]
+
+
+def test_nothing_to_learn_fails_before_training(tiny_target, tmp_path):
+    _chats(tmp_path / "prompts_only.jsonl", [False] * 6)
+    with pytest.raises(DataError, match="has nothing to learn: none of its 6 samples"):
+        _run(_chat_args(tiny_target, tmp_path, tmp_path / "prompts_only.jsonl", "--train-iters", "2",
+                        "--micro-batch-size", "2"))
+    # packed documents all shorter than a block
+    (tmp_path / "short.jsonl").write_text("".join(json.dumps({"text": "a b"}) + "\n" for _ in range(4)))
+    argv = _chat_args(tiny_target, tmp_path, tmp_path / "short.jsonl", "--train-iters", "2", "--micro-batch-size", "2",
+                      "--pack-sequences")
+    argv[argv.index("chat")] = "text"
+    with pytest.raises(DataError, match="in its own document"):
+        _run(argv)
+    # texts that tokenise to (almost) nothing: refused before training, naming the file
+    (tmp_path / "blank.jsonl").write_text("".join(json.dumps({"text": " "}) + "\n" for _ in range(4)))
+    argv[argv.index(str(tmp_path / "short.jsonl"))] = str(tmp_path / "blank.jsonl")
+    with pytest.raises(RunError, match=r"blank.jsonl\) has nothing to learn"):
+        _run(argv)
+    assert not (tmp_path / "hf").exists()  # no export of an untrained draft
+
+
+def test_global_batch_without_supervised_slot_does_not_step(tiny_target, tmp_path):
+    """Micro-batches without a supervised slot are counted; a global batch of only those does not step the
+    optimizer: the weights and the learning-rate schedule stay where they were."""
+    _chats(tmp_path / "mixed.jsonl", [True, False, False, True, False, False, True, False])
+    snapshots = []
+
+    def on_step(iteration, values, body):
+        snapshots.append({k: v.detach().clone() for k, v in body.state_dict().items() if torch.is_tensor(v)})
+
+    from megatron_dflash.training.loop import run
+
+    result = run(_chat_args(tiny_target, tmp_path, tmp_path / "mixed.jsonl", "--train-iters", "8",
+                            "--micro-batch-size", "1", "--lr-decay-style", "linear"), hooks={"on_step": on_step})
+    skipped = [i for i, loss in enumerate(result.losses) if loss != loss]  # nan: no supervised slot
+    assert 0 < len(skipped) < 8 and result.skipped_steps == len(skipped) == result.empty_micro_batches
+    stepped = [i for i in range(8) if i not in skipped]
+    for i in skipped:
+        before = snapshots[i - 1] if i > 0 else None
+        if before is not None:
+            assert all(torch.equal(before[k], snapshots[i][k]) for k in before)  # no update
+    for i in stepped[1:]:
+        assert any(not torch.equal(snapshots[i - 1][k], snapshots[i][k]) for k in snapshots[i])
+    # the learning rate (read before each step) moves after a real step and only then
+    lrs = result.learning_rates
+    assert [lrs[i] != lrs[i - 1] for i in range(1, 8)] == [i - 1 in stepped for i in range(1, 8)], (lrs, skipped)
+
+
+# ------------------------------------------------------------------------------------------ 5. vocabulary
+
+
+def test_token_ids_are_checked_against_the_vocabulary(tiny_target, tmp_path):
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_target)
+    vocab = json.load(open(os.path.join(tiny_target, "config.json")))["vocab_size"]
+    # a tokenizer larger than the target's vocabulary
+    big = AutoTokenizer.from_pretrained(tiny_target)
+    big.add_tokens([f"<extra_{i}>" for i in range(vocab - len(tok) + 1)])
+    big.save_pretrained(str(tmp_path / "big"))
+    assert f"but the target's vocabulary has {vocab} rows" in _job_error(tiny_target, tmp_path, "--tokenizer",
+                                                                         str(tmp_path / "big"))
+    # evaluation prompts
+    (tmp_path / "prompts.jsonl").write_text(json.dumps({"input_ids": [3, vocab + 5]}) + "\n")
+    assert f"prompt 1 has token id {vocab + 5}, outside the target's vocabulary" in _job_error(
+        tiny_target, tmp_path, "--dflash-eval-prompts", str(tmp_path / "prompts.jsonl"))
+    # pre-tokenised (indexed) data: refused before training, naming the file and the token
+    prefix = str(tmp_path / "indexed")
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
+    for n in range(4):
+        ids = list(range(3, 40)) + ([vocab] if n == 2 else [])
+        builder.add_document(torch.tensor(ids, dtype=torch.int32), [len(ids)])
+    builder.finalize(prefix + ".idx")
+    argv = ["--target", tiny_target, "--no-progress-bar", "--seq-length", "48", "--train-iters", "1",
+            "--micro-batch-size", "2", "--dflash-eval-prompts", "0", "--data-format", "indexed", "--data-path", prefix,
+            "--dflash-export", str(tmp_path / "hf")]
+    with pytest.raises(DataError, match=rf"indexed.bin: token \d+ has id {vocab}, outside the target's vocabulary"):
+        _run(argv)
+
+
+def test_megatron_target_without_cuda_is_refused_up_front(tiny_target, tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    assert "--target-backend megatron needs CUDA" in _job_error(tiny_target, tmp_path, "--target-backend", "megatron")
+
+
+# ------------------------------------------------------------------------------------------ 6. decoding inputs
+
+
+def test_spec_generate_inputs_and_cache_growth(monkeypatch):
+    from test_generate import PROMPTS, make_draft, qwen3_target
+
+    from megatron_dflash import generate
+    from megatron_dflash.generate import spec_generate
+
+    vocab = 96
+    target, draft = qwen3_target(vocab=vocab), make_draft(vocab, backend="chunked")
+    greedy = spec_generate(target, draft, PROMPTS, max_new_tokens=12)
+    # the draft KV cache follows what is generated: a huge budget that stops after one token allocates little
+    sizes = []
+    real = generate.DraftKVCache.__init__
+
+    def record(self, draft, batch_size, capacity, *args, **kwargs):
+        sizes.append(capacity)
+        real(self, draft, batch_size, capacity, *args, **kwargs)
+
+    monkeypatch.setattr(generate.DraftKVCache, "__init__", record)
+    first = int(greedy.tokens[0, len(PROMPTS[0])])
+    out = spec_generate(target, draft, PROMPTS[:1], max_new_tokens=10**8, stop_token_ids=first)  # one id: accepted
+    assert out.lengths.tolist() == [len(PROMPTS[0]) + 1] and sizes[-1] < 64
+    # and grows past its first size without changing the result
+    long = spec_generate(target, draft, PROMPTS, max_new_tokens=40)
+    for b, n in enumerate(greedy.lengths.tolist()):
+        assert torch.equal(long.tokens[b, :n], greedy.tokens[b, :n])
+    # 0 < temperature < 1e-5 decodes greedily (softmax(logits / T) would overflow)
+    tiny = spec_generate(target, draft, PROMPTS, max_new_tokens=12, temperature=1e-7)
+    assert torch.equal(tiny.tokens, greedy.tokens)
+    for kwargs, message in (
+        (dict(temperature=float("inf")), "temperature=inf must be a finite number"),
+        (dict(temperature=float("nan")), "temperature=nan must be a finite number"),
+        (dict(stop_token_ids="5"), "must hold integer token ids"),
+        (dict(stop_token_ids=2.5), "must be a token id or a sequence"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            spec_generate(target, draft, PROMPTS, max_new_tokens=4, **kwargs)
+    with pytest.raises(ValueError, match=rf"prompt 1 has token id {vocab}, outside the target's vocabulary"):
+        spec_generate(target, draft, [[1, 2], [3, vocab]], max_new_tokens=4)
+    with pytest.raises(ValueError, match="prompt 0 has 512 tokens, but the model has 512 positions"):
+        spec_generate(target, draft, [[1] * 512], max_new_tokens=4)
+    small = make_draft(vocab - 8, backend="chunked")
+    with pytest.raises(ValueError, match=f"the draft's vocab_size={vocab - 8} differs from the target's {vocab}"):
+        spec_generate(target, small, PROMPTS, max_new_tokens=4)
+
+
+# ------------------------------------------------------------------------------------------ 7. HF drafters
+
+
+def test_bad_hf_drafters_are_explained(tmp_path):
+    from builders import tiny_draft_kwargs
+    from safetensors.torch import load_file, save_file
+
+    from megatron_dflash.body import DFlashBody
+    from megatron_dflash.checkpoint import load_hf_checkpoint, save_hf_checkpoint
+    from megatron_dflash.config import DFlashConfig
+
+    good = tmp_path / "good"
+    save_hf_checkpoint(DFlashBody(DFlashConfig(**tiny_draft_kwargs())), str(good))
+
+    def variant(name, edit_config=None, edit_weights=None):
+        out = tmp_path / name
+        shutil.copytree(good, out)
+        if edit_config is not None:
+            data = json.load(open(out / "config.json"))
+            edit_config(data)
+            (out / "config.json").write_text(json.dumps(data))
+        if edit_weights is not None:
+            edit_weights(out / "model.safetensors")
+        return str(out)
+
+    def truncate(path):
+        path.write_bytes(path.read_bytes()[:100])
+
+    def poison(path):
+        tensors = load_file(str(path))
+        name = sorted(tensors)[0]
+        tensors[name] = tensors[name].clone()
+        tensors[name].view(-1)[0] = float("nan")
+        save_file(tensors, str(path))
+
+    cases = [
+        (variant("truncated", edit_weights=truncate), "model.safetensors is not a readable safetensors file"),
+        (variant("nan", edit_weights=poison), "holds NaN or inf values"),
+        (variant("unknown", lambda d: d.update(architectures=["LlamaForCausalLM"])),
+         "has architectures=['LlamaForCausalLM'], not a draft model"),
+        (variant("malformed", lambda d: d.update(dflash_config="oops")), "config.json is not a valid"),
+    ]
+    for directory, message in cases:
+        with pytest.raises(ValueError) as info:
+            load_hf_checkpoint(directory)
+        assert message in str(info.value), str(info.value)
+        assert directory in str(info.value)
+
+
+# ------------------------------------------------------------------------------------------ plan bounds
+
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_HUGE = st.one_of(st.integers(-(2**63), 2**63 - 1), st.sampled_from([2**62, 2**63 - 1, 2**40, -(2**63)]))
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batch=st.integers(1, 3), seq_length=st.integers(1, 40),
+       block_size=st.one_of(st.integers(-2, 48), st.sampled_from([2**12, 2**12 + 1, 2**40])),
+       anchors_per_sample=st.one_of(st.integers(0, 48), st.sampled_from([2**20, 2**20 + 1, 2**40])),
+       step=st.integers(0, 2**64 - 1), seed=st.integers(-(2**63), 2**64 - 1), data=st.data())
+def test_plan_fuzz_with_upper_bounds(batch, seq_length, block_size, anchors_per_sample, step, seed, data):
+    """Any input gives a plan that keeps the invariants or a ValueError, never an allocation failure or an
+    overflow; `from_anchors` refuses anchors out of range however large."""
+    from megatron_dflash.plan import (
+        MAX_BLOCK_SIZE,
+        MAX_BLOCKS_PER_ROW,
+        MAX_PLAN_SLOTS,
+        DFlashBatchPlan,
+        build_dflash_batch_plan,
+    )
+
+    mask = torch.tensor(data.draw(st.lists(st.booleans(), min_size=batch * seq_length, max_size=batch * seq_length)))
+    mask = mask.reshape(batch, seq_length)
+    sids = torch.arange(batch, dtype=torch.int64) * 7919
+    bad = (not (2 <= block_size <= MAX_BLOCK_SIZE) or not (1 <= anchors_per_sample <= MAX_BLOCKS_PER_ROW)
+           or batch * anchors_per_sample * block_size > MAX_PLAN_SLOTS)
+    if bad:
+        with pytest.raises(ValueError):
+            build_dflash_batch_plan(mask, sids, anchors_per_sample=anchors_per_sample, block_size=block_size,
+                                    optimizer_step=step, seed=seed)
+        return
+    plan = build_dflash_batch_plan(mask, sids, anchors_per_sample=anchors_per_sample, block_size=block_size,
+                                   optimizer_step=step, seed=seed)
+    assert tuple(plan.anchor_positions.shape) == (batch, anchors_per_sample)
+    valid = plan.block_valid
+    anchors = plan.anchor_positions
+    assert bool(((anchors >= 0) & (anchors <= seq_length - block_size) | ~valid).all())
+    assert not bool(plan.loss_mask[~valid].any())  # invalid blocks supervise nothing
+    # from_anchors: an anchor anywhere in the int64 range is either in range or refused
+    anchor = data.draw(_HUGE)
+    given_anchors = torch.full((batch, 1), anchor, dtype=torch.int64)
+    if 0 <= anchor <= seq_length - block_size:
+        DFlashBatchPlan.from_anchors(given_anchors, block_size=block_size, input_mask=mask)
+    else:
+        with pytest.raises(ValueError, match="does not fit"):
+            DFlashBatchPlan.from_anchors(given_anchors, block_size=block_size, input_mask=mask)
+
+
+def test_evaluate_acceptance_explains_a_damaged_draft(tmp_path, capsys, monkeypatch):
+    import test_generate
+
+    sys_path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools")
+    monkeypatch.syspath_prepend(sys_path)
+    import evaluate_acceptance
+
+    _, _, target_dir, draft_dir, prompts = test_generate._write_models(tmp_path, False)
+    weights = draft_dir / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:64])
+    monkeypatch.setenv("MEGATRON_DFLASH_DEBUG", "0")
+    code = evaluate_acceptance.main(["--target", str(target_dir), "--draft", str(draft_dir), "--prompts", str(prompts),
+                                     "--max-new-tokens", "4", "--device", "cpu", "--dtype", "float32"])
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("evaluate_acceptance.py: error: ")
+    assert f"{weights} is not a readable safetensors file" in err
+
+
+def test_an_empty_directory_named_like_a_checkpoint_starts_from_scratch(tmp_path):
+    from megatron_dflash.training.resume import find_resume_point
+
+    for name in ("iter_0000005", "release", "iter_runs"):
+        (tmp_path / name).mkdir()
+        assert find_resume_point(str(tmp_path / name)) is None
+
+
+def _tp_rank_with_other_data(rank, world_size, target, out_dir):
+    """TP=2 ranks of one group; rank 1 reads different tokens (as from another copy of the data)."""
+    import pathlib
+
+    import megatron_cpu
+
+    from megatron_dflash import data
+
+    torch.set_num_threads(1)
+    if rank == 1:
+        real = data.Collator.__call__
+
+        def shifted(self, samples):
+            batch = real(self, samples)
+            batch["tokens"] = batch["tokens"].roll(1, dims=1)
+            return batch
+
+        data.Collator.__call__ = shifted
+    argv = _base(target, pathlib.Path(out_dir), "--train-iters", "2", "--micro-batch-size", "4",
+                 "--dflash-eval-prompts", "0", "--tensor-model-parallel-size", "2", "--target-backend", "megatron")
+    try:
+        with megatron_cpu.patched():
+            _run(argv)
+    except DataError as err:
+        return str(err)
+    finally:
+        if rank == 1:
+            data.Collator.__call__ = real
+    return None
+
+
+def test_tensor_parallel_ranks_with_different_data_stop_alike(tp_pool, tiny_target, tmp_path):
+    results = tp_pool(2).run(_tp_rank_with_other_data, tiny_target, str(tmp_path), tp=2, timeout=MULTI_RANK_TIMEOUT_S)
+    assert results[0] is not None and results[1] is not None, results
+    assert all("tokens" in r and "read different data" in r for r in results), results
