@@ -109,7 +109,6 @@ VALIDATION_CASES = [
     (["--dflash-variable-prefix", "-1"], 1, "must be a positive number"),
     (["--dflash-block-size", "1"], 1, "--dflash-block-size=1 must be >= 2"),
     (["--dflash-target-layer-ids", "1,x"], 1, "expected comma-separated integers"),
-    (["--use-distributed-optimizer"], 1, "--use-distributed-optimizer needs CUDA"),
     (["--dflash-attention-backend", "flex"], 1, "flex needs CUDA"),
     (["--wandb-exp-name", "x"], 1, "--wandb-exp-name needs --wandb-project"),
     (["--dflash-eval-prompts", "/nonexistent.jsonl"], 1, "is neither a JSONL file nor an integer"),

@@ -81,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--context-parallel-size", type=int, default=1,
                    help="context parallelism is not supported for the target (only 1); see the error for why.")
     g.add_argument("--use-distributed-optimizer", action="store_true",
-                   help="megatron's distributed optimizer (CUDA only).")
+                   help="megatron's distributed optimizer: Adam state and fp32 main weights sharded over "
+                        "data-parallel ranks (ZeRO-1); checkpoints resume exactly at the same or another DP size.")
 
     g = p.add_argument_group("batch and schedule")
     g.add_argument("--micro-batch-size", type=int, default=16, help="rows per micro-batch per data-parallel rank.")
@@ -332,10 +333,6 @@ def validate_args(
             "use --target-backend megatron for tensor/pipeline parallelism."
         )
     _check_expert_and_sequence_parallel(args, world_size, tp, pp)
-    if args.use_distributed_optimizer and not cuda:
-        raise ArgumentError(
-            "--use-distributed-optimizer needs CUDA (megatron's distributed optimizer); drop it on CPU."
-        )
 
     # ---- batch
     for name in ("micro_batch_size", "seq_length", "train_iters", "log_interval", "eval_iters",

@@ -5,9 +5,10 @@ The layout is `convert.py`'s (so `tools/convert_checkpoint.py to-hf` reads a tra
     SAVE/latest_checkpointed_iteration.txt     "6" (or "release": converted weights, no training state)
     SAVE/iter_0000006/                         torch_dist checkpoint (`convert.save_megatron_draft`)
         model.<published name>                 the draft, each TP rank its shard of the full tensor
-        optimizer.state.{exp_avg,exp_avg_sq}.<name>   Adam moments, sharded like their parameter
-        optimizer.master.<name>                fp32 master weights (CPU engine under --bf16)
-        optimizer                              megatron's optimizer state (CUDA engine)
+        optimizer.*                            megatron's optimizer state (`optimizer.sharded_state_dict`):
+                                               Adam moments and fp32 main weights sharded like their
+                                               parameter, or (--use-distributed-optimizer) each DP rank's
+                                               shard of megatron's gradient buckets (`dp_reshardable`)
         rng_state                              one object per rank
         common.pt                              iteration, scheduler, optimizer step, data position, args
         dflash_config.json                     the draft config (HF layout)
@@ -21,7 +22,8 @@ Exact resume: the batch plans are a pure function of (step, seed), the data orde
 (`MicroBatchIterator(start_step=iteration)`); the optimizer moments and step count, the scheduler
 and the RNG states are restored. Training continues as if it had never stopped (bitwise on CPU).
 The sharded keys carry global shapes, so a checkpoint also resumes at another TP / DP size (then
-without the per-rank RNG states, which nothing in the loop draws from anyway).
+without the per-rank RNG states, which nothing in the loop draws from anyway); the distributed
+optimizer's state resumes at another DP size but only at its TP size (`optim.optimizer_layout`).
 
 Pipeline parallelism: megatron's `dist_checkpointing` (0.16) is collective over the whole world and its
 global rank 0 writes the common state, so every rank calls `save_checkpoint` / `load_checkpoint`; ranks off
@@ -62,7 +64,8 @@ __all__ = [
 ]
 
 LATEST_FILE = TRACKER_FILENAME
-CHECKPOINT_VERSION = 1
+# 2: megatron's optimizer state on every device (version 1 CPU runs stored a layout of their own)
+CHECKPOINT_VERSION = 2
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -282,13 +285,15 @@ def save_checkpoint(
 
 
 def load_checkpoint(load_dir: str, body, engine, *, point: Optional[ResumePoint] = None,
-                    log: Callable = print) -> Optional[dict]:
+                    log: Callable = print, optimizer_layout: Optional[str] = None) -> Optional[dict]:
     """Restore the checkpoint `point` of `load_dir` (default: `find_resume_point(load_dir)`).
 
     A training checkpoint (`iter_*`) restores the draft, the optimizer (moments, step count), the
     scheduler and the RNGs and returns its common state (with `iteration`). A `release` checkpoint
     (converted weights, no optimizer) restores the draft only and returns `{"iteration": 0}`.
     Returns None when there is nothing to resume from (`load_dir` absent or empty).
+    `optimizer_layout` (`optim.optimizer_layout` of this run): a training checkpoint whose optimizer state
+    has another layout is refused.
 
     Raises `CheckpointError` on every rank when the checkpoint cannot be read on any rank (damaged
     shards, a missing common state, tensors of another shape), naming the directory.
@@ -300,7 +305,7 @@ def load_checkpoint(load_dir: str, body, engine, *, point: Optional[ResumePoint]
     error: Optional[BaseException] = None
     out = None
     try:
-        out = _load(point.directory, point.iteration, body, engine, log)
+        out = _load(point.directory, point.iteration, body, engine, log, optimizer_layout)
     except BaseException as err:  # noqa: BLE001 - every rank must learn about any rank's failure
         if isinstance(err, (KeyboardInterrupt, SystemExit)):  # torch's CheckpointException is a BaseException
             raise
@@ -331,13 +336,13 @@ def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {first}" if first else type(error).__name__
 
 
-def _load(directory: str, iteration, body, engine, log: Callable) -> dict:
+def _load(directory: str, iteration, body, engine, log: Callable, optimizer_layout: Optional[str]) -> dict:
     from megatron.core import dist_checkpointing
 
     from ..checkpoint import load_sharded_state_dict_into
 
     if body is None:  # a pipeline stage without the draft: join the collective load, nothing to restore
-        return _load_off_draft_stage(directory, iteration)
+        return _load_off_draft_stage(directory, iteration, optimizer_layout)
     if iteration == RELEASE:
         load_megatron_draft_into(body, directory)
         log(f"[checkpoint] loaded the draft weights of {directory} (release: new run, fresh optimizer)")
@@ -348,6 +353,7 @@ def _load(directory: str, iteration, body, engine, log: Callable) -> dict:
             f"{directory} holds draft weights but no training state (no optimizer/scheduler); start a new run "
             "from it with --dflash-init-from (after converting to HF) or as a 'release' checkpoint."
         )
+    _check_optimizer_layout(common, directory, optimizer_layout)
     same_world = common.get("world_size") == _world()
     if not same_world:
         log(f"[checkpoint] {directory} was written by {common.get('world_size')} ranks, this run has "
@@ -361,12 +367,34 @@ def _load(directory: str, iteration, body, engine, log: Callable) -> dict:
     engine.scheduler.load_state_dict(loaded["scheduler"])
     if same_world and loaded.get("rng_state") is not None:
         _set_rng_state(loaded["rng_state"])
-    out = {k: v for k, v in loaded.items() if k not in ("model", "rng_state") and not k.startswith("optimizer.")}
+    out = {k: v for k, v in loaded.items() if k not in ("model", "rng_state", "optimizer")}
     out["directory"] = directory
     return out
 
 
-def _load_off_draft_stage(directory: str, iteration) -> dict:
+def _check_optimizer_layout(common: dict, directory: str, expected: Optional[str]) -> None:
+    """Refuse (on every rank alike, before any collective) an optimizer state this run cannot restore."""
+    from .optim import optimizer_layout
+
+    saved_args = common.get("args", {})
+    if int(common.get("checkpoint_version", 1)) < 2 and not saved_args.get("use_cuda", False):
+        raise CheckpointError(
+            f"{directory} was written on CPU by an earlier megatron-dflash, whose optimizer state has a layout of "
+            "its own; its weights carry over: tools/convert_checkpoint.py to-hf, then --dflash-init-from (a new "
+            "optimizer)."
+        )
+    saved = optimizer_layout(bool(saved_args.get("use_distributed_optimizer", False)),
+                             int(saved_args.get("tensor_model_parallel_size", 1)))
+    if expected is not None and saved != expected:
+        raise CheckpointError(
+            f"{directory} holds the state of a {saved}, this run has a {expected}; resume with the layout it "
+            "was written with (the distributed optimizer's state resumes at any DP size but only at its TP "
+            "size), or start a new run from its weights (tools/convert_checkpoint.py to-hf, then "
+            "--dflash-init-from)."
+        )
+
+
+def _load_off_draft_stage(directory: str, iteration, optimizer_layout: Optional[str] = None) -> dict:
     """`load_checkpoint` on a pipeline stage without the draft: the same collectives, only the RNG state."""
     from megatron.core import dist_checkpointing
 
@@ -376,10 +404,11 @@ def _load_off_draft_stage(directory: str, iteration) -> dict:
     common = dist_checkpointing.load_common_state_dict(directory)
     if "scheduler" not in common:
         raise CheckpointError(f"{directory} holds draft weights but no training state (no optimizer/scheduler).")
+    _check_optimizer_layout(common, directory, optimizer_layout)
     same_world = common.get("world_size") == _world()
     loaded = dist_checkpointing.load({"rng_state": _rng_sharded(None)} if same_world else {}, directory)
     if same_world and loaded.get("rng_state") is not None:
         _set_rng_state(loaded["rng_state"])
-    out = {k: v for k, v in loaded.items() if k not in ("model", "rng_state") and not k.startswith("optimizer.")}
+    out = {k: v for k, v in loaded.items() if k not in ("model", "rng_state", "optimizer")}
     out["directory"] = directory
     return out

@@ -537,7 +537,7 @@ def train(job: Job, *, hooks: Optional[dict] = None, env=None) -> TrainResult:
     from ..parallel import SingleRankGroup
     from .checkpointing import load_checkpoint, save_checkpoint
     from .monitor import Monitor, format_metrics, labelled
-    from .optim import build_engine
+    from .optim import build_engine, optimizer_layout
     from .errors import DataError
     from .resume import agree_on_resume_point
     from .rundir import RunWriter
@@ -596,7 +596,9 @@ def train(job: Job, *, hooks: Optional[dict] = None, env=None) -> TrainResult:
                                           log=lambda t: _log(rank, t))
             state = None
             if point is not None:
-                state = load_checkpoint(args.load, body, engine, point=point, log=lambda t: _log(rank, t))
+                layout = optimizer_layout(args.use_distributed_optimizer, args.tensor_model_parallel_size)
+                state = load_checkpoint(args.load, body, engine, point=point, log=lambda t: _log(rank, t),
+                                        optimizer_layout=layout)
             if state is None:
                 _log(rank, f"[checkpoint] WARNING: --load={args.load} is {'empty' if os.path.isdir(args.load) else 'absent'}"
                      ": no checkpoint to resume from, TRAINING FROM SCRATCH.")
