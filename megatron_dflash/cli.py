@@ -102,8 +102,8 @@ class DefaultsOnceFormatter(argparse.HelpFormatter):
     def _default_text(action) -> Optional[str]:
         if not action.option_strings or action.default in (None, argparse.SUPPRESS):
             return None
-        if action.nargs == 0:  # store_true / store_false / help / version / count
-            return None
+        if action.nargs == 0 and not isinstance(action, argparse.BooleanOptionalAction):
+            return None  # store_true / store_false / help / version / count: nothing to show
         return "default: %(default)s"
 
 

@@ -86,8 +86,8 @@ def test_help_shows_every_default_exactly_once():
     help_text = " ".join(_parsers()["pretrain_dflash.py"].format_help().split())
     for flag, default in (("--seq-length SEQ_LENGTH", "48"), ("--train-iters TRAIN_ITERS", "1200"),
                           ("--lr LR", "0.002"), ("--min-lr MIN_LR", "0.0001"), ("--log-interval LOG_INTERVAL", "50"),
-                          ("--dflash-anchors-per-sample DFLASH_ANCHORS_PER_SAMPLE", "8")):
-        assert f"{flag} (default: {default})" in help_text, flag
+                          ("--dflash-anchors-per-sample DFLASH_ANCHORS_PER_SAMPLE", "512 with --target, 8 for the embedded job")):
+        assert f"{flag} " in help_text and f"(default: {default})" in help_text, flag
     assert "gamma + 1 (default 8). (default" not in help_text
 
 
@@ -355,7 +355,8 @@ def test_the_embedded_job_keeps_a_checkpoint_and_uses_the_shipped_target():
     assert job.args.save == os.path.join("runs", "first", "checkpoints")
     assert job.export_dir == os.path.join("runs", "first", "hf")
     assert len(job.eval_prompts) == 24
-    explicit = prepare_job(parse_args(["--target", SHIPPED_TARGET_DIR, "--data-format", "synthetic",
+    explicit = prepare_job(parse_args(["--target", SHIPPED_TARGET_DIR, "--dflash-num-layers", "2",
+                                       "--dflash-block-size", "8", "--data-format", "synthetic",
                                        "--dflash-eval-prompts", "0"]), world_size=1,
                            env={"DFLASH_RUN_NAME": "second"}, cuda=False, log=print)
     assert explicit.args.save is None and not explicit.embedded_target  # real runs choose their --save

@@ -8,6 +8,7 @@ uniform weights, variable-prefix base 0.9. The embedded job (no --target) keeps 
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -96,8 +97,10 @@ def test_help_lists_every_draft_setting_with_its_default():
     for flag, default in HELP_DEFAULTS.items():
         entry = help_text_of(flag, out.stdout)
         assert "default" in entry and default in entry, (flag, entry)
-    # No --dflash-* flag without a stated default.
+    # No --dflash-* option without a stated default (plain on/off flags have none to state).
     for action in build_parser()._actions:
+        if action.nargs == 0 and not isinstance(action, argparse.BooleanOptionalAction):
+            continue
         for flag in action.option_strings:
             if flag.startswith("--dflash-"):
                 assert "default" in help_text_of(action.option_strings[0], out.stdout), flag

@@ -50,7 +50,8 @@ def test_attention_check_compares_flex_with_chunked(gpu_check, dtype):
 
 def test_train_step_check_runs_the_megatron_engine(gpu_check, tiny_target):
     torch.set_num_threads(1)
-    row = gpu_check.check_train_step(("--target", tiny_target, "--seq-length", "48", "--micro-batch-size", "2",
+    row = gpu_check.check_train_step(("--target", tiny_target, "--dflash-num-layers", "2", "--dflash-block-size", "8",
+                                      "--seq-length", "48", "--micro-batch-size", "2",
                                       "--dflash-anchors-per-sample", "4", "--data-format", "synthetic",
                                       "--synthetic-train-samples", "16", "--synthetic-valid-samples", "4",
                                       "--eval-iters", "1"))

@@ -73,8 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="expert parallelism of a mixture-of-experts target (megatron backend): each rank holds "
                         "num_experts / EP experts of every MoE layer.")
     g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
-                   help="tensor parallelism inside each expert of a MoE target (default: "
-                        "--tensor-model-parallel-size, megatron's default).")
+                   help="tensor parallelism inside each expert of a MoE target (unset: "
+                        "--tensor-model-parallel-size, as in megatron).")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="shard the target's activations along the sequence within the tensor-parallel group "
                         "(megatron backend, TP > 1); the taps are gathered back to the full sequence.")
@@ -155,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dflash-variant", choices=VARIANTS, default="dflash", help="the draft model to train.")
     g.add_argument("--dflash-block-size", type=int, default=RunDefault(16, 8), help="gamma + 1.")
     g.add_argument("--dflash-anchors-per-sample", type=int, default=RunDefault(512, 8),
-                   help="blocks per row (with --target at most seq_length - block_size + 1 by default).")
+                   help="blocks per row (unless given, capped at seq_length - block_size + 1 with --target).")
     g.add_argument("--dflash-decay-gamma", type=float, default=RunDefault(DECAY_GAMMA_HELP, "block_size - 1"),
                    help="loss weight decay length (0: uniform weights; JetSpec is uniform unless given).")
     g.add_argument("--dflash-target-layer-ids", default=None,
@@ -163,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dflash-mask-token-id", type=int, default=None,
                    help="MASK token id (default: the tokenizer's mask token; never guessed).")
     g.add_argument("--dflash-num-layers", type=int, default=RunDefault(5, 2), help="draft decoder layers.")
-    g.add_argument("--dflash-init-from", default=None, help="initialise from a published HF drafter directory.")
+    g.add_argument("--dflash-init-from", default=None, help="initialise from a published HF drafter directory (default: none, random initialisation).")
     g.add_argument("--dflash-pipeline-stage", type=int, default=-1,
                    help="pipeline stage that holds the draft (-1: the last).")
     g.add_argument("--dflash-variable-prefix", type=float, nargs="?", const=0.9, default=None, metavar="BASE",
