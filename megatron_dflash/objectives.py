@@ -612,8 +612,8 @@ def _row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 class _FusedHeadLoss(torch.autograd.Function):
-    """``sum_r w_r * loss_r`` over the slots of a frozen, vocab-parallel head, with ``d loss_sum / d hidden``
-    computed in forward.
+    """``sum_r w_r * loss_r`` over the slots of a frozen, vocab-parallel head, with the gradients computed in
+    forward.
 
     The objective is a plain weighted sum, so its gradient w.r.t. the hidden states ``dH [M, H]`` does not
     depend on anything after the loss except one scalar (the incoming gradient). Each chunk of ``c`` rows
@@ -630,13 +630,21 @@ class _FusedHeadLoss(torch.autograd.Function):
     A row is *correct* when its label's logit equals the global row maximum (``z[label] - max == 0``
     exactly; ties, which fp32 logits practically never produce, count as correct).
 
+    Domino (``features``/``shard`` given, hard targets): a second set of logits ``final = base + features @
+    shard^T`` (the delta added after the output transform) in a second buffer, and the loss
+    ``(1 - mix) * final_CE + mix * base_CE``; the gradients w.r.t. ``features [M, E]`` and ``shard
+    [V_local, E]`` are formed in forward too (``shard``'s accumulated over the chunks).
+
     Inputs: hidden ``[M, H]``, labels ``[M]`` int64 (any valid id on unsupervised rows), weights ``[M]``
-    fp32 (0: unsupervised), teacher ``[M_t, H]`` and teacher_index ``[M]`` or None.
-    Outputs: loss_sum (fp32 scalar), correct ``[M]`` bool (non-differentiable).
+    fp32 (0: unsupervised), teacher ``[M_t, H]`` and teacher_index ``[M]`` or None, features ``[M, E]`` and
+    shard ``[V_local, E]`` or None, mix (Domino's ``lambda_base``).
+    Outputs: loss_sum (fp32 scalar), then, non-differentiable, the base loss sum, the final loss sum (0
+    without Domino), correct ``[M]`` bool of the base logits and of the final ones (the base's without Domino).
     """
 
     @staticmethod
-    def forward(ctx, hidden, labels, weights, teacher, teacher_index, head, soft_target, temperature, chunk, with_grad):
+    def forward(ctx, hidden, labels, weights, teacher, teacher_index, features, shard, head, soft_target,
+                temperature, mix, chunk, with_grad):
         group = head.tp_group
         weight = head.weight if head.weight is not None else head.layer.weight
         bias = getattr(head.layer, "bias", None)
@@ -645,24 +653,33 @@ class _FusedHeadLoss(torch.autograd.Function):
         weight = weight[:real]
         bias = bias[:real].float() if bias is not None else None
         soft = soft_target != "none"
+        domino = features is not None
         cap = head.final_logit_softcapping
         multiplier = float(head.output_multiplier)
         M = hidden.shape[0]
         device = hidden.device
         rows_max = max(1, min(chunk, M))
         # The reused buffers: logits (turned into exp, then into the gradient), and for soft targets the
-        # teacher's, for the soft cap its tanh (needed for the chain rule).
+        # teacher's, for Domino the final logits, for the soft cap its tanh (needed for the chain rule).
         logits_buf = torch.empty(rows_max, real, dtype=torch.float32, device=device)
-        teacher_buf = torch.empty_like(logits_buf) if soft else None
+        second_buf = torch.empty_like(logits_buf) if soft or domino else None
         tanh_buf = torch.empty_like(logits_buf) if cap is not None else None
         grad_hidden = torch.empty(M if with_grad else 0, hidden.shape[-1], dtype=weight.dtype, device=device)
-        loss_sum = torch.zeros((), dtype=torch.float32, device=device)
-        correct = torch.empty(M, dtype=torch.bool, device=device)
+        if domino:
+            shard_real = shard[:real].float()
+            grad_features = torch.empty(M if with_grad else 0, features.shape[-1], dtype=torch.float32, device=device)
+            grad_shard = torch.zeros(shard.shape, dtype=torch.float32, device=device)
         zero = torch.zeros((), device=device)
+        base_sum = torch.zeros((), dtype=torch.float32, device=device)
+        final_sum = torch.zeros((), dtype=torch.float32, device=device)
+        base_correct = torch.empty(M, dtype=torch.bool, device=device)
+        final_correct = torch.empty(M, dtype=torch.bool, device=device) if domino else base_correct
         scale = temperature * temperature if soft else 1.0
-        # d loss_r / d raw logits = coefficient_r * (softmax - q) [* (1 - tanh^2)]: the multiplier and 1/T
-        # of the transform, T^2 of the soft loss.
-        coefficient = multiplier * scale / temperature
+        # d loss_r / d logits after the transform = (softmax - q) * w * T^2 / T (soft: T^2 scales the loss,
+        # 1/T comes from z / T). The transform's own factor (multiplier, tanh') follows; without Domino the
+        # multiplier is folded into the row factor (one pass less).
+        base_factor = (mix if domino else 1.0) * scale / temperature * (1.0 if domino else multiplier)
+        final_factor = 1.0 - mix
 
         def transformed_logits(h, out, tanh_out):
             """``out <- transform(h @ W_real^T + b) / T`` in place; returns the view of ``n`` rows."""
@@ -684,6 +701,28 @@ class _FusedHeadLoss(torch.autograd.Function):
                 out.mul_(multiplier / temperature)
             return out
 
+        def cross_entropy_to_grad(z, label, owned, q, row):
+            """Per-row loss and correctness of logits ``z``; ``z`` becomes ``(softmax - q) * row`` in place
+            (``q``: the soft target, or the one-hot of ``label`` when None)."""
+            n = z.shape[0]
+            z_max = _all_reduce(_row_amax(z), dist.ReduceOp.MAX, group)
+            label_shifted = torch.where(owned, z.gather(1, label)[:, 0] - z_max, zero) if real else zero.expand(n)
+            if q is not None:
+                picked = _row_dot(q, z) - z_max * q.sum(dim=-1)
+            z.sub_(z_max[:, None]).exp_()
+            stats = [z.sum(dim=-1), label_shifted] + ([picked] if q is not None else [])
+            stats = _all_reduce(torch.stack(stats), dist.ReduceOp.SUM, group)
+            sum_exp = stats[0]
+            loss = torch.log(sum_exp) - (stats[2] if q is not None else stats[1])
+            if with_grad:
+                # exp * (row / sum_exp), then - q * row: as few passes over the buffer as possible.
+                z.mul_((row / sum_exp)[:, None])
+                if q is not None:
+                    z.addcmul_(q, row[:, None], value=-1.0)
+                elif real:
+                    z.scatter_add_(1, label, -(owned * row).to(z.dtype)[:, None])
+            return loss, stats[1] == 0
+
         for lo in range(0, M, rows_max):
             hi = min(lo + rows_max, M)
             n = hi - lo
@@ -691,63 +730,67 @@ class _FusedHeadLoss(torch.autograd.Function):
             label = labels[lo:hi] - start
             owned = (label >= 0) & (label < real)
             label = label.clamp(0, max(real - 1, 0))[:, None]
+            q = None
             if soft:
                 # Teacher: q = softmax(t), and sum_v q_v log q_v = sum_v q_v (t_v - tmax) - log(sum exp).
-                t = transformed_logits(teacher.index_select(0, teacher_index[lo:hi]), teacher_buf, None)
+                t = transformed_logits(teacher.index_select(0, teacher_index[lo:hi]), second_buf, None)
                 t_max = _all_reduce(_row_amax(t), dist.ReduceOp.MAX, group)
                 t.sub_(t_max[:, None])
-                z = logits_buf[:n]  # scratch for exp(t - tmax) until the draft's logits are formed
-                torch.exp(t, out=z)
-                t_stats = torch.stack([z.sum(dim=-1), _row_dot(z, t)])
-                t_stats = _all_reduce(t_stats, dist.ReduceOp.SUM, group)
-                t_sum = t_stats[0]
-                neg_entropy = t_stats[1] / t_sum - torch.log(t_sum)
-                q = t.copy_(z).div_(t_sum[:, None])
+                e = logits_buf[:n]  # scratch for exp(t - tmax) until the draft's logits are formed
+                torch.exp(t, out=e)
+                t_stats = _all_reduce(torch.stack([e.sum(dim=-1), _row_dot(e, t)]), dist.ReduceOp.SUM, group)
+                neg_entropy = t_stats[1] / t_stats[0] - torch.log(t_stats[0])
+                q = t.copy_(e).div_(t_stats[0][:, None])
             z = transformed_logits(hidden[lo:hi], logits_buf, tanh_buf)
-            z_max = _all_reduce(_row_amax(z), dist.ReduceOp.MAX, group)
-            label_shifted = torch.where(owned, z.gather(1, label)[:, 0] - z_max, zero) if real else zero.expand(n)
-            if soft:
-                picked = _row_dot(q, z) - z_max * q.sum(dim=-1)
-            z.sub_(z_max[:, None]).exp_()
-            stats = [z.sum(dim=-1), label_shifted] + ([picked] if soft else [])
-            stats = _all_reduce(torch.stack(stats), dist.ReduceOp.SUM, group)
-            sum_exp = stats[0]
-            correct[lo:hi] = stats[1] == 0
-            target = stats[2] if soft else stats[1]
-            loss = torch.log(sum_exp) - target
+            if domino:
+                final = second_buf[:n].copy_(z).addmm_(features[lo:hi].float(), shard_real.t())
+            loss, base_correct[lo:hi] = cross_entropy_to_grad(z, label, owned, q, w * base_factor)
             if soft_target == "kl":
                 loss = loss + neg_entropy
             # `where`, not a product: an unsupervised slot's loss may be inf and 0 * inf is NaN.
-            loss_sum += torch.where(w != 0, loss * (w * scale), zero).sum()
+            base_sum += torch.where(w != 0, loss * (w * scale), zero).sum()
+            if domino:
+                loss, final_correct[lo:hi] = cross_entropy_to_grad(final, label, owned, None, w * final_factor)
+                final_sum += torch.where(w != 0, loss * w, zero).sum()
             if not with_grad:
                 continue
-            # The gradient in the logits buffer, (softmax - q) * w * coefficient [* (1 - tanh^2)], in as few
-            # passes as possible: exp * (w c / sum_exp), then - q * (w c).
-            row = (w * coefficient)[:, None]
-            grad = z.mul_(row / sum_exp[:, None])
-            if soft:
-                grad.addcmul_(q, row, value=-1.0)
-            elif real:
-                grad.scatter_add_(1, label, -(owned * row[:, 0]).to(grad.dtype)[:, None])
+            if domino:
+                # `final` holds d loss / d final logits = d loss / d delta; it joins the base gradient.
+                torch.matmul(final, shard_real, out=grad_features[lo:hi])
+                grad_shard[:real].addmm_(final.t(), features[lo:hi].float())
+                z.add_(final)
+                if multiplier != 1.0:
+                    z.mul_(multiplier)
             if cap is not None:
                 th = tanh_buf[:n]
-                grad.mul_(th.mul_(th).neg_().add_(1.0))
+                z.mul_(th.mul_(th).neg_().add_(1.0))
             if weight.dtype == torch.float32:
-                torch.matmul(grad, weight, out=grad_hidden[lo:hi])
+                torch.matmul(z, weight, out=grad_hidden[lo:hi])
             else:
-                grad_hidden[lo:hi] = grad.to(weight.dtype) @ weight
-        ctx.save_for_backward(grad_hidden)
+                grad_hidden[lo:hi] = z.to(weight.dtype) @ weight
+        if domino:
+            loss_sum = mix * base_sum + (1.0 - mix) * final_sum
+            ctx.save_for_backward(grad_hidden, grad_features, grad_shard)
+            ctx.dtypes = (hidden.dtype, features.dtype, shard.dtype)
+        else:
+            loss_sum = base_sum.clone()
+            ctx.save_for_backward(grad_hidden)
+            ctx.dtypes = (hidden.dtype,)
         ctx.group = group
-        ctx.hidden_dtype = hidden.dtype
-        ctx.mark_non_differentiable(correct)
-        return loss_sum, correct
+        ctx.mark_non_differentiable(base_sum, final_sum, base_correct, final_correct)
+        return loss_sum, base_sum, final_sum, base_correct, final_correct
 
     @staticmethod
-    def backward(ctx, grad_loss_sum, grad_correct):
-        (grad_hidden,) = ctx.saved_tensors
-        grad = grad_hidden.mul_(grad_loss_sum.to(grad_hidden.dtype))  # saved once, used once
-        grad = _all_reduce(grad, dist.ReduceOp.SUM, ctx.group)
-        return grad.to(ctx.hidden_dtype), None, None, None, None, None, None, None, None, None
+    def backward(ctx, grad_loss_sum, *unused):
+        grads = []
+        for index, (saved, dtype) in enumerate(zip(ctx.saved_tensors, ctx.dtypes)):
+            grad = saved.mul_(grad_loss_sum.to(saved.dtype))  # saved once, used once
+            if index < 2:  # hidden states and features are replicated: each rank's part covers its shard
+                grad = _all_reduce(grad, dist.ReduceOp.SUM, ctx.group)
+            grads.append(grad.to(dtype))
+        grad_hidden = grads[0]
+        grad_features, grad_shard = grads[1:] if len(grads) == 3 else (None, None)
+        return (grad_hidden, None, None, None, None, grad_features, grad_shard) + (None,) * 6
 
 
 def _row_amax(logits: torch.Tensor) -> torch.Tensor:
@@ -980,9 +1023,9 @@ def dflash_loss(
         fused = not head.requires_grad()
     if fused:
         with_grad = torch.is_grad_enabled() and hidden.requires_grad
-        loss_sum, label_is_max = _FusedHeadLoss.apply(
-            flat_hidden, flat_labels, flat_weights, teacher_flat, teacher_index, head, soft_target,
-            float(temperature), size, with_grad,
+        loss_sum, _, _, label_is_max, _ = _FusedHeadLoss.apply(
+            flat_hidden, flat_labels, flat_weights, teacher_flat, teacher_index, None, None, head, soft_target,
+            float(temperature), 0.0, size, with_grad,
         )
         label_is_max = label_is_max.view(B, N, G)
     else:
