@@ -284,24 +284,25 @@ def main(argv=None) -> None:
     print(f"# batch 1, anchors S/{args.anchor_ratio}, block {args.block_size}, draft {args.draft_layers} x hidden "
           f"{args.hidden}, target {args.target_layers} layers, vocab {args.vocab}, fp32, {args.threads} threads, "
           f"{args.rounds} alternating rounds x {args.steps} steps")
-    results = {}
+    print(f"{'S':>6} {'anchors':>7} {'side':>5} {'wall s':>8} {'cpu s':>8} {'peak RSS +MiB':>14}", flush=True)
     for seq in args.seq:
         per_side = {side: [] for side in args.sides}
         for round_index in range(args.rounds):
             order = args.sides if round_index % 2 == 0 else list(reversed(args.sides))
             for side in order:
-                per_side[side].append(run_worker(args, side, seq))
-        results[seq] = {side: {key: statistics.median(r[key] for r in runs) for key in ("wall", "cpu", "rss")}
-                        for side, runs in per_side.items()}
-    print(f"{'S':>6} {'anchors':>7} {'side':>5} {'wall s':>8} {'cpu s':>8} {'peak RSS +MiB':>14}")
-    for seq, sides in results.items():
+                r = run_worker(args, side, seq)
+                per_side[side].append(r)
+                print(f"# round {round_index} S={seq} {side}: wall {r['wall']:.3f} s, cpu {r['cpu']:.3f} s, "
+                      f"RSS +{r['rss'] / 2**20:.0f} MiB", flush=True)
+        sides = {side: {key: statistics.median(r[key] for r in runs) for key in ("wall", "cpu", "rss")}
+                 for side, runs in per_side.items()}
         for side, r in sides.items():
             print(f"{seq:>6} {seq // args.anchor_ratio:>7} {side:>5} {r['wall']:8.3f} {r['cpu']:8.3f} "
                   f"{r['rss'] / 2**20:14.0f}")
         if len(sides) == 2:
             ours, nemo = sides["ours"], sides["nemo"]
             print(f"{seq:>6} {'':>7} {'ratio':>5} {nemo['wall'] / ours['wall']:7.2f}x {nemo['cpu'] / ours['cpu']:7.2f}x "
-                  f"{nemo['rss'] / max(ours['rss'], 1):13.2f}x   (nemo / ours)")
+                  f"{nemo['rss'] / max(ours['rss'], 1):13.2f}x   (nemo / ours)", flush=True)
     if not args.no_flops and "ours" in args.sides:
         peak = mm_peak(args.threads)
         for seq in args.seq:
