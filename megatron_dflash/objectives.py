@@ -13,9 +13,12 @@ Conventions (DESIGN section 2; they must never drift from what serving does):
   micro-batch would make the objective depend on how the global batch is split.
 
 Memory: the loss never materialises logits of all slots. The ``M = B * N * gamma`` predicted slots are cut
-into fixed-size chunks of ``chunk_slots`` rows (static shapes, no host synchronisation); each chunk computes
-its ``[chunk, V / TP]`` logits, its vocab-parallel cross entropy and its argmax under activation
-recomputation, so the peak is one chunk of logits (plus its gradient) whatever the number of slots.
+into fixed-size chunks of ``chunk_slots`` rows (static shapes, no host synchronisation). With the target's
+head frozen (training) the loss is fused (`_FusedHeadLoss`): each chunk's ``[chunk, V / TP]`` logits are
+formed in one reused buffer, turned into the loss and then, in place, into the gradient w.r.t. the logits,
+and multiplied by the head's weight into the gradient w.r.t. the hidden states; backward only scales that
+by the incoming gradient, nothing is recomputed. A trainable head takes the per-chunk path under
+activation recomputation instead. Either way the peak is one chunk of logits whatever the number of slots.
 Unsupervised slots inside a chunk are computed and weighted by zero.
 
 Vocab-parallel cross entropy (same scheme as megatron's ``vocab_parallel_cross_entropy``, written here with
