@@ -6,8 +6,11 @@ Examples:
     python benchmarks/bench_loss.py --device cuda --dtype bfloat16
 
 Implementations (same inputs, same weighted objective, frozen head, gradient w.r.t. the hidden states):
-    chunked  ``dflash_loss(..., chunk_slots=--chunk)``: the predicted slots in chunks of ``--chunk`` rows, each
-             chunk's ``[chunk, V]`` logits, vocab-parallel CE and argmax under activation recomputation.
+    chunked  ``dflash_loss(..., chunk_slots=--chunk)`` (production, frozen head: the fused loss): the predicted
+             slots in chunks of ``--chunk`` rows in one reused ``[chunk, V]`` buffer, the gradient w.r.t. the
+             hidden states formed in forward, nothing recomputed in backward.
+    recompute ``dflash_loss(..., fused=False)``: each chunk's logits, vocab-parallel CE and argmax under
+             activation recomputation (the path a trainable head takes).
     full     the reference formulation: ``logits = hidden @ W^T`` for every predicted slot at once (materialised,
              fp32), ``F.cross_entropy(logits, labels, reduction="none")``, the same decay weights and mask.
 
@@ -21,7 +24,7 @@ Peak memory, beyond what was live before the pass:
     CPU:  "alloc" = high-water mark of the bytes torch's CPU allocator reports to the profiler
           (``profile_memory=True``; exactly the tensors torch allocates) and "rss" = high-water of the process
           RSS sampled every millisecond by a thread (includes allocator caching, hence noisier).
-Ratios are full/chunked: a ratio of 10 means chunked is 10x faster or smaller.
+Ratios are full/chunked and recompute/chunked: a ratio of 10 means chunked is 10x faster or smaller.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--chunk", type=int, default=1024, help="chunk_slots of the chunked loss")
     parser.add_argument("--block-size", type=int, default=17, help="W = gamma + 1; gamma must divide --slots")
     parser.add_argument("--decay-gamma", type=float, default=7.0)
-    parser.add_argument("--impls", nargs="+", default=["chunked", "full"], choices=["chunked", "full"])
+    parser.add_argument("--impls", nargs="+", default=["chunked", "recompute", "full"], choices=["chunked", "recompute", "full"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--warmup", type=int, default=0)
@@ -85,11 +88,14 @@ def make_inputs(args, vocab: int):
 
 
 def make_step(impl, args, plan, input_ids, hidden, head, vocab):
-    if impl == "chunked":
+    if impl in ("chunked", "recompute"):
         output_head = OutputHead(head, vocab)
+        fused = impl == "chunked"
 
         def step():
-            out = dflash_loss(hidden, plan, input_ids, output_head, decay_gamma=args.decay_gamma, chunk_slots=args.chunk)
+            out = dflash_loss(
+                hidden, plan, input_ids, output_head, decay_gamma=args.decay_gamma, chunk_slots=args.chunk, fused=fused
+            )
             out.loss_sum.backward()
             return out.loss_sum.detach()
 
@@ -238,15 +244,17 @@ def main(argv=None) -> None:
                 continue
             mems = " ".join(f"{fmt_mib(r.get(k)):>10}" for k in mem_keys)
             print(f"{vocab:>7} {impl:>8} {r['seconds']:9.3f} {mems} {r['loss']:12.4f}  {logits_mib:.0f}")
-        if all("error" not in results.get(i, {"error": 1}) for i in ("chunked", "full")):
-            c, f = results["chunked"], results["full"]
+        for other in ("full", "recompute"):
+            if not all("error" not in results.get(i, {"error": 1}) for i in ("chunked", other)):
+                continue
+            c, f = results["chunked"], results[other]
             ratios = [f"time {f['seconds'] / c['seconds']:.2f}x"]
             for k in mem_keys:
                 if c.get(k) and f.get(k):
                     ratios.append(f"{k} {f[k] / max(c[k], 1):.1f}x")
             rel_loss = abs(c["loss"] - f["loss"]) / max(abs(f["loss"]), 1e-12)
             rel_grad = float((c["grad"] - f["grad"]).abs().max() / f["grad"].abs().max().clamp(min=1e-30))
-            print(f"{vocab:>7} {'full/chunked':>17}: " + ", ".join(ratios)
+            print(f"{vocab:>7} {other + '/chunked':>17}: " + ", ".join(ratios)
                   + f"  (agreement: loss rel {rel_loss:.1e}, grad max rel {rel_grad:.1e})")
 
 

@@ -14,8 +14,9 @@ although almost all of it is masked out, so three backends are provided:
 * ``"dense"``: the reference with the dense mask, written to be obviously right. It is the test oracle.
 * ``"chunked"``: exact and without the dense mask. The context part (queries of a chunk of blocks against
   the context keys) and the in-block part (``[W, W]`` per block) are computed separately, each returning its
-  output and log-sum-exp, and merged exactly through the log-sum-exp. Blocks are processed in chunks, each
-  chunk under activation checkpointing, so forward+backward memory is bounded by one chunk.
+  output and log-sum-exp, and merged exactly through the log-sum-exp. Blocks are processed in chunks; forward
+  keeps only each row's output and log-sum-exp, and backward recomputes only each chunk's scores
+  (flash-attention style), so forward+backward memory is bounded by one chunk.
 * ``"flex"``: ``torch.nn.attention.flex_attention`` with a ``BlockMask`` built from the same visibility
   rule as the dense mask (compiled on CUDA, eager elsewhere).
 
@@ -33,7 +34,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 __all__ = [
     "BlockVisibility",
@@ -312,8 +312,9 @@ def _dense_attention(query, context_key, context_value, block_key, block_value, 
 # ---------------------------------------------------------------------------------------------------------
 
 
-class _GroupedMaskedAttention(torch.autograd.Function):
-    """Softmax attention with a boolean mask that returns the output and the log-sum-exp.
+def _grouped_masked_attention(query, key, value, visible, groups):
+    """Softmax attention with a boolean mask that returns the output and the log-sum-exp (forward only:
+    `_ChunkedBlockAttention` differentiates it with the full log-sum-exp, see `_part_backward`).
 
     Inputs:
         query: ``[*, G*R, D]``, already scaled; its rows are ``G`` query heads that share one KV head, each
@@ -323,46 +324,24 @@ class _GroupedMaskedAttention(torch.autograd.Function):
         groups: ``G``.
     Outputs:
         out ``[*, G*R, D]`` and lse ``[*, G*R]`` (fp32 or wider); a row that sees no key gets out = 0 and
-        lse = -inf, and no gradient flows through it (no NaN in forward or backward).
+        lse = -inf (no NaN).
 
-    The backward is written by hand (as in flash attention) so that forward and backward each hold only one
-    score-sized tensor and touch it as few times as possible: the scores become unnormalised probabilities
+    One score-sized tensor, touched as few times as possible: the scores become unnormalised probabilities
     ``E = exp(S - rowmax)`` in place and the normaliser ``1 / rowsum(E)`` is applied to the small
-    ``[*, G*R, D]`` tensors instead; the backward turns ``dP`` into ``dS`` in place using
-    ``rowsum(dP * P) = rowsum(dO * O)``.
+    ``[*, G*R, D]`` output instead.
     """
-
-    @staticmethod
-    def forward(ctx, query, key, value, visible, groups):
-        scores = torch.matmul(query, key.transpose(-1, -2))  # [*, G*R, K]
-        grouped = scores.view(*scores.shape[:-2], groups, -1, scores.shape[-1])  # [*, G, R, K]
-        grouped.masked_fill_(~visible, float("-inf"))
-        row_max = scores.amax(dim=-1, keepdim=True)  # [*, G*R, 1]; -inf exactly on rows that see nothing
-        empty = row_max == float("-inf")
-        # Shift empty rows by 0 instead of -inf so that their weights are exp(-inf) = 0 rather than NaN.
-        row_max.masked_fill_(empty, 0.0)
-        weights = scores.sub_(row_max).exp_()  # E, in place: the scores are not needed any more
-        row_sum = weights.sum(dim=-1, keepdim=True).masked_fill_(empty, 1.0)  # >= 1 on non-empty rows
-        inv_sum = row_sum.reciprocal()
-        out = torch.matmul(weights, value).mul_(inv_sum)  # [*, G*R, D]; exactly 0 on empty rows
-        lse = (row_sum.log_() + row_max).masked_fill_(empty, float("-inf")).squeeze(-1)  # [*, G*R]
-        ctx.save_for_backward(query, key, value, weights, inv_sum, out)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, grad_out, grad_lse):
-        query, key, value, weights, inv_sum, out = ctx.saved_tensors
-        # With P = E / rowsum(E): dV = P^T dO and dS = P * (dP - rowsum(dP * P) + dLSE), dP = dO V^T,
-        # rowsum(dP * P) = rowsum(dO * O). The 1 / rowsum(E) factor is folded into the small dO and row term.
-        # Masked entries and empty rows have E = 0, so they get exactly zero gradient.
-        grad_out_scaled = grad_out * inv_sum
-        grad_value = torch.matmul(weights.transpose(-1, -2), grad_out_scaled)
-        grad_scores = torch.matmul(grad_out_scaled, value.transpose(-1, -2))
-        row_term = ((grad_out * out).sum(dim=-1, keepdim=True) - grad_lse.unsqueeze(-1)) * inv_sum
-        grad_scores.sub_(row_term).mul_(weights)
-        grad_query = torch.matmul(grad_scores, key)
-        grad_key = torch.matmul(grad_scores.transpose(-1, -2), query)
-        return grad_query, grad_key, grad_value, None, None
+    scores = torch.matmul(query, key.transpose(-1, -2))  # [*, G*R, K]
+    grouped = scores.view(*scores.shape[:-2], groups, -1, scores.shape[-1])  # [*, G, R, K]
+    grouped.masked_fill_(~visible, float("-inf"))
+    row_max = scores.amax(dim=-1, keepdim=True)  # [*, G*R, 1]; -inf exactly on rows that see nothing
+    empty = row_max == float("-inf")
+    # Shift empty rows by 0 instead of -inf so that their weights are exp(-inf) = 0 rather than NaN.
+    row_max.masked_fill_(empty, 0.0)
+    weights = scores.sub_(row_max).exp_()  # E, in place: the scores are not needed any more
+    row_sum = weights.sum(dim=-1, keepdim=True).masked_fill_(empty, 1.0)  # >= 1 on non-empty rows
+    out = torch.matmul(weights, value).mul_(row_sum.reciprocal())  # [*, G*R, D]; exactly 0 on empty rows
+    lse = (row_sum.log_() + row_max).masked_fill_(empty, float("-inf")).squeeze(-1)  # [*, G*R]
+    return out, lse
 
 
 def _in_block_visibility(block_size: int, causal: bool, window: int | None, device) -> torch.Tensor:
@@ -390,13 +369,15 @@ def _chunk_attention(
     scale: float,
     causal: bool,
     window: int | None,
-) -> torch.Tensor:
+    return_lse: bool = False,
+):
     """Exact attention for a chunk of ``C`` blocks.
 
     query ``[B, C, W, Hq, D]``, context_key/value ``[B, S', Hkv, D]`` (the context keys at sequence indices
     ``key_offset .. key_offset + S' - 1``, a range that holds every key the chunk may see),
     block_key/value ``[B, C, W, Hkv, D]``, anchors/starts/valid ``[B, C]`` -> ``[B, C, W, Hq, D]`` in
-    query's dtype.
+    query's dtype; with ``return_lse`` also the log-sum-exp of every row over all the keys it sees,
+    ``[B, C, W, Hq]`` in the compute dtype (finite: a slot always sees itself).
     """
     B, C, W, Hq, D = query.shape
     S, Hkv = context_key.shape[1], context_key.shape[2]
@@ -408,32 +389,24 @@ def _chunk_attention(
     q = (query.to(dtype) * scale).view(B, C, W, Hkv, G, D)
 
     # In-block part: [W, W] per block. Never empty (a slot always sees itself), so its lse is finite.
-    qb = q.permute(0, 1, 3, 4, 2, 5).reshape(B, C, Hkv, G * W, D)
+    qb = _to_block_rows(q)
     kb = block_key.to(dtype).transpose(2, 3)  # [B, C, Hkv, W, D]
     vb = block_value.to(dtype).transpose(2, 3)
     in_block = _in_block_visibility(W, causal, window, device)  # broadcasts to [B, C, Hkv, G, W, W]
-    out_b, lse_b = _GroupedMaskedAttention.apply(qb, kb, vb, in_block, G)
+    out_b, lse_b = _grouped_masked_attention(qb, kb, vb, in_block, G)
     out_b = out_b.view(B, C, Hkv, G, W, D).permute(0, 1, 4, 2, 3, 5)  # [B, C, W, Hkv, G, D]
     lse_b = lse_b.view(B, C, Hkv, G, W).permute(0, 1, 4, 2, 3)  # [B, C, W, Hkv, G]
 
     if S == 0:  # no block of this chunk sees a context key
-        out = out_b
+        out, lse = out_b, lse_b
     else:
         # Context part: the chunk's queries against its range of context keys. The mask is built for this
         # chunk only, as [B, C, W, S'] bool without heads.
-        qc = q.permute(0, 3, 4, 1, 2, 5).reshape(B, Hkv, G * C * W, D)
+        qc = _to_context_rows(q)
         kc = context_key.to(dtype).transpose(1, 2)  # [B, Hkv, S, D]
         vc = context_value.to(dtype).transpose(1, 2)
-        positions = torch.arange(key_offset, key_offset + S, device=device)
-        anchor = anchors.view(B, C, 1, 1)
-        lowest = starts.view(B, C, 1, 1)
-        if window is not None:
-            # (anchor + slot) - j < window  <=>  j >= anchor + slot - window + 1
-            slot = torch.arange(W, device=device).view(1, 1, W, 1)
-            lowest = torch.maximum(lowest, anchor + slot - (window - 1))
-        visible = (positions >= lowest) & (positions < anchor) & valid.view(B, C, 1, 1)  # [B, C, W|1, S]
-        visible = visible.expand(B, C, W, S).reshape(B, 1, 1, C * W, S)  # broadcasts to [B, Hkv, G, C*W, S]
-        out_c, lse_c = _GroupedMaskedAttention.apply(qc, kc, vc, visible, G)
+        visible = _context_visibility(anchors, starts, valid, key_offset, S, W, window)
+        out_c, lse_c = _grouped_masked_attention(qc, kc, vc, visible, G)
         out_c = out_c.view(B, Hkv, G, C, W, D).permute(0, 3, 4, 1, 2, 5)  # [B, C, W, Hkv, G, D]
         lse_c = lse_c.view(B, Hkv, G, C, W).permute(0, 3, 4, 1, 2)  # [B, C, W, Hkv, G]
 
@@ -444,9 +417,150 @@ def _chunk_attention(
         w_c = torch.exp(lse_c - ref).unsqueeze(-1)
         w_b = torch.exp(lse_b - ref).unsqueeze(-1)
         out = (w_c * out_c + w_b * out_b) / (w_c + w_b)
+        lse = torch.logaddexp(lse_c, lse_b) if return_lse else None
 
     out = out * valid.view(B, C, 1, 1, 1, 1).to(out.dtype)
-    return out.reshape(B, C, W, Hq, D).to(query.dtype)
+    out = out.reshape(B, C, W, Hq, D).to(query.dtype)
+    if return_lse:
+        return out, lse.reshape(B, C, W, Hq)
+    return out
+
+
+def _to_block_rows(x: torch.Tensor) -> torch.Tensor:
+    """``[B, C, W, Hkv, G, *]`` -> ``[B, C, Hkv, G * W, *]``: the rows of the in-block matmuls."""
+    B, C, W, Hkv, G = x.shape[:5]
+    return x.permute(0, 1, 3, 4, 2, *range(5, x.dim())).reshape(B, C, Hkv, G * W, *x.shape[5:])
+
+
+def _from_block_rows(x: torch.Tensor, W: int, G: int) -> torch.Tensor:
+    """Inverse of `_to_block_rows`."""
+    B, C, Hkv = x.shape[:3]
+    return x.view(B, C, Hkv, G, W, *x.shape[4:]).permute(0, 1, 4, 2, 3, *range(5, x.dim() + 1))
+
+
+def _to_context_rows(x: torch.Tensor) -> torch.Tensor:
+    """``[B, C, W, Hkv, G, *]`` -> ``[B, Hkv, G * C * W, *]``: the rows of the context matmuls."""
+    B, C, W, Hkv, G = x.shape[:5]
+    return x.permute(0, 3, 4, 1, 2, *range(5, x.dim())).reshape(B, Hkv, G * C * W, *x.shape[5:])
+
+
+def _from_context_rows(x: torch.Tensor, C: int, W: int, G: int) -> torch.Tensor:
+    """Inverse of `_to_context_rows`."""
+    B, Hkv = x.shape[:2]
+    return x.view(B, Hkv, G, C, W, *x.shape[3:]).permute(0, 3, 4, 1, 2, *range(5, x.dim() + 2))
+
+
+def _context_visibility(anchors, starts, valid, key_offset: int, S: int, W: int, window) -> torch.Tensor:
+    """``[B, 1, 1, C * W, S']`` bool (broadcasts to ``[B, Hkv, G, C*W, S']``): slot ``(c, w)`` sees context
+    key ``key_offset + j``. Built per chunk, without heads."""
+    B, C = anchors.shape
+    device = anchors.device
+    positions = torch.arange(key_offset, key_offset + S, device=device)
+    anchor = anchors.view(B, C, 1, 1)
+    lowest = starts.view(B, C, 1, 1)
+    if window is not None:
+        # (anchor + slot) - j < window  <=>  j >= anchor + slot - window + 1
+        slot = torch.arange(W, device=device).view(1, 1, W, 1)
+        lowest = torch.maximum(lowest, anchor + slot - (window - 1))
+    visible = (positions >= lowest) & (positions < anchor) & valid.view(B, C, 1, 1)  # [B, C, W|1, S]
+    return visible.expand(B, C, W, S).reshape(B, 1, 1, C * W, S)
+
+
+def _part_backward(q, k, v, visible, groups: int, lse, delta, grad_out):
+    """Flash-attention backward of one part (context or in-block) of a softmax whose full log-sum-exp is known.
+
+    ``q [*, G*R, D]`` (scaled), ``k, v [*, K, D]``, ``visible`` as in `_grouped_masked_attention`, ``lse`` and
+    ``delta = rowsum(dO * O)`` ``[*, G*R, 1]`` over **all** the row's keys, ``grad_out [*, G*R, D]`` ->
+    ``(dq, dk, dv)``. With the full ``lse`` the probabilities ``P = exp(S - lse)`` of this part are exact
+    without its partner part, so each part's scores are recomputed once and nothing else is.
+    """
+    probs = torch.matmul(q, k.transpose(-1, -2))  # [*, G*R, K]
+    probs.view(*probs.shape[:-2], groups, -1, probs.shape[-1]).masked_fill_(~visible, float("-inf"))
+    probs.sub_(lse).exp_()
+    grad_value = torch.matmul(probs.transpose(-1, -2), grad_out)
+    grad_scores = torch.matmul(grad_out, v.transpose(-1, -2)).sub_(delta).mul_(probs)  # dS = P * (dP - delta)
+    del probs
+    grad_query = torch.matmul(grad_scores, k)
+    grad_key = torch.matmul(grad_scores.transpose(-1, -2), q)
+    return grad_query, grad_key, grad_value
+
+
+class _ChunkedBlockAttention(torch.autograd.Function):
+    """The chunked kernel with a flash-attention backward.
+
+    Forward runs `_chunk_attention` chunk by chunk and keeps only the output and the log-sum-exp of every row
+    (``[B, N, W, Hq, D]`` and ``[B, N, W, Hq]``). Backward walks the chunks again and recomputes only the
+    scores of each part (no second ``P V`` product, no re-merge); the context key/value gradients of all
+    chunks accumulate into one ``[B, S, Hkv, D]`` buffer.
+    """
+
+    @staticmethod
+    def forward(ctx, query, context_key, context_value, block_key, block_value, anchors, starts, valid,
+                key_ranges, chunk_blocks, scale, causal, window):
+        outs, lses = [], []
+        for index, (lo, hi) in enumerate(key_ranges):
+            blocks = slice(index * chunk_blocks, (index + 1) * chunk_blocks)
+            out, lse = _chunk_attention(
+                query[:, blocks], context_key[:, lo:hi], context_value[:, lo:hi], block_key[:, blocks],
+                block_value[:, blocks], anchors[:, blocks], starts[:, blocks], valid[:, blocks], lo, scale, causal,
+                window, return_lse=True,
+            )
+            outs.append(out)
+            lses.append(lse)
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        lse = lses[0] if len(lses) == 1 else torch.cat(lses, dim=1)
+        ctx.save_for_backward(query, context_key, context_value, block_key, block_value, anchors, starts, valid,
+                              out, lse)
+        ctx.settings = (key_ranges, chunk_blocks, scale, causal, window)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, context_key, context_value, block_key, block_value, anchors, starts, valid, out, lse = ctx.saved_tensors
+        key_ranges, chunk_blocks, scale, causal, window = ctx.settings
+        B, N, W, Hq, D = query.shape
+        Hkv = block_key.shape[3]
+        G = Hq // Hkv
+        dtype = _compute_dtype(query.dtype)
+        device = query.device
+        in_block = _in_block_visibility(W, causal, window, device)
+        grad_query = torch.empty(B, N, W, Hq, D, dtype=dtype, device=device)
+        grad_block_key = torch.empty(B, N, W, Hkv, D, dtype=dtype, device=device)
+        grad_block_value = torch.empty_like(grad_block_key)
+        grad_context_key = torch.zeros(context_key.shape, dtype=dtype, device=device)  # the one accumulator
+        grad_context_value = torch.zeros_like(grad_context_key)
+        for index, (lo, hi) in enumerate(key_ranges):
+            blocks = slice(index * chunk_blocks, (index + 1) * chunk_blocks)
+            C = query[:, blocks].shape[1]
+            shape6 = (B, C, W, Hkv, G, D)
+            q = (query[:, blocks].to(dtype) * scale).view(shape6)
+            # Invalid blocks output exactly zero: they pass no gradient.
+            d_out = (grad_out[:, blocks].to(dtype) * valid[:, blocks].view(B, C, 1, 1, 1).to(dtype)).view(shape6)
+            delta = (d_out * out[:, blocks].to(dtype).view(shape6)).sum(dim=-1, keepdim=True)  # [B, C, W, Hkv, G, 1]
+            row_lse = lse[:, blocks].reshape(B, C, W, Hkv, G, 1)
+
+            kb = block_key[:, blocks].to(dtype).transpose(2, 3)  # [B, C, Hkv, W, D]
+            vb = block_value[:, blocks].to(dtype).transpose(2, 3)
+            dq, dk, dv = _part_backward(_to_block_rows(q), kb, vb, in_block, G, _to_block_rows(row_lse),
+                                        _to_block_rows(delta), _to_block_rows(d_out))
+            grad_query[:, blocks] = _from_block_rows(dq, W, G).reshape(B, C, W, Hq, D)
+            grad_block_key[:, blocks] = dk.transpose(2, 3)
+            grad_block_value[:, blocks] = dv.transpose(2, 3)
+
+            if hi > lo:
+                kc = context_key[:, lo:hi].to(dtype).transpose(1, 2)  # [B, Hkv, S', D]
+                vc = context_value[:, lo:hi].to(dtype).transpose(1, 2)
+                visible = _context_visibility(anchors[:, blocks], starts[:, blocks], valid[:, blocks], lo, hi - lo,
+                                              W, window)
+                dq, dk, dv = _part_backward(_to_context_rows(q), kc, vc, visible, G, _to_context_rows(row_lse),
+                                            _to_context_rows(delta), _to_context_rows(d_out))
+                grad_query[:, blocks] += _from_context_rows(dq, C, W, G).reshape(B, C, W, Hq, D)
+                grad_context_key[:, lo:hi] += dk.transpose(1, 2)
+                grad_context_value[:, lo:hi] += dv.transpose(1, 2)
+        grad_query.mul_(scale)  # the scores used the scaled queries
+        return (grad_query.to(query.dtype), grad_context_key.to(context_key.dtype),
+                grad_context_value.to(context_value.dtype), grad_block_key.to(block_key.dtype),
+                grad_block_value.to(block_value.dtype)) + (None,) * 8
 
 
 def _default_chunk_blocks(
@@ -462,7 +576,9 @@ def _chunk_key_ranges(visibility: BlockVisibility, seq_length: int, chunk_blocks
     """``[lo, hi)`` per chunk of blocks: the context keys any valid block of the chunk (in any row) may see.
 
     Keys outside the range are masked for every query of the chunk, so cropping to it is exact; with sorted
-    anchors and sliding windows it removes most of the work. Costs one host sync per call.
+    anchors and sliding windows it removes most of the work. Costs one host sync per call (per layer and
+    step; backward reuses the forward's ranges): reading a ``[chunks, 2]`` tensor. The chunked kernel is the
+    CPU path, where that read is free; on CUDA ``backend="auto"`` runs FlexAttention, which has no sync.
     """
     anchors = visibility.anchor_positions.clamp(0, seq_length)
     lowest = visibility.context_start
@@ -490,44 +606,11 @@ def _chunked_attention(
     if N == 0:
         return query.new_zeros(query.shape)
     key_ranges = _chunk_key_ranges(visibility, S, chunk_blocks)
-    tensors = (query, context_key, context_value, block_key, block_value)
-    use_checkpoint = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    # split (not slicing in the loop): its backward concatenates the chunk gradients once, whereas each slice's
-    # backward would scatter into a zero tensor of the full size, quadratic in the number of chunks.
-    per_chunk = [
-        tensor.split(chunk_blocks, dim=1)
-        for tensor in (
-            query,
-            block_key,
-            block_value,
-            visibility.anchor_positions,
-            visibility.context_start,
-            visibility.block_valid,
-        )
-    ]
-    outputs = []
-    for (lo, hi), q, bk, bv, anchors, starts, valid in zip(key_ranges, *per_chunk):
-        args = (
-            q,
-            context_key[:, lo:hi],
-            context_value[:, lo:hi],
-            bk,
-            bv,
-            anchors,
-            starts,
-            valid,
-            lo,
-            scale,
-            visibility.causal,
-            visibility.sliding_window,
-        )
-        if use_checkpoint:
-            # Keep only the chunk's inputs for backward and recompute its scores there, so forward+backward
-            # never hold more than one chunk's score tensors.
-            outputs.append(checkpoint(_chunk_attention, *args, use_reentrant=False, preserve_rng_state=False))
-        else:
-            outputs.append(_chunk_attention(*args))
-    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+    return _ChunkedBlockAttention.apply(
+        query, context_key, context_value, block_key, block_value, visibility.anchor_positions,
+        visibility.context_start, visibility.block_valid, key_ranges, chunk_blocks, scale, visibility.causal,
+        visibility.sliding_window,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -13,9 +13,12 @@ Conventions (DESIGN section 2; they must never drift from what serving does):
   micro-batch would make the objective depend on how the global batch is split.
 
 Memory: the loss never materialises logits of all slots. The ``M = B * N * gamma`` predicted slots are cut
-into fixed-size chunks of ``chunk_slots`` rows (static shapes, no host synchronisation); each chunk computes
-its ``[chunk, V / TP]`` logits, its vocab-parallel cross entropy and its argmax under activation
-recomputation, so the peak is one chunk of logits (plus its gradient) whatever the number of slots.
+into fixed-size chunks of ``chunk_slots`` rows (static shapes, no host synchronisation). With the target's
+head frozen (training) the loss is fused (`_FusedHeadLoss`): each chunk's ``[chunk, V / TP]`` logits are
+formed in one reused buffer, turned into the loss and then, in place, into the gradient w.r.t. the logits,
+and multiplied by the head's weight into the gradient w.r.t. the hidden states; backward only scales that
+by the incoming gradient, nothing is recomputed. A trainable head takes the per-chunk path under
+activation recomputation instead. Either way the peak is one chunk of logits whatever the number of slots.
 Unsupervised slots inside a chunk are computed and weighted by zero.
 
 Vocab-parallel cross entropy (same scheme as megatron's ``vocab_parallel_cross_entropy``, written here with
@@ -602,6 +605,207 @@ def _vocab_parallel_softmax(logits: torch.Tensor, group) -> tuple[torch.Tensor, 
 
 
 # --------------------------------------------------------------------------------------------------
+# The fused head loss: gradient w.r.t. the hidden states formed in forward, chunk by chunk
+# --------------------------------------------------------------------------------------------------
+
+
+def _row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``[c, V] x [c, V] -> [c]`` row-wise dot product without a ``[c, V]`` temporary."""
+    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
+
+
+class _FusedHeadLoss(torch.autograd.Function):
+    """``sum_r w_r * loss_r`` over the slots of a frozen, vocab-parallel head, with the gradients computed in
+    forward.
+
+    The objective is a plain weighted sum, so its gradient w.r.t. the hidden states ``dH [M, H]`` does not
+    depend on anything after the loss except one scalar (the incoming gradient). Each chunk of ``c`` rows
+    runs: logits into one reused ``[c, V_real]`` fp32 buffer (``V_real``: this shard's columns below
+    ``vocab_size``; padding columns are never formed, they carry probability 0) -> output transform in
+    place -> ``amax`` and its MAX all-reduce -> picked logits -> ``exp`` in place -> SUM all-reduce ->
+    per-row loss -> ``(softmax - q) * coefficient`` in place -> ``dH[rows] = G @ W_real``. Backward only
+    scales ``dH`` and sums it over the TP group (each rank's ``dH`` covers its vocabulary shard), the
+    all-reduce `OutputHead.local_logits` does. The head's weight gets no gradient: callers use this path
+    only for a frozen head.
+
+    Per-row loss: hard targets ``lse(z) - z[label]``; soft targets ``T^2 (lse(z) - sum_v q_v z_v)`` with
+    ``z`` the logits over ``T`` and ``q = softmax(teacher / T)``, plus ``T^2 sum_v q_v log q_v`` for "kl".
+    A row is *correct* when its label's logit equals the global row maximum (``z[label] - max == 0``
+    exactly; ties, which fp32 logits practically never produce, count as correct).
+
+    Domino (``features``/``shard`` given, hard targets): a second set of logits ``final = base + features @
+    shard^T`` (the delta added after the output transform) in a second buffer, and the loss
+    ``(1 - mix) * final_CE + mix * base_CE``; the gradients w.r.t. ``features [M, E]`` and ``shard
+    [V_local, E]`` are formed in forward too (``shard``'s accumulated over the chunks).
+
+    Inputs: hidden ``[M, H]``, labels ``[M]`` int64 (any valid id on unsupervised rows), weights ``[M]``
+    fp32 (0: unsupervised), teacher ``[M_t, H]`` and teacher_index ``[M]`` or None, features ``[M, E]`` and
+    shard ``[V_local, E]`` or None, mix (Domino's ``lambda_base``).
+    Outputs: loss_sum (fp32 scalar), then, non-differentiable, the base loss sum, the final loss sum (0
+    without Domino), correct ``[M]`` bool of the base logits and of the final ones (the base's without Domino).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, labels, weights, teacher, teacher_index, features, shard, head, soft_target,
+                temperature, mix, chunk, with_grad):
+        group = head.tp_group
+        weight = head.weight if head.weight is not None else head.layer.weight
+        bias = getattr(head.layer, "bias", None)
+        start = head.vocab_range[0]
+        real = max(0, min(head.local_vocab_size, head.vocab_size - start))  # this shard's real columns
+        weight = weight[:real]
+        bias = bias[:real].float() if bias is not None else None
+        soft = soft_target != "none"
+        domino = features is not None
+        cap = head.final_logit_softcapping
+        multiplier = float(head.output_multiplier)
+        M = hidden.shape[0]
+        device = hidden.device
+        rows_max = max(1, min(chunk, M))
+        # The reused buffers: logits (turned into exp, then into the gradient), and for soft targets the
+        # teacher's, for Domino the final logits, for the soft cap its tanh (needed for the chain rule).
+        logits_buf = torch.empty(rows_max, real, dtype=torch.float32, device=device)
+        second_buf = torch.empty_like(logits_buf) if soft or domino else None
+        tanh_buf = torch.empty_like(logits_buf) if cap is not None else None
+        grad_hidden = torch.empty(M if with_grad else 0, hidden.shape[-1], dtype=weight.dtype, device=device)
+        if domino:
+            shard_real = shard[:real].float()
+            grad_features = torch.empty(M if with_grad else 0, features.shape[-1], dtype=torch.float32, device=device)
+            grad_shard = torch.zeros(shard.shape, dtype=torch.float32, device=device)
+        zero = torch.zeros((), device=device)
+        base_sum = torch.zeros((), dtype=torch.float32, device=device)
+        final_sum = torch.zeros((), dtype=torch.float32, device=device)
+        base_correct = torch.empty(M, dtype=torch.bool, device=device)
+        final_correct = torch.empty(M, dtype=torch.bool, device=device) if domino else base_correct
+        scale = temperature * temperature if soft else 1.0
+        # d loss_r / d logits after the transform = (softmax - q) * w * T^2 / T (soft: T^2 scales the loss,
+        # 1/T comes from z / T). The transform's own factor (multiplier, tanh') follows; without Domino the
+        # multiplier is folded into the row factor (one pass less).
+        base_factor = (mix if domino else 1.0) * scale / temperature * (1.0 if domino else multiplier)
+        final_factor = 1.0 - mix
+
+        def transformed_logits(h, out, tanh_out):
+            """``out <- transform(h @ W_real^T + b) / T`` in place; returns the view of ``n`` rows."""
+            n = h.shape[0]
+            out = out[:n]
+            if weight.dtype == torch.float32:
+                torch.matmul(h.to(torch.float32), weight.t(), out=out)
+            else:
+                out.copy_(F.linear(h.to(weight.dtype), weight))
+            if bias is not None:
+                out.add_(bias)
+            if cap is not None:
+                t = tanh_out[:n] if tanh_out is not None else out
+                torch.tanh(out.mul_(multiplier / cap), out=t)
+                if t is not out:
+                    out.copy_(t)
+                out.mul_(cap / temperature)
+            elif multiplier / temperature != 1.0:
+                out.mul_(multiplier / temperature)
+            return out
+
+        def cross_entropy_to_grad(z, label, owned, q, row):
+            """Per-row loss and correctness of logits ``z``; ``z`` becomes ``(softmax - q) * row`` in place
+            (``q``: the soft target, or the one-hot of ``label`` when None)."""
+            n = z.shape[0]
+            z_max = _all_reduce(_row_amax(z), dist.ReduceOp.MAX, group)
+            label_shifted = torch.where(owned, z.gather(1, label)[:, 0] - z_max, zero) if real else zero.expand(n)
+            if q is not None:
+                picked = _row_dot(q, z) - z_max * q.sum(dim=-1)
+            z.sub_(z_max[:, None]).exp_()
+            stats = [z.sum(dim=-1), label_shifted] + ([picked] if q is not None else [])
+            stats = _all_reduce(torch.stack(stats), dist.ReduceOp.SUM, group)
+            sum_exp = stats[0]
+            loss = torch.log(sum_exp) - (stats[2] if q is not None else stats[1])
+            if with_grad:
+                # exp * (row / sum_exp), then - q * row: as few passes over the buffer as possible.
+                z.mul_((row / sum_exp)[:, None])
+                if q is not None:
+                    z.addcmul_(q, row[:, None], value=-1.0)
+                elif real:
+                    z.scatter_add_(1, label, -(owned * row).to(z.dtype)[:, None])
+            return loss, stats[1] == 0
+
+        for lo in range(0, M, rows_max):
+            hi = min(lo + rows_max, M)
+            n = hi - lo
+            w = weights[lo:hi]
+            label = labels[lo:hi] - start
+            owned = (label >= 0) & (label < real)
+            label = label.clamp(0, max(real - 1, 0))[:, None]
+            q = None
+            if soft:
+                # Teacher: q = softmax(t), and sum_v q_v log q_v = sum_v q_v (t_v - tmax) - log(sum exp).
+                t = transformed_logits(teacher.index_select(0, teacher_index[lo:hi]), second_buf, None)
+                t_max = _all_reduce(_row_amax(t), dist.ReduceOp.MAX, group)
+                t.sub_(t_max[:, None])
+                e = logits_buf[:n]  # scratch for exp(t - tmax) until the draft's logits are formed
+                torch.exp(t, out=e)
+                t_stats = _all_reduce(torch.stack([e.sum(dim=-1), _row_dot(e, t)]), dist.ReduceOp.SUM, group)
+                neg_entropy = t_stats[1] / t_stats[0] - torch.log(t_stats[0])
+                q = t.copy_(e).div_(t_stats[0][:, None])
+            z = transformed_logits(hidden[lo:hi], logits_buf, tanh_buf)
+            if domino:
+                final = second_buf[:n].copy_(z).addmm_(features[lo:hi].float(), shard_real.t())
+            loss, base_correct[lo:hi] = cross_entropy_to_grad(z, label, owned, q, w * base_factor)
+            if soft_target == "kl":
+                loss = loss + neg_entropy
+            # `where`, not a product: an unsupervised slot's loss may be inf and 0 * inf is NaN.
+            base_sum += torch.where(w != 0, loss * (w * scale), zero).sum()
+            if domino:
+                loss, final_correct[lo:hi] = cross_entropy_to_grad(final, label, owned, None, w * final_factor)
+                final_sum += torch.where(w != 0, loss * w, zero).sum()
+            if not with_grad:
+                continue
+            if domino:
+                # `final` holds d loss / d final logits = d loss / d delta; it joins the base gradient.
+                torch.matmul(final, shard_real, out=grad_features[lo:hi])
+                grad_shard[:real].addmm_(final.t(), features[lo:hi].float())
+                z.add_(final)
+                if multiplier != 1.0:
+                    z.mul_(multiplier)
+            if cap is not None:
+                th = tanh_buf[:n]
+                z.mul_(th.mul_(th).neg_().add_(1.0))
+            if weight.dtype == torch.float32:
+                torch.matmul(z, weight, out=grad_hidden[lo:hi])
+            else:
+                grad_hidden[lo:hi] = z.to(weight.dtype) @ weight
+        if domino:
+            loss_sum = mix * base_sum + (1.0 - mix) * final_sum
+            ctx.save_for_backward(grad_hidden, grad_features, grad_shard)
+            ctx.dtypes = (hidden.dtype, features.dtype, shard.dtype)
+        else:
+            loss_sum = base_sum.clone()
+            ctx.save_for_backward(grad_hidden)
+            ctx.dtypes = (hidden.dtype,)
+        ctx.group = group
+        ctx.mark_non_differentiable(base_sum, final_sum, base_correct, final_correct)
+        return loss_sum, base_sum, final_sum, base_correct, final_correct
+
+    @staticmethod
+    def backward(ctx, grad_loss_sum, *unused):
+        grads = []
+        for index, (saved, dtype) in enumerate(zip(ctx.saved_tensors, ctx.dtypes)):
+            grad = saved.mul_(grad_loss_sum.to(saved.dtype))  # saved once, used once
+            if index < 2:  # hidden states and features are replicated: each rank's part covers its shard
+                grad = _all_reduce(grad, dist.ReduceOp.SUM, ctx.group)
+            grads.append(grad.to(dtype))
+        grad_hidden = grads[0]
+        grad_features, grad_shard = grads[1:] if len(grads) == 3 else (None, None)
+        return (grad_hidden, None, None, None, None, grad_features, grad_shard) + (None,) * 6
+
+
+def _row_amax(logits: torch.Tensor) -> torch.Tensor:
+    """Row maximum (``amax``: no indices, several times cheaper than ``max``); -inf for a shard without
+    real columns."""
+    if logits.shape[-1] == 0:
+        return torch.full(logits.shape[:-1], float("-inf"), device=logits.device)
+    return logits.amax(dim=-1)
+
+
+
+# --------------------------------------------------------------------------------------------------
 # The loss
 # --------------------------------------------------------------------------------------------------
 
@@ -654,6 +858,32 @@ def _chunk_loss(head: OutputHead, soft_target: str, temperature: float, teacher_
     return run
 
 
+def _chunked_head_loss(flat_hidden, flat_labels, flat_weights, teacher_flat, teacher_index, head, soft_target,
+                       temperature, size, *, recompute):
+    """The per-chunk path: each chunk's logits and loss under activation recomputation (the head may train).
+
+    Returns ``(loss_sum, argmax [M])``.
+    """
+    M = flat_hidden.shape[0]
+    run = _chunk_loss(head, soft_target, temperature, teacher_flat)
+    loss_sum = flat_hidden.new_zeros((), dtype=torch.float32)
+    argmaxes = []
+    pieces = zip(
+        flat_hidden.split(size),
+        flat_labels.split(size),
+        flat_weights.split(size),
+        teacher_index.split(size) if teacher_index is not None else [None] * math.ceil(M / size),
+    )
+    for h, lab, w, t in pieces:
+        if recompute:
+            part, argmax = checkpoint(run, h, lab, w, t, use_reentrant=False)
+        else:
+            part, argmax = run(h, lab, w, t)
+        loss_sum = loss_sum + part
+        argmaxes.append(argmax)
+    return loss_sum, torch.cat(argmaxes)
+
+
 def dflash_loss(
     hidden: torch.Tensor,
     plan: DFlashBatchPlan,
@@ -668,6 +898,7 @@ def dflash_loss(
     temperature: float = 1.0,
     chunk_slots: Optional[int] = 1024,
     prefix_lengths: Optional[torch.Tensor] = None,
+    fused: Optional[bool] = None,
 ) -> DFlashLossOutput:
     """Decay-weighted DFlash loss of one micro-batch, chunked and vocab-parallel.
 
@@ -693,10 +924,16 @@ def dflash_loss(
             ``chunk_slots x V / TP`` fp32 (plus its gradient and the soft cap's intermediates).
         prefix_lengths: ``[B, N]`` variable-prefix lengths ``l``: slots ``< l`` are inputs, not predicted;
             the default mask and weights start at ``l``, and acceptance is counted from slot ``l``.
+        fused: None (default) uses the fused kernel (`_FusedHeadLoss`: the gradient w.r.t. ``hidden`` is
+            formed in forward, chunk by chunk, in one reused ``[chunk_slots, V / TP]`` buffer; nothing is
+            recomputed in backward) whenever the head is frozen, else the recomputing per-chunk path
+            (which also gives the head's weight its gradient). True requires a frozen head; False forces
+            the per-chunk path.
 
     Returns:
         `DFlashLossOutput` with ``loss_sum``, ``weight_sum`` and the metrics. Metrics: a slot is *correct*
-        when the global argmax of its (temperature-free) logits equals its label; see `acceptance_lengths`.
+        when its label's logit is the global maximum of its logits (the argmax, ties aside: fp32 logits
+        practically never tie); see `acceptance_lengths`.
 
     No host synchronisation and no data-dependent shapes: every predicted slot of the batch is computed
     in ``ceil(M / chunk_slots)`` chunks, unsupervised ones with weight 0.
@@ -737,6 +974,13 @@ def dflash_loss(
             )
     if chunk_slots is not None and (isinstance(chunk_slots, bool) or not isinstance(chunk_slots, int) or chunk_slots < 1):
         raise ValueError(f"chunk_slots={chunk_slots!r} must be a positive int or None (one chunk).")
+    if fused not in (None, True, False):
+        raise ValueError(f"fused={fused!r} must be None (automatic), True or False.")
+    if fused and head.requires_grad():
+        raise ValueError(
+            "fused=True needs a frozen output head (the fused loss gives the head's weight no gradient); "
+            "freeze the head or pass fused=None / False."
+        )
     for name, tensor in (("loss_mask", loss_mask), ("weights", weights)):
         if tensor is not None and tuple(tensor.shape) != (B, N, W):
             raise ValueError(f"{name} must have shape [batch, blocks, block_size] = {(B, N, W)}, got {tuple(tensor.shape)}.")
@@ -778,29 +1022,26 @@ def dflash_loss(
 
     # ---- chunks ----
     size = M if chunk_slots is None else min(chunk_slots, M)
-    run = _chunk_loss(head, soft_target, float(temperature), teacher_flat)
-    recompute = torch.is_grad_enabled() and (hidden.requires_grad or head.requires_grad())
-    loss_sum = hidden.new_zeros((), dtype=torch.float32)
-    argmaxes = []
-    pieces = zip(
-        flat_hidden.split(size),
-        flat_labels.split(size),
-        flat_weights.split(size),
-        teacher_index.split(size) if teacher_index is not None else [None] * math.ceil(M / size),
-    )
-    for h, lab, w, t in pieces:
-        if recompute:
-            part, argmax = checkpoint(run, h, lab, w, t, use_reentrant=False)
-        else:
-            part, argmax = run(h, lab, w, t)
-        loss_sum = loss_sum + part
-        argmaxes.append(argmax)
-    argmax = torch.cat(argmaxes).view(B, N, G)
+    if fused is None:
+        fused = not head.requires_grad()
+    if fused:
+        with_grad = torch.is_grad_enabled() and hidden.requires_grad
+        loss_sum, _, _, label_is_max, _ = _FusedHeadLoss.apply(
+            flat_hidden, flat_labels, flat_weights, teacher_flat, teacher_index, None, None, head, soft_target,
+            float(temperature), 0.0, size, with_grad,
+        )
+        label_is_max = label_is_max.view(B, N, G)
+    else:
+        loss_sum, label_is_max = _chunked_head_loss(
+            flat_hidden, flat_labels, flat_weights, teacher_flat, teacher_index, head, soft_target,
+            float(temperature), size, recompute=torch.is_grad_enabled() and (hidden.requires_grad or head.requires_grad()),
+        )
+        label_is_max = label_is_max.view(B, N, G) == labels[:, :, 1:]
 
     # ---- metrics ----
     with torch.no_grad():
         supervised = mask[:, :, 1:]
-        correct = (argmax == labels[:, :, 1:]) & supervised
+        correct = label_is_max & supervised
         acceptance = acceptance_lengths(correct, supervised, plan.block_valid, first_slot=prefix_lengths)
         counted = counted_blocks(supervised, plan.block_valid, prefix_lengths)
         metrics = DFlashMetrics(

@@ -400,6 +400,45 @@ def test_chunked_peak_memory_is_bounded_by_one_chunk():
     assert one_chunk_scores < small
 
 
+class _OpCounter(TorchDispatchMode):
+    """Counts matmuls, and the allocations of tensors with exactly `numel` elements, while active."""
+
+    def __init__(self, numel):
+        super().__init__()
+        self.numel, self.matmuls, self.full_size = numel, 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.bmm):
+            self.matmuls += 1
+        inputs = {x.untyped_storage().data_ptr() for x in torch.utils._pytree.tree_leaves((args, kwargs))
+                  if isinstance(x, torch.Tensor)}
+        for x in torch.utils._pytree.tree_leaves(out):
+            if isinstance(x, torch.Tensor) and x.untyped_storage().data_ptr() not in inputs and x.numel() == self.numel:
+                self.full_size += 1
+        return out
+
+
+@pytest.mark.parametrize("chunk_blocks", [1, 5])
+def test_chunked_backward_recomputes_only_scores(chunk_blocks):
+    """Backward runs 5 matmuls per part and chunk (the scores, dV, dP, dQ, dK: no second P V product), and
+    the context key/value gradients of all chunks land in one buffer each (no full-size zero tensor per
+    chunk): the number of full-size context-gradient tensors does not grow with the number of chunks."""
+    visibility = make_visibility(causal=False)
+    inputs = make_inputs(Hq=4, Hkv=4)  # no grouped heads: one matmul per product
+    D = inputs["query"].shape[-1]
+    out = block_attention(*(inputs[n] for n in NAMES), visibility, scale=D**-0.5, backend="chunked",
+                          chunk_blocks=chunk_blocks)
+    chunks = math.ceil(visibility.num_blocks / chunk_blocks)
+    # Chunks whose blocks see any context key run the context part too (here every chunk but the first one
+    # when chunk_blocks=1: row 0's block 0 and row 1's block 0 both have an empty context).
+    with _OpCounter(inputs["context_key"].numel()) as counter:
+        out.backward(torch.ones_like(out))
+    parts = counter.matmuls / 5
+    assert parts == int(parts) and chunks <= parts <= 2 * chunks, (counter.matmuls, chunks)
+    assert counter.full_size <= 2, counter.full_size
+
+
 # --------------------------------------------------------------------------------------------------------
 # Construction and errors
 # --------------------------------------------------------------------------------------------------------

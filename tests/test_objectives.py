@@ -266,6 +266,80 @@ def test_bf16_hidden_runs_in_fp32():
 
 
 # --------------------------------------------------------------------------------------------------------
+# The fused loss (frozen head: gradient w.r.t. the hidden states formed in forward)
+# --------------------------------------------------------------------------------------------------------
+
+FUSED_CASES = {
+    "hard": dict(decay_gamma=2.0),
+    "hard-one-chunk": dict(decay_gamma=None, chunk_slots=None),
+    "transform-padded": dict(decay_gamma=2.0, multiplier=0.5, softcap=3.0, padded=7),
+    "ce-T2-softcap": dict(decay_gamma=2.0, softcap=4.0, soft_target="ce", temperature=2.0),
+    "kl-T0.7": dict(decay_gamma=2.0, soft_target="kl", temperature=0.7, multiplier=1.3),
+    "kl-prefix": dict(decay_gamma=1.0, soft_target="kl", prefix=True),
+}
+
+
+@pytest.mark.parametrize("case", list(FUSED_CASES))
+def test_fused_matches_naive_and_the_chunked_path(case):
+    kw = dict(FUSED_CASES[case])
+    multiplier, softcap, padded = kw.pop("multiplier", 1.0), kw.pop("softcap", None), kw.pop("padded", 0)
+    chunk_slots = kw.pop("chunk_slots", 6)
+    plan, ids, hidden, lin = make_case(seed=11, padded_vocab=V + padded, head_grad=False)
+    if padded:
+        with torch.no_grad():
+            lin.weight[V:] = 5.0  # padding columns would dominate softmax and argmax if they were formed
+    if kw.pop("prefix", False):
+        kw["prefix_lengths"] = sample_prefix_lengths(plan, seed=0, optimizer_step=0, base=0.8, sample_ids=torch.arange(3))
+    if kw.get("soft_target"):
+        kw["teacher_hidden"] = torch.randn(plan.batch_size, plan.seq_length, H, generator=torch.Generator().manual_seed(2))
+    head = OutputHead(lin, V, output_multiplier=multiplier, final_logit_softcapping=softcap)
+
+    fused = dflash_loss(hidden, plan, ids, head, chunk_slots=chunk_slots, **kw)
+    (fused_grad,) = grads_of(fused.loss_sum, [hidden])
+    assert lin.weight.grad is None
+    chunked = dflash_loss(hidden, plan, ids, head, chunk_slots=chunk_slots, fused=False, **kw)
+    (chunked_grad,) = grads_of(chunked.loss_sum, [hidden])
+    ref_loss, ref_wsum, ref_metrics = naive_loss(hidden, plan, ids, lin.weight, multiplier=multiplier, softcap=softcap, **kw)
+    (ref_grad,) = grads_of(ref_loss, [hidden])
+
+    assert ref_wsum > 0 and float(ref_grad.abs().max()) > 0
+    for other, other_grad in ((ref_loss, ref_grad), (chunked.loss_sum, chunked_grad)):
+        assert_close(fused.loss_sum, other, rtol=1e-5, atol=1e-4)
+        assert_close(fused_grad, other_grad, rtol=1e-4, atol=1e-6)
+    assert_close(fused.weight_sum, ref_wsum)
+    assert metrics_dict(fused.metrics) == {k: float(v) for k, v in ref_metrics.items()} == metrics_dict(chunked.metrics)
+    assert torch.all(fused_grad[:, :, 0] == 0) and torch.all(fused_grad[~plan.loss_mask] == 0)
+
+    # Without grad (evaluation) the fused path skips the gradient and returns the same loss and metrics.
+    with torch.no_grad():
+        again = dflash_loss(hidden, plan, ids, head, chunk_slots=chunk_slots, **kw)
+    assert_close(again.loss_sum, fused.loss_sum, rtol=0, atol=0)
+    assert metrics_dict(again.metrics) == metrics_dict(fused.metrics)
+
+
+def test_fused_scales_by_the_incoming_gradient_and_casts_to_bf16():
+    plan, ids, hidden, lin = make_case(seed=12, head_grad=False)
+    head = OutputHead(lin, V)
+    (g1,) = torch.autograd.grad(dflash_loss(hidden, plan, ids, head, decay_gamma=2.0).loss_sum, [hidden])
+    (g3,) = torch.autograd.grad(-2.5 * dflash_loss(hidden, plan, ids, head, decay_gamma=2.0).loss_sum, [hidden])
+    assert_close(g3, -2.5 * g1)
+    h16 = hidden.detach().bfloat16().requires_grad_()
+    out16 = dflash_loss(h16, plan, ids, head, decay_gamma=2.0)
+    out16.loss_sum.backward()
+    ref16 = dflash_loss(h16.detach().float().requires_grad_(), plan, ids, head, decay_gamma=2.0)
+    assert h16.grad.dtype == torch.bfloat16
+    assert_close(out16.loss_sum, ref16.loss_sum)
+
+
+def test_fused_requires_a_frozen_head():
+    plan, ids, hidden, lin = make_case(seed=13, head_grad=True)
+    with pytest.raises(ValueError, match="frozen"):
+        dflash_loss(hidden, plan, ids, OutputHead(lin, V), fused=True)
+    with pytest.raises(ValueError, match="fused"):
+        dflash_loss(hidden, plan, ids, OutputHead(lin, V), fused="yes")
+
+
+# --------------------------------------------------------------------------------------------------------
 # Memory honesty
 # --------------------------------------------------------------------------------------------------------
 

@@ -5,7 +5,8 @@ reference with a plain `nn.Linear` holding the whole vocabulary (no collectives)
 megatron `ColumnParallelLinear` that holds its half of the same weight (the padded vocabulary puts one
 padding column on rank 1). Loss, weight sum, metrics, the gradient w.r.t. the hidden states and the
 gradient of each rank's head-weight shard must match the reference, for the unchunked and the chunked
-path, with the output transform, soft targets and variable prefixes. Block embeddings through megatron's
+path, with the output transform, soft targets and variable prefixes; with the head frozen, the fused loss
+(gradient w.r.t. the hidden states formed in forward) must match it as well. Block embeddings through megatron's
 `VocabParallelEmbedding` must equal the lookup in the full table.
 """
 
@@ -61,25 +62,31 @@ def _tp_vs_single(rank: int, world_size: int) -> dict:
         multiplier, softcap = kwargs.pop("output", (1.0, None))
         for chunk in (None, 3):
             results = []
-            for tp_layer in (reference, layer):
+            # The reference and the TP head train (the per-chunk path); the frozen TP head takes the fused path.
+            for tp_layer, frozen in ((reference, False), (layer, False), (layer, True)):
                 tp_layer.weight.grad = None
+                tp_layer.weight.requires_grad_(not frozen)
                 head = OutputHead(tp_layer, VOCAB, output_multiplier=multiplier, final_logit_softcapping=softcap)
                 hidden = hidden0.clone().requires_grad_()
-                out = dflash_loss(hidden, plan, ids, head, chunk_slots=chunk, **kwargs)
+                out = dflash_loss(hidden, plan, ids, head, chunk_slots=chunk, fused=frozen, **kwargs)
                 out.loss_sum.backward()
                 metrics = torch.stack([getattr(out.metrics, f) for f in out.metrics.field_names()])
-                results.append((out.loss_sum.detach(), out.weight_sum, metrics, hidden.grad, tp_layer.weight.grad.clone()))
-            (ref_loss, ref_wsum, ref_m, ref_gh, ref_gw), (loss, wsum, m, gh, gw) = results
+                grad_weight = None if frozen else tp_layer.weight.grad.clone()
+                results.append((out.loss_sum.detach(), out.weight_sum, metrics, hidden.grad, grad_weight))
+                tp_layer.weight.requires_grad_(True)
+            (ref_loss, ref_wsum, ref_m, ref_gh, ref_gw), *tp_results = results
             ref_gw_shard = ref_gw[rank * shard : (rank + 1) * shard]
-            diffs[f"{name}/{chunk}"] = {
-                "loss": float((loss - ref_loss).abs()),
-                "loss_scale": float(ref_loss.abs()),
-                "weight_sum": float((wsum - ref_wsum).abs()),
-                "metrics": float((m - ref_m).abs().max()),
-                "grad_hidden": float((gh - ref_gh).abs().max()),
-                "grad_weight": float((gw - ref_gw_shard).abs().max()),
-                "grad_scale": float(ref_gw_shard.abs().max()),
-            }
+            for path, (loss, wsum, m, gh, gw) in zip(("chunked", "fused"), tp_results):
+                diffs[f"{name}/{chunk}/{path}"] = {
+                    "loss": float((loss - ref_loss).abs()),
+                    "loss_scale": float(ref_loss.abs()),
+                    "weight_sum": float((wsum - ref_wsum).abs()),
+                    "metrics": float((m - ref_m).abs().max()),
+                    "grad_hidden": float((gh - ref_gh).abs().max()),
+                    "grad_weight": 0.0 if gw is None else float((gw - ref_gw_shard).abs().max()),
+                    "grad_weight_absent": gw is None,
+                    "grad_scale": float(ref_gw_shard.abs().max()),
+                }
 
     # Block embedding through a vocab-parallel embedding module equals the full table's lookup.
     from megatron.core.tensor_parallel.layers import VocabParallelEmbedding
@@ -112,3 +119,6 @@ def test_tensor_parallel_loss_equals_single_rank(tp_pool):
             assert d["loss"] <= 1e-5 * max(1.0, d["loss_scale"]), where
             assert d["weight_sum"] == 0.0 and d["metrics"] == 0.0, where
             assert d["grad_hidden"] <= 1e-5 and d["grad_weight"] <= 1e-5, where
+            # The fused loss gives the frozen head no gradient.
+            assert d["grad_weight_absent"] == case.endswith("/fused"), where
+        assert sum(case.endswith("/fused") for case in diffs) == 8

@@ -662,6 +662,7 @@ def domino_loss(
     loss_mask: Optional[torch.Tensor] = None,
     weights: Optional[torch.Tensor] = None,
     chunk_slots: Optional[int] = 1024,
+    fused: Optional[bool] = None,
 ) -> DominoLossOutput:
     """Domino objective of one micro-batch: ``(1 - lambda_base) * final CE + lambda_base * base CE``.
 
@@ -688,11 +689,15 @@ def domino_loss(
         weights: ``[B, N, P]`` overrides the per-slot weights.
         chunk_slots: predicted slots per chunk (None: one chunk); peak memory a few ``[chunk_slots, V / TP]``
             fp32 buffers (base and corrected logits, their softmax, the delta).
+        fused: as `objectives.dflash_loss`: None uses the fused head loss (gradients w.r.t. the hidden
+            states, the features and ``embed_proj.2`` formed in forward in two reused ``[chunk_slots, V / TP]``
+            buffers, nothing recomputed) whenever the target's head is frozen; False forces the recomputing
+            per-chunk path. A slot is *correct* when its label's logit is its row maximum.
 
     Returns:
         `DominoLossOutput`.
     """
-    from ..objectives import OutputHead, acceptance_lengths, counted_blocks
+    from ..objectives import OutputHead, _FusedHeadLoss, acceptance_lengths, counted_blocks
 
     if not isinstance(plan, DFlashBatchPlan):
         raise ValueError(f"plan must be a DFlashBatchPlan, got {type(plan).__name__}.")
@@ -719,6 +724,10 @@ def domino_loss(
         isinstance(chunk_slots, bool) or not isinstance(chunk_slots, int) or chunk_slots < 1
     ):
         raise ValueError(f"chunk_slots={chunk_slots!r} must be a positive int or None (one chunk).")
+    if fused not in (None, True, False):
+        raise ValueError(f"fused={fused!r} must be None (automatic), True or False.")
+    if fused and head.requires_grad():
+        raise ValueError("fused=True needs a frozen output head; freeze the head or pass fused=None / False.")
     shift = domino.shift_label
     P = W if shift else W - 1
     for name, tensor in (("loss_mask", loss_mask), ("weights", weights)):
@@ -755,36 +764,48 @@ def domino_loss(
     shard = domino.shard_weight(head, head.tp_group)
 
     size = M if chunk_slots is None else min(chunk_slots, M)
-    run = _domino_chunk(head, domino)
-    recompute = torch.is_grad_enabled() and (
-        flat_h.requires_grad or flat_features.requires_grad or head.requires_grad()
-    )
-    final_sum = base_sum = hidden.new_zeros((), dtype=torch.float32)
-    final_parts, base_parts = [], []
-    pieces = zip(flat_h.split(size), flat_features.split(size), flat_labels.split(size), flat_weights.split(size))
-    for h_c, f_c, l_c, w_c in pieces:
-        if recompute:
-            f_sum, b_sum, f_arg, b_arg = checkpoint(run, h_c, f_c, shard, l_c, w_c, use_reentrant=False)
-        else:
-            f_sum, b_sum, f_arg, b_arg = run(h_c, f_c, shard, l_c, w_c)
-        final_sum = final_sum + f_sum
-        base_sum = base_sum + b_sum
-        final_parts.append(f_arg)
-        base_parts.append(b_arg)
     lam = float(lambda_base)
-    loss_sum = (1.0 - lam) * final_sum + lam * base_sum
+    if fused is None:
+        fused = not head.requires_grad()
+    if fused:
+        # The fused head loss: gradients w.r.t. the hidden states, the features and the shard formed in forward.
+        with_grad = torch.is_grad_enabled() and (
+            flat_h.requires_grad or flat_features.requires_grad or shard.requires_grad
+        )
+        loss_sum, base_sum, final_sum, base_hit, final_hit = _FusedHeadLoss.apply(
+            flat_h, flat_labels, flat_weights, None, None, flat_features, shard, head, "none", 1.0, lam, size,
+            with_grad,
+        )
+    else:
+        run = _domino_chunk(head, domino)
+        recompute = torch.is_grad_enabled() and (
+            flat_h.requires_grad or flat_features.requires_grad or head.requires_grad()
+        )
+        final_sum = base_sum = hidden.new_zeros((), dtype=torch.float32)
+        final_parts, base_parts = [], []
+        pieces = zip(flat_h.split(size), flat_features.split(size), flat_labels.split(size), flat_weights.split(size))
+        for h_c, f_c, l_c, w_c in pieces:
+            if recompute:
+                f_sum, b_sum, f_arg, b_arg = checkpoint(run, h_c, f_c, shard, l_c, w_c, use_reentrant=False)
+            else:
+                f_sum, b_sum, f_arg, b_arg = run(h_c, f_c, shard, l_c, w_c)
+            final_sum = final_sum + f_sum
+            base_sum = base_sum + b_sum
+            final_parts.append(f_arg)
+            base_parts.append(b_arg)
+        loss_sum = (1.0 - lam) * final_sum + lam * base_sum
+        final_hit = torch.cat(final_parts) == flat_labels
+        base_hit = torch.cat(base_parts) == flat_labels
 
     with torch.no_grad():
-        final_arg = torch.cat(final_parts).view(B, N, P)
-        base_arg = torch.cat(base_parts).view(B, N, P)
         # Decoding proposes W - 1 tokens: predicted indices 0..W-2 (slots 1..W-1, or 0..W-2 with shift).
         used = slice(0, W - 1)
         sup_used = supervised[:, :, used]
         counted = counted_blocks(sup_used, plan.block_valid)
         f64 = torch.float64
         stats = {}
-        for name, arg in (("final", final_arg), ("base", base_arg)):
-            correct = (arg == labels) & supervised
+        for name, hit in (("final", final_hit), ("base", base_hit)):
+            correct = hit.view(B, N, P) & supervised
             acceptance = acceptance_lengths(correct[:, :, used], sup_used, plan.block_valid)
             stats[name] = (correct.sum().to(f64), acceptance.sum().to(f64))
         weight_sum = effective.sum().to(torch.float32)

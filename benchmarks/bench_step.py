@@ -1,0 +1,316 @@
+"""One full DFlash training step: megatron-dflash against NeMo AutoModel 0.7.0's DFlash trainer.
+
+Examples:
+    python benchmarks/bench_step.py                                # S = 1024, 2048, 4096; anchors S/4; block 16
+    python benchmarks/bench_step.py --seq 2048 --rounds 5 --steps 3
+    python benchmarks/bench_step.py --profile 2048                 # our step's operator profile at S=2048
+
+Both sides run the same step on identical shapes, random weights and random tokens (batch 1, every token
+supervised): the frozen target's forward with its layer taps, the draft's forward, the decay-weighted block
+cross entropy over the target's frozen LM head, the backward, one AdamW step.
+
+    ours  `HFTarget` (taps by forward hooks) -> `embed_blocks` -> `DFlashBody` (attention "auto": the exact
+          chunked kernel on the CPU) -> `dflash_loss` (the fused LM-head loss) -> backward -> AdamW.
+    nemo  NeMo AutoModel's `HFDFlashTargetModel.generate_batch` -> `DFlashTrainerModule.forward` (its
+          `Qwen3DFlashDraftModel` with SDPA and the dense block mask: its flex-attention path has no CPU
+          backward; full-vocabulary logits, `DFlashDecayLoss`) -> backward -> AdamW.
+
+Both targets are the same randomly initialised 4-layer Qwen3 (transformers, SDPA), tapped at layers 0 and 2;
+both drafts have 2 layers of the target's width. Every (side, size) runs in its own fresh process, and the
+rounds alternate which side goes first, so neither side profits from a warmer machine or allocator.
+
+Reported per side and size: median wall time of a step, median process CPU time of a step (all threads;
+steadier than wall time when other jobs share the machine), and the peak RSS increase of the process over
+the steps (``ru_maxrss`` minus the RSS once models and inputs exist). Ratios are nemo / ours.
+
+GFLOP/s line: our step's floating-point work counted by `torch.utils.flop_counter.FlopCounterMode` (every
+matmul the step runs: target, draft forward and backward, LM head, attention including any recomputation),
+divided by the step's CPU time per thread, against the same rate of a 2048^3 `torch.mm` measured on this
+machine with the same number of threads (best of several runs).
+
+NeMo AutoModel is imported with two of its package imports bypassed: ``nemo_automodel.components.datasets.llm``
+(its ``__init__`` imports every dataset class) is entered without running its ``__init__``, and ``datasets``
+is replaced by an empty module when not installed; the DFlash trainer uses neither.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TARGET_LAYER_IDS = [0, 2]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seq", type=int, nargs="+", default=[1024, 2048, 4096])
+    parser.add_argument("--anchor-ratio", type=int, default=4, help="anchors = seq / this")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--intermediate", type=int, default=768)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--target-layers", type=int, default=4)
+    parser.add_argument("--draft-layers", type=int, default=2)
+    parser.add_argument("--decay-gamma", type=float, default=7.0)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (one process per side per round)")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per process (after one warm-up step)")
+    parser.add_argument("--sides", nargs="+", default=["ours", "nemo"], choices=["ours", "nemo"])
+    parser.add_argument("--no-flops", action="store_true", help="skip the GFLOP/s line")
+    parser.add_argument("--profile", type=int, default=None, metavar="S", help="print our step's operator profile")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--worker-seq", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--count-flops", action="store_true", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The two sides (run inside a worker process)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _hf_target(args, seq: int):
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+        num_hidden_layers=args.target_layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+        head_dim=args.head_dim, max_position_embeddings=max(seq * 2, 4096), tie_word_embeddings=False,
+    )
+    config._attn_implementation = "sdpa"
+    model = Qwen3ForCausalLM(config).eval()
+    model.requires_grad_(False)
+    return model
+
+
+def _inputs(args, seq: int):
+    import torch
+
+    gen = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(0, args.vocab - 1, (1, seq), generator=gen)
+    return input_ids, torch.ones(1, seq, dtype=torch.bool)
+
+
+def build_ours(args, seq: int):
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    from megatron_dflash.body import DFlashBody
+    from megatron_dflash.config import DFlashConfig
+    from megatron_dflash.objectives import dflash_loss, embed_blocks
+    from megatron_dflash.plan import build_dflash_batch_plan
+    from megatron_dflash.target import HFTarget
+
+    torch.manual_seed(0)
+    model = _hf_target(args, seq)
+    config = DFlashConfig(
+        hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.draft_layers,
+        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
+        block_size=args.block_size, mask_token_id=args.vocab - 1, vocab_size=args.vocab,
+        num_target_layers=args.target_layers, target_layer_ids=TARGET_LAYER_IDS,
+    )
+    target = HFTarget.from_config(model, config)
+    body = DFlashBody(config).train()
+    optimizer = torch.optim.AdamW(body.parameters(), lr=1e-4)
+    input_ids, mask = _inputs(args, seq)
+    anchors = seq // args.anchor_ratio
+
+    def step(index: int):
+        plan = build_dflash_batch_plan(mask, torch.tensor([0]), anchors_per_sample=anchors,
+                                       block_size=args.block_size, optimizer_step=index, seed=0)
+        out = target(input_ids)
+        blocks = embed_blocks(input_ids, plan, target.embedding, mask_token_id=config.mask_token_id)
+        hidden = body(out.taps, blocks, plan)
+        loss = dflash_loss(hidden, plan, input_ids, target.output_head, decay_gamma=args.decay_gamma)
+        (loss.loss_sum / loss.weight_sum.clamp(min=1e-12)).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def _import_nemo():
+    """NeMo AutoModel's DFlash pieces without the dataset imports its package ``__init__`` pulls in."""
+    import importlib.util
+    import types
+
+    if importlib.util.find_spec("datasets") is None:
+        stub = types.ModuleType("datasets")
+        stub.Dataset = type("Dataset", (), {})
+        stub.DatasetDict = type("DatasetDict", (), {})
+        sys.modules["datasets"] = stub
+    import nemo_automodel.components.datasets as nemo_datasets
+
+    llm = types.ModuleType("nemo_automodel.components.datasets.llm")
+    llm.__path__ = [os.path.join(os.path.dirname(nemo_datasets.__file__), "llm")]
+    sys.modules.setdefault(llm.__name__, llm)
+    from nemo_automodel.components.speculative.dflash.core import DFlashTrainerModule
+    from nemo_automodel.components.speculative.dflash.draft_qwen3 import (
+        Qwen3DFlashDraftModel,
+        build_qwen3_dflash_draft_config,
+    )
+    from nemo_automodel.components.speculative.dflash.target import HFDFlashTargetModel
+
+    return DFlashTrainerModule, Qwen3DFlashDraftModel, build_qwen3_dflash_draft_config, HFDFlashTargetModel
+
+
+def build_nemo(args, seq: int):
+    import torch
+
+    DFlashTrainerModule, Qwen3DFlashDraftModel, build_draft_config, HFDFlashTargetModel = _import_nemo()
+    torch.manual_seed(0)
+    model = _hf_target(args, seq)
+    target = HFDFlashTargetModel(model, TARGET_LAYER_IDS)
+    draft_config = build_draft_config(
+        model.config, num_draft_layers=args.draft_layers, num_target_layers=args.target_layers,
+        block_size=args.block_size, dflash_config={"mask_token_id": args.vocab - 1, "target_layer_ids": TARGET_LAYER_IDS},
+        attention_backend="sdpa",
+    )
+    draft = Qwen3DFlashDraftModel(draft_config).train()
+    trainer = DFlashTrainerModule(
+        draft, model.lm_head, model.model.embed_tokens, mask_token_id=args.vocab - 1, block_size=args.block_size,
+        attention_backend="sdpa", num_anchors=seq // args.anchor_ratio, loss_decay_gamma=args.decay_gamma,
+    )
+    optimizer = torch.optim.AdamW(draft.parameters(), lr=1e-4)
+    input_ids, mask = _inputs(args, seq)
+
+    def step(index: int):
+        batch = target.generate_batch(input_ids, attention_mask=mask.long(), loss_mask=mask.long())
+        metrics = trainer(input_ids, batch.hidden_states, batch.loss_mask)
+        metrics.loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def worker(args) -> dict:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    seq = args.worker_seq
+    step = (build_ours if args.worker == "ours" else build_nemo)(args, seq)
+    import psutil
+
+    rss_before = psutil.Process().memory_info().rss
+    step(0)  # warm-up
+    walls, cpus = [], []
+    for index in range(1, args.steps + 1):
+        wall, cpu = time.perf_counter(), time.process_time()
+        step(index)
+        cpus.append(time.process_time() - cpu)
+        walls.append(time.perf_counter() - wall)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    result = {"wall": statistics.median(walls), "cpu": statistics.median(cpus), "rss": peak - rss_before}
+    if args.count_flops:
+        from torch.utils.flop_counter import FlopCounterMode
+
+        with FlopCounterMode(display=False) as counter:
+            step(args.steps + 1)
+        result["flops"] = counter.get_total_flops()
+    return result
+
+
+def profile_ours(args, seq: int) -> None:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.set_num_threads(args.threads)
+    step = build_ours(args, seq)
+    step(0)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step(1)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The driver
+# ---------------------------------------------------------------------------------------------------------
+
+
+def run_worker(args, side: str, seq: int, count_flops: bool = False) -> dict:
+    command = [sys.executable, __file__, "--worker", side, "--worker-seq", str(seq)]
+    for name in ("anchor_ratio", "block_size", "hidden", "intermediate", "heads", "kv_heads", "head_dim", "vocab",
+                 "target_layers", "draft_layers", "decay_gamma", "threads", "steps"):
+        command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    if count_flops:
+        command.append("--count-flops")
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONWARNINGS="ignore")
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        raise SystemExit(f"{side} worker at S={seq} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+    return json.loads(lines[-1])
+
+
+def mm_peak(threads: int, size: int = 2048, repeats: int = 5) -> float:
+    """Best GFLOP/s of a ``size^3`` fp32 `torch.mm`, per CPU-second per thread (as our step is rated)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    out = torch.empty(size, size)
+    torch.mm(a, b, out=out)
+    best = 0.0
+    for _ in range(repeats):
+        cpu = time.process_time()
+        for _ in range(3):
+            torch.mm(a, b, out=out)
+        seconds = (time.process_time() - cpu) / threads
+        best = max(best, 3 * 2 * size**3 / seconds / 1e9)
+    return best
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.worker is not None:
+        print(json.dumps(worker(args)))
+        return
+    if args.profile is not None:
+        profile_ours(args, args.profile)
+        return
+    print(f"# batch 1, anchors S/{args.anchor_ratio}, block {args.block_size}, draft {args.draft_layers} x hidden "
+          f"{args.hidden}, target {args.target_layers} layers, vocab {args.vocab}, fp32, {args.threads} threads, "
+          f"{args.rounds} alternating rounds x {args.steps} steps")
+    print(f"{'S':>6} {'anchors':>7} {'side':>5} {'wall s':>8} {'cpu s':>8} {'peak RSS +MiB':>14}", flush=True)
+    for seq in args.seq:
+        per_side = {side: [] for side in args.sides}
+        for round_index in range(args.rounds):
+            order = args.sides if round_index % 2 == 0 else list(reversed(args.sides))
+            for side in order:
+                r = run_worker(args, side, seq)
+                per_side[side].append(r)
+                print(f"# round {round_index} S={seq} {side}: wall {r['wall']:.3f} s, cpu {r['cpu']:.3f} s, "
+                      f"RSS +{r['rss'] / 2**20:.0f} MiB", flush=True)
+        sides = {side: {key: statistics.median(r[key] for r in runs) for key in ("wall", "cpu", "rss")}
+                 for side, runs in per_side.items()}
+        for side, r in sides.items():
+            print(f"{seq:>6} {seq // args.anchor_ratio:>7} {side:>5} {r['wall']:8.3f} {r['cpu']:8.3f} "
+                  f"{r['rss'] / 2**20:14.0f}")
+        if len(sides) == 2:
+            ours, nemo = sides["ours"], sides["nemo"]
+            print(f"{seq:>6} {'':>7} {'ratio':>5} {nemo['wall'] / ours['wall']:7.2f}x {nemo['cpu'] / ours['cpu']:7.2f}x "
+                  f"{nemo['rss'] / max(ours['rss'], 1):13.2f}x   (nemo / ours)", flush=True)
+    if not args.no_flops and "ours" in args.sides:
+        peak = mm_peak(args.threads)
+        for seq in args.seq:
+            counted = run_worker(args, "ours", seq, count_flops=True)
+            rate = counted["flops"] / (counted["cpu"] / args.threads) / 1e9
+            print(f"GFLOP/s S={seq}: ours {counted['flops'] / 1e9:.0f} GFLOP per step at {rate:.0f} GFLOP/s per "
+                  f"CPU-second per thread; torch.mm 2048^3 peak {peak:.0f} -> {rate / peak:.0%} of peak")
+
+
+if __name__ == "__main__":
+    main()
