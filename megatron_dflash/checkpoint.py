@@ -4,7 +4,7 @@ Two formats:
 
 * **HF** (`save_hf_checkpoint` / `load_hf_checkpoint`): a directory with `config.json` and
   `model.safetensors` that the reference modeling code and the serving runtimes load as is
-  (DESIGN section 7). Tensor names are the body's own state-dict names, which are the published
+  (docs/design.md §11 HF export format). Tensor names are the body's own state-dict names, which are the published
   ones: no `model.` prefix, no embedding, no LM head, no megatron `_extra_state`. Weights are
   stored whole; under tensor parallelism they are gathered on save and sliced on load, so a
   file written at one TP size loads at any other.

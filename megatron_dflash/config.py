@@ -2,7 +2,7 @@
 
 The draft is a small Qwen3-style decoder stack. Its `config.json` is a Qwen3 config
 (`model_type: qwen3`) with the DFlash fields that the published drafters and the
-serving runtimes read (DESIGN section 7)::
+serving runtimes read (docs/design.md §11 HF export format)::
 
     {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": ...,
      "num_target_layers": 36, "block_size": 16,
@@ -322,7 +322,7 @@ class DFlashConfig:
 
     # ------------------------------------------------------------------ HF format
     def to_hf_dict(self, architecture: str = DFLASH_ARCHITECTURE) -> dict[str, Any]:
-        """The published `config.json` layout (DESIGN section 7)."""
+        """The published `config.json` layout (docs/design.md §11 HF export format)."""
         dflash_config: dict[str, Any] = {
             "mask_token_id": self.mask_token_id,
             "target_layer_ids": list(self.target_layer_ids),

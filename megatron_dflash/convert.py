@@ -1,6 +1,6 @@
 """Convert DFlash draft checkpoints between the megatron training layout and the HF format.
 
-The HF format is the one of the published drafters (DESIGN section 7, `checkpoint.py`): a
+The HF format is the one of the published drafters (docs/design.md §11 HF export format, `checkpoint.py`): a
 directory with `config.json` and `model.safetensors`. The megatron layout, written by the
 trainer (`save_megatron_draft`) and by `to-megatron`, and read by `to-hf` and by the trainer
 when it resumes (`load_megatron_draft`), is defined here::
@@ -281,7 +281,7 @@ class DraftArchitecture:
         config_class / body_class: classes or lazy `"module:attribute"` references.
             `config_class.from_hf_dict(dict)` reads the config; `body_class(config,
             parallel_config=, tp_group=, attention_backend=)` builds the body.
-        allows_fp16: False refuses float16 weights (DFlash 2 overflows in fp16, DESIGN section 8).
+        allows_fp16: False refuses float16 weights (DFlash 2 overflows in fp16, docs/design.md §15 Pitfalls).
         matches: optional predicate (or `"module:function"`) on a config.json dict; without one a
             dict matches when its `architectures[0]` is `name` (`DFlashDraftModel` when absent).
     """
@@ -671,7 +671,7 @@ def read_megatron_draft_state(iteration_dir: str, prefix: str = MODEL_PREFIX) ->
 
 def _architecture_hint(architecture: Optional["DraftArchitecture"], unexpected: list[str]) -> Optional[str]:
     """When the unexpected tensors are neither an embedding/LM head nor prefixed, they likely
-    belong to another variant whose file was labelled with this architecture (DESIGN section 8)."""
+    belong to another variant whose file was labelled with this architecture (docs/design.md §15 Pitfalls)."""
     if architecture is None:
         return None
     foreign = [n for n in unexpected if not (n.startswith(("lm_head", "model.")) or "embed_tokens" in n)]

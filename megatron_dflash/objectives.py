@@ -1,6 +1,6 @@
 """DFlash training objectives: block inputs, labels, loss weights, the chunked vocab-parallel loss, metrics.
 
-Conventions (DESIGN section 2; they must never drift from what serving does):
+Conventions (docs/design.md §2 Conventions and §6 Objectives; they must never drift from what serving does):
 
 * a block with anchor ``p`` has ``W = gamma + 1`` slots; slot 0 holds the real anchor token ``x_p``, slots
   ``1..gamma`` the MASK token, all embedded with the **target's** input embedding times

@@ -1,7 +1,7 @@
 """The frozen target: tap capture from a HF model or a megatron-core `GPTModel` (any TP, any PP).
 
 The tap of target layer ``i`` (0-based) is the **output of decoder layer i**, i.e. HF
-``hidden_states[i + 1]`` (DESIGN section 2). It is captured here, in exactly one way: a forward
+``hidden_states[i + 1]`` (docs/design.md §2 Conventions). It is captured here, in exactly one way: a forward
 hook on decoder layer ``i`` that keeps that layer's output. Nothing else in the package adds or
 subtracts the offset; `hf_hidden_state_index` states it for code that reads HF
 ``output_hidden_states`` (decoding).

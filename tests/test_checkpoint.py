@@ -202,7 +202,7 @@ def test_reference_checkpoint_loads_with_identical_outputs(tmp_path, sliding):
 
 
 def published_names(config: DFlashConfig) -> set[str]:
-    """The tensor names of DESIGN section 7, written out independently of the code."""
+    """The tensor names of docs/design.md §11 HF export format, written out independently of the code."""
     names = {"fc.weight", "hidden_norm.weight", "norm.weight"}
     for i in range(config.num_hidden_layers):
         for proj in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"):

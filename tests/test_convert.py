@@ -204,7 +204,7 @@ def test_dtypes(converted, tmp_path):
     status, err = run_cli("to-hf", "--load", tmp_path / "meg16", "--output", tmp_path / "bf16b", "--validate")
     assert status == 0, err
     assert file_bytes(tmp_path / "bf16b") == file_bytes(tmp_path / "bf16")
-    # DFlash 2 in fp16 is refused both ways (DESIGN section 8), and nothing is written.
+    # DFlash 2 in fp16 is refused both ways (docs/design.md §15 Pitfalls), and nothing is written.
     for argv in (
         ("to-hf", "--load", case["meg"], "--output", tmp_path / "fp16"),
         ("to-megatron", "--load", case["hf0"], "--output", tmp_path / "fp16"),
@@ -420,7 +420,7 @@ def test_hf_tensor_errors(converted, tmp_path):
         assert not os.path.exists(tmp_path / f"out_{name}")
     assert "LM head" in run_cli("to-megatron", "--load", tmp_path / "unexpected", "--output", tmp_path / "o")[1]
 
-    # A DFlash 2 file labelled as plain DFlash (DESIGN section 8) is caught, not silently truncated.
+    # A DFlash 2 file labelled as plain DFlash (docs/design.md §15 Pitfalls) is caught, not silently truncated.
     d2 = converted["dflash2"]["hf0"]
     mislabelled = tmp_path / "mislabelled"
     mislabelled.mkdir()

@@ -1,7 +1,7 @@
 """The frozen target: HF tap capture, the HF -> megatron converter, and the megatron target at TP=2 and PP=2.
 
 Reference everywhere: transformers' own forward of a tiny random model, in fp32. The tap of layer ``i`` must
-equal ``output_hidden_states[i + 1]`` (DESIGN section 2), and the converted megatron ``GPTModel`` must
+equal ``output_hidden_states[i + 1]`` (docs/design.md §2 Conventions), and the converted megatron ``GPTModel`` must
 reproduce transformers' logits:
 
 * Qwen3 (tied embeddings, q/k norms, head_dim != hidden / heads), Llama (untied, llama3 RoPE scaling) and

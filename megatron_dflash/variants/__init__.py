@@ -1,4 +1,4 @@
-"""Variants of the DFlash draft on the same backbone (DESIGN section 1)."""
+"""Variants of the DFlash draft on the same backbone (docs/design.md §12 Variants)."""
 
 from .dflash2 import (
     DFLASH2_ARCHITECTURE,

@@ -1,6 +1,6 @@
 """DFlash 2: the DFlash backbone plus in-block dynamic convolutions and a pairwise candidate selector.
 
-Two additions to the plain DFlash draft (DESIGN sections 1, 7):
+Two additions to the plain DFlash draft (docs/design.md §12 Variants, §11 HF export format):
 
 * **In-block convolutions.** Every decoder layer wraps its attention and its MLP in a
   `GroupedDynamicCausalConv`: before the sublayer each slot is replaced by a per-channel mix of
@@ -220,7 +220,7 @@ class GroupedDynamicCausalConv(nn.Module):
         kernel_size: K taps; offset 0 is the slot itself, offset j the slot j earlier in its block.
         group_size: channels sharing one dynamic coefficient (H / group_size groups).
 
-    Parameters (published names, DESIGN section 7):
+    Parameters (published names, docs/design.md §11 HF export format):
         base_kernel: `[2, K, H]` (index 0 before the sublayer, 1 after).
         kernel_projection: `Linear(H, 2 * K * H / group_size)`, no bias.
     """

@@ -1,6 +1,6 @@
 """JetSpec: the DFlash backbone with causal in-block attention, distilled from the target by forward KL.
 
-Two changes to plain DFlash (DESIGN sections 1, 2):
+Two changes to plain DFlash (docs/design.md §12 Variants, §3 Block attention):
 
 * **Causal in-block attention.** Slot ``k`` of a block sees the target context strictly before the
   anchor and the slots ``0..k`` of its own block, never a later slot, on every layer. The direction is
