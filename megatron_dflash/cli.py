@@ -43,9 +43,11 @@ USAGE_EXIT_CODE = 2  # every tool: a bad command line or input path
 # * megatron-core warns at import time on every machine without Transformer Engine and Apex
 #   (always the case on CPU; never install TE there) that it falls back to local kernels.
 # * megatron-core's torch_dist loader calls torch's deprecated `load_state_dict` once per load.
+# * megatron-core 0.16's own default (`cuda_graph_scope="full"`) warns in every TransformerConfig.
 HARMLESS_WARNINGS = (
     (UserWarning, r"megatron\.core(\..*)?$", r"Transformer Engine and Apex are not installed"),
     (FutureWarning, r"megatron\.core\.dist_checkpointing(\..*)?$", r"`load_state_dict` is deprecated"),
+    (UserWarning, r"megatron\.core\.transformer\.transformer_config$", r"full scope is deprecated"),
 )
 
 
