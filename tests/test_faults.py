@@ -362,6 +362,59 @@ def test_global_batch_without_supervised_slot_does_not_step(tiny_target, tmp_pat
     assert [lrs[i] != lrs[i - 1] for i in range(1, 8)] == [i - 1 in stepped for i in range(1, 8)], (lrs, skipped)
 
 
+_UNREADABLE = "<a record the tokenizer cannot render>"
+
+
+def _dp_rank_meeting_an_unreadable_record(rank, world_size, target, data, out_dir):
+    """A DP=2 rank training on `data`, whose record `_UNREADABLE` renders to no tokens (as a chat template
+    can for a malformed chat); only DP rank 1 reads it, in the second step."""
+    import pathlib
+
+    from megatron_dflash import data as data_module
+
+    torch.set_num_threads(1)
+    real = data_module.tokenize_chat
+
+    def tokenize(tokenizer, messages, **kwargs):
+        return ([], []) if messages[0]["content"] == _UNREADABLE else real(tokenizer, messages, **kwargs)
+
+    data_module.tokenize_chat = tokenize
+    out = pathlib.Path(out_dir)
+    try:
+        _run(_chat_args(target, out, data, "--train-iters", "3", "--micro-batch-size", "2", "--global-batch-size", "4",
+                        "--save", str(out / "ckpt"), "--save-interval", "1"))
+    except DataError as err:
+        return str(err)
+    finally:
+        data_module.tokenize_chat = real
+    return None
+
+
+def test_a_record_unreadable_on_one_data_parallel_rank_stops_every_rank(tp_pool, tiny_target, tmp_path):
+    from megatron_dflash.data import MicroBatchIterator
+
+    samples = 16
+    # the record DP rank 1 (of 2) reads first in step 1 (index 0 is what the up-front check reads)
+    order = MicroBatchIterator(list(range(samples)), micro_batch_size=2, global_batch_size=4, dp_rank=1, dp_size=2,
+                               seed=1234)
+    bad = next(i for i in order.micro_batch_indices(1, 0) if i != 0)
+    _chats(tmp_path / "chats.jsonl", [True] * samples)
+    lines = (tmp_path / "chats.jsonl").read_text().splitlines()
+    chat = json.loads(lines[bad])
+    chat["messages"][0]["content"] = _UNREADABLE
+    lines[bad] = json.dumps(chat)
+    (tmp_path / "chats.jsonl").write_text("\n".join(lines) + "\n")
+
+    results = tp_pool(2).run(_dp_rank_meeting_an_unreadable_record, tiny_target, str(tmp_path / "chats.jsonl"),
+                             str(tmp_path / "out"), tp=1, timeout=MULTI_RANK_TIMEOUT_S)
+    expected = f"{tmp_path / 'chats.jsonl'}:{bad + 1}: the chat renders to no tokens."
+    assert results == [expected, expected], results  # the same line on both ranks, no hang
+    # the failing step is neither saved nor exported: the last checkpoint is the step before
+    tracker = tmp_path / "out" / "ckpt" / "latest_checkpointed_iteration.txt"
+    assert tracker.read_text().strip() == "1"
+    assert not (tmp_path / "out" / "hf").exists()
+
+
 # ------------------------------------------------------------------------------------------ 5. vocabulary
 
 
