@@ -18,14 +18,18 @@ import sys
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from megatron_dflash.cli import quiet_dependency_warnings  # noqa: E402
+from megatron_dflash.cli import UsageError, quiet_dependency_warnings, usage_error  # noqa: E402
 
 quiet_dependency_warnings()  # before megatron and transformers load
 
-from megatron_dflash.training.arguments import parse_args  # noqa: E402
+from megatron_dflash.training.arguments import check_input_paths, parse_args  # noqa: E402
 
 if __name__ == "__main__":
-    parse_args(sys.argv[1:])  # --help and usage errors before torch and megatron load (exit status 2)
+    # --help, usage errors and missing input paths before torch and megatron load (exit status 2)
+    try:
+        check_input_paths(parse_args(sys.argv[1:]))
+    except UsageError as err:
+        usage_error("pretrain_dflash.py", str(err))
 
 from megatron_dflash.training.loop import main  # noqa: E402
 

@@ -130,8 +130,23 @@ print("torch loaded:", "torch" in sys.modules, "exit:", code)
     ([EVALUATE, "--target", ROOT, "--draft", "x"], f"--target {ROOT}: no config.json in it"),
     ([EVALUATE, "--draft", os.path.join(ROOT, "megatron_dflash", "assets", "tiny_target"), "--prompts", "/no.jsonl"],
      "--prompts /no.jsonl: no such prompt file."),
+    ([PRETRAIN, "--target", "/nonexistent"], "--target /nonexistent: no such HF model directory."),
+    ([PRETRAIN, "--target", ROOT], f"--target {ROOT}: no config.json in it; expected a HF model directory."),
+    ([PRETRAIN, "--data-format", "chat", "--train-data", "/no.jsonl"], "--train-data /no.jsonl: no such JSONL file."),
+    ([PRETRAIN, "--data-format", "text", "--data-path", ROOT], f"--data-path {ROOT}: not a JSONL file (a directory?)."),
+    ([PRETRAIN, "--data-format", "text", "--train-data", SHIPPED_PROMPTS, "--valid-data", "/no.jsonl"],
+     "--valid-data /no.jsonl: no such JSONL file."),
+    ([PRETRAIN, "--data-format", "indexed", "--train-data", "/no/prefix"],
+     "--train-data /no/prefix: --data-format indexed expects the Megatron indexed dataset prefix"),
+    ([PRETRAIN, "--tokenizer", "/nonexistent"], "--tokenizer /nonexistent: no such tokenizer directory."),
+    ([PRETRAIN, "--dflash-init-from", ROOT], f"--dflash-init-from {ROOT}: no config.json in it; expected a HF drafter"),
+    ([PRETRAIN, "--dflash-eval-prompts", "/no.jsonl"], "--dflash-eval-prompts /no.jsonl: no such JSONL prompt file."),
+    ([PRETRAIN, "--load", PRETRAIN], f"--load {PRETRAIN}: not a directory."),
 ], ids=["convert-missing-load", "convert-overlap", "evaluate-missing-target", "evaluate-missing-draft",
-        "evaluate-not-a-model", "evaluate-missing-prompts"])
+        "evaluate-not-a-model", "evaluate-missing-prompts", "pretrain-missing-target", "pretrain-not-a-model",
+        "pretrain-missing-train-data", "pretrain-data-is-a-directory", "pretrain-missing-valid-data",
+        "pretrain-missing-indexed-prefix", "pretrain-missing-tokenizer", "pretrain-init-from-not-a-drafter",
+        "pretrain-missing-eval-prompts", "pretrain-load-is-a-file"])
 def test_bad_paths_fail_in_one_line_before_torch_loads(argv, message):
     done = subprocess.run([sys.executable, "-c", _PROBE, *argv], capture_output=True, text=True, timeout=120,
                           env=_env())
@@ -164,8 +179,7 @@ def test_pretrain_reports_a_bad_target_in_one_line_without_warnings():
     done = subprocess.run([sys.executable, PRETRAIN, "--target", "/nonexistent", "--data-format", "synthetic"],
                           capture_output=True, text=True, timeout=300, env=_env())
     assert done.returncode == 2
-    assert done.stderr == ("pretrain_dflash.py: error: --target=/nonexistent is not a HF model directory "
-                           "(no config.json in it).\n"), done.stderr
+    assert done.stderr == "pretrain_dflash.py: error: --target /nonexistent: no such HF model directory.\n", done.stderr
 
 
 # ------------------------------------------------------------------------------------------ quiet output

@@ -362,6 +362,69 @@ def test_global_batch_without_supervised_slot_does_not_step(tiny_target, tmp_pat
     assert [lrs[i] != lrs[i - 1] for i in range(1, 8)] == [i - 1 in stepped for i in range(1, 8)], (lrs, skipped)
 
 
+_UNREADABLE = "<a record the tokenizer cannot render>"
+
+
+def _dp_rank_meeting_an_unreadable_record(rank, world_size, target, data, out_dir, *extra):
+    """A DP=2 rank training on `data` (and `extra`); the record `_UNREADABLE` renders to no tokens (as a chat
+    template can for a malformed chat), and only DP rank 1 reads it."""
+    import pathlib
+
+    from megatron_dflash import data as data_module
+
+    torch.set_num_threads(1)
+    real = data_module.tokenize_chat
+
+    def tokenize(tokenizer, messages, **kwargs):
+        return ([], []) if messages[0]["content"] == _UNREADABLE else real(tokenizer, messages, **kwargs)
+
+    data_module.tokenize_chat = tokenize
+    out = pathlib.Path(out_dir)
+    try:
+        _run(_chat_args(target, out, data, "--train-iters", "3", "--micro-batch-size", "2", "--global-batch-size", "4",
+                        "--save", str(out / "ckpt"), "--save-interval", "1", *extra))
+    except DataError as err:
+        return str(err)
+    finally:
+        data_module.tokenize_chat = real
+    return None
+
+
+def test_a_record_unreadable_on_one_data_parallel_rank_stops_every_rank(tp_pool, tiny_target, tmp_path):
+    from megatron_dflash.data import MicroBatchIterator
+
+    samples = 16
+    _chats(tmp_path / "chats.jsonl", [True] * samples)
+
+    def with_unreadable_record(name, step, seed):
+        """A copy of the chats whose record read first by DP rank 1 (of 2) in `step` is unreadable."""
+        order = MicroBatchIterator(list(range(samples)), micro_batch_size=2, global_batch_size=4, dp_rank=1,
+                                   dp_size=2, seed=seed)
+        bad = next(i for i in order.micro_batch_indices(step, 0) if i != 0)  # index 0: read by the up-front check
+        lines = (tmp_path / "chats.jsonl").read_text().splitlines()
+        chat = json.loads(lines[bad])
+        chat["messages"][0]["content"] = _UNREADABLE
+        lines[bad] = json.dumps(chat)
+        (tmp_path / name).write_text("\n".join(lines) + "\n")
+        return str(tmp_path / name), f"{tmp_path / name}:{bad + 1}: the chat renders to no tokens."
+
+    pool = tp_pool(2)
+    train, expected = with_unreadable_record("train.jsonl", step=1, seed=1234)
+    results = pool.run(_dp_rank_meeting_an_unreadable_record, tiny_target, train, str(tmp_path / "a"), tp=1,
+                       timeout=MULTI_RANK_TIMEOUT_S)
+    assert results == [expected, expected], results  # the same line on both ranks, no hang
+    # the failing step is neither saved nor exported: the last checkpoint is the step before
+    assert (tmp_path / "a" / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+    assert not (tmp_path / "a" / "hf").exists()
+    # the same in the validation data (read at seed + 1 from step 0 at every evaluation), after training
+    valid, expected = with_unreadable_record("valid.jsonl", step=0, seed=1235)
+    results = pool.run(_dp_rank_meeting_an_unreadable_record, tiny_target, str(tmp_path / "chats.jsonl"),
+                       str(tmp_path / "b"), "--train-iters", "2", "--valid-data", valid, tp=1,
+                       timeout=MULTI_RANK_TIMEOUT_S)
+    assert results == [expected, expected], results
+    assert not (tmp_path / "b" / "hf").exists()
+
+
 # ------------------------------------------------------------------------------------------ 5. vocabulary
 
 

@@ -111,9 +111,9 @@ VALIDATION_CASES = [
     (["--dflash-target-layer-ids", "1,x"], 1, "expected comma-separated integers"),
     (["--dflash-attention-backend", "flex"], 1, "flex needs CUDA"),
     (["--wandb-exp-name", "x"], 1, "--wandb-exp-name needs --wandb-project"),
-    (["--dflash-eval-prompts", "/nonexistent.jsonl"], 1, "is neither a JSONL file nor an integer"),
-    (["--target", "/nonexistent-target", "--data-format", "synthetic"], 1, "is not a HF model directory"),
-    (["--load", __file__], 1, f"--load={__file__} is not a directory"),  # absent: from scratch, see below
+    (["--dflash-eval-prompts", "/nonexistent.jsonl"], 1, "--dflash-eval-prompts /nonexistent.jsonl: no such JSONL prompt file."),
+    (["--target", "/nonexistent-target", "--data-format", "synthetic"], 1, "--target /nonexistent-target: no such HF model directory."),
+    (["--load", __file__], 1, f"--load {__file__}: not a directory."),  # absent: from scratch, see below
 ]
 
 

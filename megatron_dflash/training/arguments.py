@@ -31,6 +31,7 @@ __all__ = [
     "build_parser",
     "parse_args",
     "validate_args",
+    "check_input_paths",
     "parse_layer_ids",
     "RunDefault",
     "resolve_run_defaults",
@@ -283,6 +284,45 @@ def _check_expert_and_sequence_parallel(args: argparse.Namespace, world_size: in
         )
 
 
+def check_input_paths(args: argparse.Namespace) -> None:
+    """Every input path of the command line exists and is of the right kind; raises `cli.UsageError`.
+
+    Imports nothing heavy: `pretrain_dflash.py` calls it right after parsing, before torch loads, and
+    `validate_args` calls it again (as an `ArgumentError`) for the in-process API. `--load` may be absent
+    (training starts from scratch); the outputs (`--save`, `--dflash-export`, `--run-dir`) are checked
+    by `outputs.check_outputs`. Data paths are checked for the `--data-format` given (none: the format
+    is required and `validate_args` says so).
+    """
+    from ..cli import UsageError, require_dir, require_file
+
+    fmt = args.data_format
+    data = [("--train-data", args.train_data), ("--valid-data", args.valid_data)]
+    if args.data_path is not None and len(args.data_path) == 1:  # several: refused as blending by validate_args
+        data.append(("--data-path", args.data_path[0]))
+    for flag, path in data if fmt in ("chat", "text", "indexed") else []:
+        if path is None:
+            continue
+        if fmt != "indexed":
+            require_file(flag, path, "JSONL file")
+            continue
+        missing = [path + s for s in (".bin", ".idx") if not os.path.isfile(path + s)]
+        if missing:
+            raise UsageError(
+                f"{flag} {path}: --data-format indexed expects the Megatron indexed dataset prefix "
+                f"({path}.bin and {path}.idx); missing {', '.join(missing)}."
+            )
+    if args.target is not None:
+        require_dir("--target", args.target, "HF model directory", must_contain="config.json")
+    if args.tokenizer is not None:
+        require_dir("--tokenizer", args.tokenizer, "tokenizer directory")
+    if args.dflash_init_from is not None:
+        require_dir("--dflash-init-from", args.dflash_init_from, "HF drafter directory", must_contain="config.json")
+    if args.dflash_eval_prompts is not None and not _is_int(args.dflash_eval_prompts):
+        require_file("--dflash-eval-prompts", args.dflash_eval_prompts, "JSONL prompt file")
+    if args.load is not None and os.path.exists(args.load):
+        require_dir("--load", args.load, "checkpoint directory")
+
+
 def validate_args(
     args: argparse.Namespace,
     world_size: int,
@@ -301,9 +341,15 @@ def validate_args(
     `use_cuda`, and the draft settings' defaults for this run (`resolve_run_defaults`,
     `dflash_defaulted`).
     """
+    from ..cli import UsageError
+
     env = os.environ if env is None else env
     cuda = cuda_available() if cuda is None else cuda
     resolve_run_defaults(args)
+    try:
+        check_input_paths(args)
+    except UsageError as err:
+        raise ArgumentError(str(err)) from None
     errors: list[str] = []
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
 
@@ -394,8 +440,6 @@ def validate_args(
         raise ArgumentError("--save-interval needs --save (the checkpoint directory).")
     if args.save is not None and os.path.exists(args.save) and not os.path.isdir(args.save):
         raise ArgumentError(f"--save={args.save} exists and is not a directory.")
-    if args.load is not None and os.path.exists(args.load) and not os.path.isdir(args.load):
-        raise ArgumentError(f"--load={args.load} is not a directory.")
     if args.wandb_exp_name is not None and args.wandb_project is None:
         raise ArgumentError("--wandb-exp-name needs --wandb-project.")
     if args.wandb_project is not None and not _module_available("wandb"):
@@ -430,32 +474,11 @@ def validate_args(
                 "--data-format synthetic generates its own data; drop --train-data/--data-path/--valid-data "
                 "or choose --data-format chat/text/indexed."
             )
-    else:
-        if train_path is None:
-            raise ArgumentError(f"--data-format {fmt} needs --train-data (or --data-path).")
-        paths = [("training data", train_path)] + ([("--valid-data", args.valid_data)] if args.valid_data else [])
-        for what, path in paths:
-            if fmt == "indexed":
-                missing = [path + s for s in (".bin", ".idx") if not os.path.isfile(path + s)]
-                if missing:
-                    raise ArgumentError(
-                        f"{what} {path}: --data-format indexed expects the Megatron indexed dataset prefix "
-                        f"({path}.bin and {path}.idx); missing {', '.join(missing)}."
-                    )
-            elif not os.path.isfile(path):
-                raise ArgumentError(f"{what} {path} does not exist (expected a JSONL file for --data-format {fmt}).")
-    args.train_path = train_path
+    elif train_path is None:
+        raise ArgumentError(f"--data-format {fmt} needs --train-data (or --data-path).")
+    args.train_path = train_path  # the data files were checked by check_input_paths
 
-    # ---- target and draft
-    if args.target is not None and not os.path.isfile(os.path.join(args.target, "config.json")):
-        raise ArgumentError(f"--target={args.target} is not a HF model directory (no config.json in it).")
-    if args.tokenizer is not None and not os.path.isdir(args.tokenizer):
-        raise ArgumentError(f"--tokenizer={args.tokenizer} is not a directory.")
-    if args.dflash_init_from is not None:
-        if not os.path.isfile(os.path.join(args.dflash_init_from, "config.json")):
-            raise ArgumentError(
-                f"--dflash-init-from={args.dflash_init_from} is not a HF drafter directory (no config.json)."
-            )
+    # ---- target and draft (their directories were checked by check_input_paths)
     args.dflash_target_layer_ids_list = parse_layer_ids(args.dflash_target_layer_ids)
     if args.dflash_mask_token_id is not None and args.dflash_mask_token_id < 0:
         raise ArgumentError(f"--dflash-mask-token-id={args.dflash_mask_token_id} must be >= 0.")
@@ -482,11 +505,6 @@ def validate_args(
     if args.dflash_attention_backend == "flex" and not cuda:
         raise ArgumentError("--dflash-attention-backend flex needs CUDA; use auto or chunked on CPU.")
     prompts = args.dflash_eval_prompts
-    if prompts is not None and not _is_int(prompts) and not os.path.isfile(prompts):
-        raise ArgumentError(
-            f"--dflash-eval-prompts={prompts} is neither a JSONL file nor an integer number of held-out "
-            "synthetic prompts."
-        )
     if prompts is not None and _is_int(prompts):
         if int(prompts) < 0:
             raise ArgumentError(f"--dflash-eval-prompts={prompts} must be >= 0.")

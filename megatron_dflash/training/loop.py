@@ -387,6 +387,54 @@ def _accumulate(acc: Optional[list], values: list) -> list:
     return values if acc is None else [a + b for a, b in zip(acc, values)]
 
 
+_UNREADABLE_MICRO_BATCHES = "unreadable_micro_batches"  # appended after the empty count; non-zero: stop
+
+
+class _RankData:
+    """The micro-batches of this rank; a record that cannot be read (tokenised) stops every rank alike.
+
+    Such a record is met by one data-parallel replica only (each reads its own part of the global batch):
+    raising there would leave the other replicas waiting in the step's next collective until the process
+    group times out. So this rank keeps the error and completes the step with stand-in micro-batches that
+    supervise nothing, joining every collective as usual; the step's statistics, which every rank reduces
+    anyway, count those micro-batches (`mark`), and once the count is non-zero every rank raises the same
+    `DataError` (`stop_if_unreadable`). Normal steps add one number to the statistics, nothing else.
+    """
+
+    def __init__(self, iterator, collate, pad_id: int, micro_batch_size: int):
+        self.iterator = iterator
+        self.error: Optional[str] = None  # the first unreadable record's message (file:line: what)
+        # rows of one pad token (padded to the sequence length), no supervised token
+        self._stand_in = [{"input_ids": [pad_id], "loss_mask": [0], "sample_id": 0}] * micro_batch_size
+        self._collate = collate
+
+    def __next__(self) -> dict:
+        if self.error is None:
+            try:
+                return next(self.iterator)
+            except ValueError as err:  # a record that cannot be tokenised (named by file and line)
+                self.error = str(err)
+        return self._collate(self._stand_in)
+
+    def mark(self, values: list, names: list) -> tuple[list, list]:
+        """`values` / `names` of a micro-batch with this rank's count of unreadable micro-batches appended."""
+        flag = torch.full((), float(self.error is not None), dtype=torch.float64, device=values[0].device)
+        return values + [flag], names + [_UNREADABLE_MICRO_BATCHES]
+
+    def stop_if_unreadable(self, totals: "_Totals") -> None:
+        """Raise on every rank the `DataError` of the lowest rank that met an unreadable record, if any did
+        (the reduced count says so on every rank; the messages are gathered on this failure path only)."""
+        if totals.extra.pop(_UNREADABLE_MICRO_BATCHES, 0.0) <= 0:
+            return
+        from .errors import DataError
+
+        messages = [self.error]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            messages = [None] * dist.get_world_size()
+            dist.all_gather_object(messages, self.error)
+        raise DataError(next(m for m in messages if m is not None))
+
+
 def _metrics(t: _Totals, ratios: dict) -> dict:
     out = {
         "loss": t.loss_sum / t.weight_sum if t.weight_sum > 0 else float("nan"),
@@ -412,20 +460,24 @@ def validation_loss(runner: _StepRunner, dataset, job: Job) -> dict:
     from ..data import Collator, MicroBatchIterator
 
     args = job.args
+    collate = Collator(job.pad_token_id, args.seq_length, args.pack_sequences)
     it = MicroBatchIterator(dataset, micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
                             dp_rank=parallel_state.get_data_parallel_rank(), dp_size=job.dp, seed=args.seed + 1,
-                            start_step=0, collate_fn=Collator(job.pad_token_id, args.seq_length, args.pack_sequences))
+                            start_step=0, collate_fn=collate)
+    reader = _RankData(it, collate, job.pad_token_id, args.micro_batch_size)
     acc, names = None, []
     if runner.body is not None:
         runner.body.eval()
     try:
         for _ in range(args.eval_iters * args.num_micro_batches):
-            values, names = runner.micro_batch(next(it), step=0, seed=args.seed + 1, backward=False)
+            values, names = reader.mark(*runner.micro_batch(next(reader), step=0, seed=args.seed + 1, backward=False))
             acc = _accumulate(acc, values)
     finally:
         if runner.body is not None:
             runner.body.train()
-    return _metrics(runner.reduce(acc, names), runner.ratios)
+    totals = runner.reduce(acc, names)
+    reader.stop_if_unreadable(totals)
+    return _metrics(totals, runner.ratios)
 
 
 @torch.no_grad()
@@ -538,7 +590,6 @@ def train(job: Job, *, hooks: Optional[dict] = None, env=None) -> TrainResult:
     from .checkpointing import load_checkpoint, save_checkpoint
     from .monitor import Monitor, format_metrics, labelled
     from .optim import build_engine, optimizer_layout
-    from .errors import DataError
     from .resume import agree_on_resume_point
     from .rundir import RunWriter
 
@@ -618,6 +669,7 @@ def train(job: Job, *, hooks: Optional[dict] = None, env=None) -> TrainResult:
             dp_rank=parallel_state.get_data_parallel_rank(), dp_size=job.dp, seed=args.seed,
             start_step=start_iteration, collate_fn=collate,
         )
+        train_data = _RankData(data_iter, collate, job.pad_token_id, args.micro_batch_size)
 
         monitor = Monitor(args, rank=rank, total_iters=args.train_iters, start_iter=start_iteration,
                           config=_args_snapshot(args))
@@ -679,13 +731,10 @@ def train(job: Job, *, hooks: Optional[dict] = None, env=None) -> TrainResult:
             acc, names = None, []
             weight = torch.zeros((), dtype=torch.float64, device=ctx.device)
             for _ in range(args.num_micro_batches):
-                try:
-                    batch = next(data_iter)
-                except ValueError as err:  # a record that cannot be tokenised (named by file and line)
-                    raise DataError(str(err)) from None
-                values, names = runner.micro_batch(batch, step=iteration, seed=args.seed, backward=True)
+                values, names = runner.micro_batch(next(train_data), step=iteration, seed=args.seed, backward=True)
                 # a micro-batch without a supervised slot (no valid anchor) adds nothing: counted, not an error
                 values, names = values + [(values[1] == 0).to(torch.float64)], names + [_EMPTY_MICRO_BATCHES]
+                values, names = train_data.mark(values, names)
                 weight = weight + values[1]
                 acc = _accumulate(acc, values)
             lr = grad_norm = float("nan")
@@ -696,6 +745,7 @@ def train(job: Job, *, hooks: Optional[dict] = None, env=None) -> TrainResult:
                 if engine.finish_grads(weight) > 0:
                     grad_norm = engine.step()
             totals = runner.reduce(acc, names, {"lr": lr, "grad_norm": grad_norm})
+            train_data.stop_if_unreadable(totals)  # before anything of this step is logged or saved
             lr, grad_norm = totals.scalars["lr"], totals.scalars["grad_norm"]
             iteration += 1
             empty = int(round(totals.extra.pop(_EMPTY_MICRO_BATCHES, 0.0)))
