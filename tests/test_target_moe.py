@@ -1,4 +1,4 @@
-"""Qwen3-MoE targets in the megatron backend: conversion, expert parallelism, sequence parallelism.
+"""Qwen3-MoE and DeepSeek-V3 targets in the megatron backend: conversion, expert parallelism, sequence parallelism.
 
 Reference: transformers' own forward of tiny random Qwen3-MoE models (fp32), saved in several safetensors
 shards so the shard-by-shard loader is exercised. Two routings are covered: ``norm_topk_prob=True`` (Qwen3-
@@ -6,8 +6,9 @@ shards so the shard-by-shard loader is exercised. Two routings are covered: ``no
 ``decoder_sparse_step=2`` and tied embeddings; and DeepSeek-V3 (MLA + MoE) with plain RoPE and with YaRN
 ``rope_scaling`` used past ``original_max_position_embeddings``. On 4 gloo ranks, logits, final hidden states
 and every tap must equal transformers to 1e-5 relative at TP=2 x EP=2 (sequence parallelism off and on),
-PP=2 x EP=2 and TP=2 x PP=2 x EP=2 (expert TP 1, sequence parallelism on). Training a draft for a few steps next to the MoE
-target at TP=2 x PP=2 x EP=2 with sequence parallelism gives the losses of the HF-adapter target.
+PP=2 x EP=2 and TP=2 x PP=2 x EP=2 (expert TP 1, sequence parallelism on). Training a draft for a few steps
+next to a Qwen3-MoE or a YaRN DeepSeek-V3 target at TP=2 x PP=2 x EP=2 with sequence parallelism gives the
+losses of the HF-adapter target.
 """
 
 from __future__ import annotations
@@ -321,7 +322,7 @@ TRAIN_ARGS = ["--data-format", "synthetic", "--no-progress-bar", "--log-interval
 
 @pytest.fixture(scope="module")
 def tiny_moe_targets(tmp_path_factory) -> dict:
-    """Random tiny Qwen3-MoE and DeepSeek-V3 targets with the embedded job's tokenizer (dense first layers)."""
+    """Random tiny Qwen3-MoE and DeepSeek-V3 (YaRN) targets with the embedded job's tokenizer, dense first layers."""
     import math
 
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -332,16 +333,19 @@ def tiny_moe_targets(tmp_path_factory) -> dict:
     common = dict(
         vocab_size=64 * math.ceil(len(tokenizer) / 64), hidden_size=64, intermediate_size=96,
         moe_intermediate_size=32, num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=4,
-        num_attention_heads=4, max_position_embeddings=256, pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+        num_attention_heads=4, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
     )
     families = {
-        "qwen3_moe": (Qwen3MoeForCausalLM, Qwen3MoeConfig(**common, num_experts=4, mlp_only_layers=[0],
-                                                          num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)),
+        "qwen3_moe": (Qwen3MoeForCausalLM, Qwen3MoeConfig(
+            **common, num_experts=4, mlp_only_layers=[0], max_position_embeddings=256, num_key_value_heads=2,
+            head_dim=16, tie_word_embeddings=True)),
         "deepseek_v3": (DeepseekV3ForCausalLM, DeepseekV3Config(
             **common, n_routed_experts=4, n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1,
             num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
-            v_head_dim=16, routed_scaling_factor=1.5, tie_word_embeddings=False)),
+            v_head_dim=16, routed_scaling_factor=1.5, tie_word_embeddings=False,
+            # YaRN as DeepSeek-V3 checkpoints ship it, used past original_max_position_embeddings (seq 48).
+            rope_scaling={**YARN, "original_max_position_embeddings": 16}, max_position_embeddings=640)),
     }
     paths = {}
     for name, (cls, config) in families.items():
