@@ -31,7 +31,8 @@ linear and llama3 RoPE scaling; Qwen3-MoE's softmax top-k routing with or withou
 ``mlp_only_layers`` / ``decoder_sparse_step``; DeepSeek-V3's multi-latent attention, sigmoid group-limited
 routing with the score-correction bias, routed scaling, shared experts and dense first layers; experts split
 over ``expert_model_parallel_size`` ranks). Other families and features (attention/MLP biases, sliding
-windows, YaRN, per-document positions with MLA) are refused with an error that names them.
+windows, YaRN outside DeepSeek-V3's MLA, per-document positions with MLA) are refused with an error that names
+them. DeepSeek-V3's YaRN ``rope_scaling`` maps onto megatron's MLA YaRN, softmax-scale correction included.
 """
 
 from __future__ import annotations
@@ -364,16 +365,13 @@ def hf_target_spec(hf_config: Any) -> HFTargetSpec:
     head_dim = cfg.get("head_dim") or hidden // heads
     theta, scaling = read_rope_parameters(dict(cfg))
     if model_type == "deepseek_v3" and scaling is not None:
-        raise ValueError(
-            f"megatron target: DeepSeek-V3 rope_scaling {scaling.get('rope_type')!r} (YaRN) is not supported by this "
-            "converter yet (its mscale must be matched to megatron's YarnRotaryEmbedding); use HFTarget."
-        )
-    if scaling is not None:
+        scaling = _deepseek_yarn(cfg, scaling)
+    elif scaling is not None:
         rope_type = scaling.get("rope_type")
         if rope_type not in ("linear", "llama3"):
             raise ValueError(
                 f"megatron target: rope_scaling type {rope_type!r} is not supported (supported: default, "
-                "'linear', 'llama3')."
+                "'linear', 'llama3'; 'yarn' for DeepSeek-V3's multi-latent attention only); use HFTarget."
             )
         if not float(scaling.get("factor", 0)) > 0:
             raise ValueError(f"megatron target: rope_scaling={scaling} needs a positive 'factor'.")
@@ -401,6 +399,57 @@ def hf_target_spec(hf_config: Any) -> HFTargetSpec:
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         dtype=_DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None,
         **moe,
+    )
+
+
+def _deepseek_yarn(cfg: Mapping, scaling: dict) -> dict:
+    """DeepSeek-V3's YaRN ``rope_scaling`` resolved to the values megatron's MLA YaRN takes, or refused.
+
+    transformers' DeepSeek-V3 applies YaRN twice: the rotary cos/sin are multiplied by an attention factor
+    (``mscale(factor, mscale) / mscale(factor, mscale_all_dim)`` when both are set, else ``mscale(factor, 1)``),
+    and the softmax scale ``1/sqrt(qk_head_dim)`` by ``mscale(factor, mscale_all_dim)**2`` when
+    ``mscale_all_dim`` is set. megatron-core's ``MLASelfAttention`` computes the same two factors from its
+    ``mscale`` / ``mscale_all_dim`` fields, with 0 for "no softmax correction"; the returned dict holds those
+    values under the HF key names (``mscale_all_dim`` 0.0 when absent). ``original_max_position_embeddings``
+    follows transformers: a top-level config value first, then ``rope_scaling``'s, then ``max_position_embeddings``.
+    """
+    rope_type = scaling.get("rope_type")
+    if rope_type != "yarn":
+        raise ValueError(f"megatron target: DeepSeek-V3 rope_scaling type {rope_type!r} is not supported "
+                         "(supported: default, 'yarn'); use HFTarget.")
+    factor = float(scaling.get("factor") or 0)
+    if not factor > 0:
+        raise ValueError(f"megatron target: rope_scaling={scaling} needs a positive 'factor'.")
+    if scaling.get("attention_factor") is not None:
+        raise ValueError(
+            f"megatron target: YaRN rope_scaling with an explicit attention_factor={scaling['attention_factor']} "
+            "is not supported (megatron-core derives it from mscale and mscale_all_dim); use HFTarget."
+        )
+    if not scaling.get("truncate", True):
+        raise ValueError("megatron target: YaRN rope_scaling with truncate=False is not supported (megatron-core "
+                         "rounds the correction range to whole dimensions); use HFTarget.")
+    if float(scaling.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError(f"megatron target: YaRN rope_scaling with partial_rotary_factor="
+                         f"{scaling['partial_rotary_factor']} is not supported (RoPE covers all of qk_rope_head_dim).")
+    mscale = float(scaling.get("mscale") or 0)
+    mscale_all_dim = float(scaling.get("mscale_all_dim") or 0)
+    if mscale_all_dim and not mscale:
+        # transformers then scales cos/sin by mscale(factor, 1) but still corrects the softmax with
+        # mscale_all_dim; megatron-core divides its cos/sin factor by mscale(factor, mscale_all_dim) whenever it
+        # corrects the softmax, and no choice of its two fields gives both.
+        raise ValueError(f"megatron target: YaRN rope_scaling with mscale_all_dim={mscale_all_dim} but no mscale is "
+                         "not supported (megatron-core cannot reproduce transformers' factors); use HFTarget.")
+    original = cfg.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
+    return dict(
+        rope_type="yarn",
+        factor=factor,
+        original_max_position_embeddings=int(original or cfg.get("max_position_embeddings", 4096)),
+        beta_fast=float(scaling.get("beta_fast") or 32),
+        beta_slow=float(scaling.get("beta_slow") or 1),
+        # Without mscale_all_dim, transformers' cos/sin factor is mscale(factor, 1) whatever mscale says, while
+        # megatron's would be mscale(factor, mscale): pass 1.
+        mscale=mscale if mscale_all_dim else 1.0,
+        mscale_all_dim=mscale_all_dim,
     )
 
 
@@ -640,7 +689,18 @@ def megatron_target_config(hf_config: Any, **overrides: Any):
             kv_lora_rank=spec.kv_lora_rank, qk_head_dim=spec.qk_nope_head_dim,
             qk_pos_emb_head_dim=spec.qk_rope_head_dim, v_head_dim=spec.v_head_dim, rope_type="rope",
             rotary_base=spec.rope_theta, rotary_percent=1.0, kv_channels=None,
+            # Even with plain RoPE, MLASelfAttention scales its softmax by YaRN's mscale(rotary_scaling_factor,
+            # mscale_all_dim): mscale_all_dim=0 keeps that factor 1.
+            mscale=1.0, mscale_all_dim=0.0,
         )
+        if spec.rope_scaling is not None:  # YaRN, resolved by _deepseek_yarn
+            yarn = spec.rope_scaling
+            kwargs.update(
+                rope_type="yarn", rotary_scaling_factor=yarn["factor"],
+                original_max_position_embeddings=yarn["original_max_position_embeddings"],
+                beta_fast=yarn["beta_fast"], beta_slow=yarn["beta_slow"], mscale=yarn["mscale"],
+                mscale_all_dim=yarn["mscale_all_dim"],
+            )
     kwargs.update(overrides)
     return config_cls(**kwargs)
 

@@ -1,12 +1,14 @@
-"""Qwen3-MoE targets in the megatron backend: conversion, expert parallelism, sequence parallelism.
+"""Qwen3-MoE and DeepSeek-V3 targets in the megatron backend: conversion, expert parallelism, sequence parallelism.
 
 Reference: transformers' own forward of tiny random Qwen3-MoE models (fp32), saved in several safetensors
 shards so the shard-by-shard loader is exercised. Two routings are covered: ``norm_topk_prob=True`` (Qwen3-
 30B-A3B / 235B-A22B) with a dense first layer (``mlp_only_layers``), and ``norm_topk_prob=False`` with
-``decoder_sparse_step=2`` and tied embeddings. On 4 gloo ranks, logits, final hidden states and every tap
-must equal transformers to 1e-5 relative at TP=2 x EP=2 (sequence parallelism off and on), PP=2 x EP=2 and
-TP=2 x PP=2 x EP=2 (expert TP 1, sequence parallelism on). Training a draft for a few steps next to the MoE
-target at TP=2 x PP=2 x EP=2 with sequence parallelism gives the losses of the HF-adapter target.
+``decoder_sparse_step=2`` and tied embeddings; and DeepSeek-V3 (MLA + MoE) with plain RoPE and with YaRN
+``rope_scaling`` used past ``original_max_position_embeddings``. On 4 gloo ranks, logits, final hidden states
+and every tap must equal transformers to 1e-5 relative at TP=2 x EP=2 (sequence parallelism off and on),
+PP=2 x EP=2 and TP=2 x PP=2 x EP=2 (expert TP 1, sequence parallelism on). Training a draft for a few steps
+next to a Qwen3-MoE or a YaRN DeepSeek-V3 target at TP=2 x PP=2 x EP=2 with sequence parallelism gives the
+losses of the HF-adapter target.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from megatron_dflash.target_weights import megatron_weight_plan, safetensors_fil
 VOCAB, LAYERS, HIDDEN, SEQ, BATCH = 300, 4, 32, 12, 2
 TAPS = [0, 1, 2]
 RTOL = 1e-5
+YARN = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 8, "beta_fast": 32, "beta_slow": 1,
+        "mscale": 1.0, "mscale_all_dim": 0.8}
 
 
 def _tiny_moe_models(root: str) -> dict:
@@ -38,20 +42,25 @@ def _tiny_moe_models(root: str) -> dict:
         num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
         num_experts=4, num_experts_per_tok=2, max_position_embeddings=256, rms_norm_eps=1e-6,
     )
+    deepseek = dict(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=48, moe_intermediate_size=16,
+        num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16,
+        qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, n_routed_experts=8, n_shared_experts=1,
+        num_experts_per_tok=2, n_group=2, topk_group=1, routed_scaling_factor=2.5, first_k_dense_replace=1,
+        norm_topk_prob=True, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    )
     configs = {
         "renormalised": Qwen3MoeConfig(**common, norm_topk_prob=True, mlp_only_layers=[0], tie_word_embeddings=False),
         "raw_topk": Qwen3MoeConfig(**common, norm_topk_prob=False, decoder_sparse_step=2, tie_word_embeddings=True),
         # DeepSeek-V3: MLA (q and kv LoRA, decoupled RoPE dims), a dense first layer, sigmoid routing with the
         # correction bias, 2 groups of which 1 is kept, routed scaling, a shared expert.
-        "deepseek_v3": DeepseekV3Config(
-            vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=48, moe_intermediate_size=16,
-            num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16,
-            qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, n_routed_experts=8, n_shared_experts=1,
-            num_experts_per_tok=2, n_group=2, topk_group=1, routed_scaling_factor=2.5, first_k_dense_replace=1,
-            norm_topk_prob=True, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False,
-        ),
+        "deepseek_v3": DeepseekV3Config(**deepseek),
     }
-    classes = {"deepseek_v3": DeepseekV3ForCausalLM}
+    # DeepSeek-V3 with YaRN as its checkpoints ship it, stretched past original_max_position_embeddings (8 < SEQ):
+    # mscale != mscale_all_dim, so both the cos/sin factor and the softmax-scale correction differ from 1.
+    configs["deepseek_v3_yarn"] = DeepseekV3Config(**{
+        **deepseek, "qk_rope_head_dim": 8, "max_position_embeddings": 320, "rope_scaling": YARN})
+    classes = {"deepseek_v3": DeepseekV3ForCausalLM, "deepseek_v3_yarn": DeepseekV3ForCausalLM}
     models = {}
     for seed, (name, config) in enumerate(configs.items()):
         torch.manual_seed(100 + seed)
@@ -122,8 +131,26 @@ def test_moe_spec_config_and_refusals(tiny_moe):
     base = spec_dict(ds_path)
     with pytest.raises(ValueError, match="agree only when num_experts_per_tok / topk_group == 2"):
         hf_target_spec({**base, "num_experts_per_tok": 4})
-    with pytest.raises(ValueError, match="YaRN"):
-        hf_target_spec({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    # YaRN: transformers' fields map onto MLATransformerConfig's, the softmax correction included.
+    yarn = megatron_target_config(tiny_moe["deepseek_v3_yarn"][1])
+    assert (yarn.rope_type, yarn.rotary_scaling_factor, yarn.original_max_position_embeddings) == ("yarn", 40.0, 8)
+    assert (yarn.beta_fast, yarn.beta_slow, yarn.mscale, yarn.mscale_all_dim) == (32, 1, 1.0, 0.8)
+    assert megatron_target_config(ds_path).mscale_all_dim == 0.0  # plain RoPE: no softmax correction
+    # Without mscale_all_dim transformers scales cos/sin by mscale(factor, 1) and leaves the softmax alone.
+    plain_yarn = hf_target_spec({**base, "rope_scaling": {"type": "yarn", "factor": 4.0, "mscale": 0.5}}).rope_scaling
+    assert (plain_yarn["mscale"], plain_yarn["mscale_all_dim"], plain_yarn["original_max_position_embeddings"]) == (
+        1.0, 0.0, 256)
+    for scaling, message in [
+        ({"rope_type": "linear", "factor": 4.0}, "DeepSeek-V3 rope_scaling type 'linear' is not supported"),
+        ({**YARN, "attention_factor": 1.2}, "explicit attention_factor=1.2"),
+        ({**YARN, "mscale": 0}, "mscale_all_dim=0.8 but no mscale"),
+        ({**YARN, "truncate": False}, "truncate=False"),
+        ({**YARN, "factor": 0}, "needs a positive 'factor'"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            hf_target_spec({**base, "rope_scaling": scaling})
+    with pytest.raises(ValueError, match="rope_scaling type 'yarn' is not supported"):
+        hf_target_spec({**spec_dict(path), "rope_scaling": YARN})  # YaRN on a GQA target
     with pytest.raises(ValueError, match="must divide kv_lora_rank \\+ qk_rope_head_dim=22"):
         megatron_target_config({**base, "kv_lora_rank": 18}, tensor_model_parallel_size=4, expert_tensor_parallel_size=1)
 
@@ -189,12 +216,15 @@ def _keys(path: str) -> str:
 # --------------------------------------------------------------------------------------------------
 
 # Expert TP defaults to TP (2 at TP=2 x EP=2: experts split over columns too); at TP=2 x PP=2 x EP=2 it must be 1
-# to fit 4 ranks (megatron's expert grid is ETP x EP x PP).
+# to fit 4 ranks (megatron's expert grid is ETP x EP x PP). Every model runs at TP=2 x PP=2 x EP=2 with SP; the
+# other layouts take one Qwen3-MoE and one DeepSeek-V3 model each, so each family is seen with SP off and on, and
+# each model in at least two layouts.
+ALL_MODELS = ("renormalised", "raw_topk", "deepseek_v3", "deepseek_v3_yarn")
 LAYOUTS = [
-    dict(tp=2, pp=1, ep=2, etp=None, sp=False),
-    dict(tp=2, pp=1, ep=2, etp=None, sp=True),
-    dict(tp=1, pp=2, ep=2, etp=None, sp=False),
-    dict(tp=2, pp=2, ep=2, etp=1, sp=True),
+    (dict(tp=2, pp=1, ep=2, etp=None, sp=False), ("renormalised", "deepseek_v3")),
+    (dict(tp=2, pp=1, ep=2, etp=None, sp=True), ("raw_topk", "deepseek_v3_yarn")),
+    (dict(tp=1, pp=2, ep=2, etp=None, sp=False), ("renormalised", "deepseek_v3_yarn")),
+    (dict(tp=2, pp=2, ep=2, etp=1, sp=True), ALL_MODELS),
 ]
 
 
@@ -219,14 +249,15 @@ def _on_ranks_moe(rank: int, world_size: int, cases: dict, layouts: list) -> lis
     from megatron_dflash.target import MegatronTarget
 
     reports = []
-    for layout in layouts:
+    for layout, names in layouts:
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=layout["tp"], pipeline_model_parallel_size=layout["pp"],
             expert_model_parallel_size=layout["ep"], expert_tensor_parallel_size=layout["etp"],
         )
         try:
             with megatron_cpu.patched(skip_embedding_group_sync=True):
-                for name, case in cases.items():
+                for name in names:
+                    case = cases[name]
                     target = MegatronTarget.from_pretrained(case["path"], TAPS, use_cpu_initialization=True,
                                                             sequence_parallel=layout["sp"])
                     ids = case["ids"]
@@ -273,7 +304,7 @@ def test_moe_target_matches_transformers_under_tp_ep_pp_sp(tiny_moe, tp_pool):
             assert max(r["taps"].values()) <= RTOL, where
             assert r["padding_is_-inf"], where
             checked.add((tuple(sorted(r["layout"].items())), r["model"]))
-    assert len(checked) == len(LAYOUTS) * len(cases)
+    assert len(checked) == sum(len(names) for _, names in LAYOUTS)
     worst = max(max(r["logits"], r["final_hidden"], *r["taps"].values()) for reports in results for r in reports if "taps" in r)
     print(f"MoE parity over {len(checked)} (layout, model) pairs: worst relative difference {worst:.2e}")
 
@@ -291,7 +322,7 @@ TRAIN_ARGS = ["--data-format", "synthetic", "--no-progress-bar", "--log-interval
 
 @pytest.fixture(scope="module")
 def tiny_moe_targets(tmp_path_factory) -> dict:
-    """Random tiny Qwen3-MoE and DeepSeek-V3 targets with the embedded job's tokenizer (dense first layers)."""
+    """Random tiny Qwen3-MoE and DeepSeek-V3 (YaRN) targets with the embedded job's tokenizer, dense first layers."""
     import math
 
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -302,16 +333,19 @@ def tiny_moe_targets(tmp_path_factory) -> dict:
     common = dict(
         vocab_size=64 * math.ceil(len(tokenizer) / 64), hidden_size=64, intermediate_size=96,
         moe_intermediate_size=32, num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=4,
-        num_attention_heads=4, max_position_embeddings=256, pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+        num_attention_heads=4, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
     )
     families = {
-        "qwen3_moe": (Qwen3MoeForCausalLM, Qwen3MoeConfig(**common, num_experts=4, mlp_only_layers=[0],
-                                                          num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)),
+        "qwen3_moe": (Qwen3MoeForCausalLM, Qwen3MoeConfig(
+            **common, num_experts=4, mlp_only_layers=[0], max_position_embeddings=256, num_key_value_heads=2,
+            head_dim=16, tie_word_embeddings=True)),
         "deepseek_v3": (DeepseekV3ForCausalLM, DeepseekV3Config(
             **common, n_routed_experts=4, n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1,
             num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
-            v_head_dim=16, routed_scaling_factor=1.5, tie_word_embeddings=False)),
+            v_head_dim=16, routed_scaling_factor=1.5, tie_word_embeddings=False,
+            # YaRN as DeepSeek-V3 checkpoints ship it, used past original_max_position_embeddings (seq 48).
+            rope_scaling={**YARN, "original_max_position_embeddings": 16}, max_position_embeddings=640)),
     }
     paths = {}
     for name, (cls, config) in families.items():
