@@ -6,6 +6,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 # The tests import the package from the checkout and the harness module next to this file,
 # also in the rank processes spawned by the harness (they inherit sys.path).
@@ -30,3 +31,30 @@ def tp_pool():
         yield pools
     finally:
         pools.close()
+
+
+@pytest.fixture
+def one_thread():
+    """One CPU thread in this process for the test: tiny matmuls gain nothing from threads, and OpenMP
+    threads that busy-wait crawl on a loaded machine. Modules opt in with
+    `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tmp_path_factory):
+    """A tiny Qwen3 target (6 layers) trained for 20 steps, in a temporary cache (never the user's); built
+    once per session and shared read-only by every module."""
+    from megatron_dflash.training.tiny_target import TinyTargetRecipe, ensure_tiny_target
+
+    cache = tmp_path_factory.mktemp("dflash-cache")
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return ensure_tiny_target(str(cache), TinyTargetRecipe(train_steps=20, batch_size=8, seq_length=48),
+                                  log=lambda *a: None)
+    finally:
+        torch.set_num_threads(saved)

@@ -22,6 +22,8 @@ import pytest
 
 from megatron_dflash import cli
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRETRAIN = os.path.join(ROOT, "pretrain_dflash.py")
 CONVERT = os.path.join(ROOT, "tools", "convert_checkpoint.py")
@@ -46,17 +48,6 @@ def _parsers():
     subcommands = next(a for a in top._actions if isinstance(a, argparse._SubParsersAction)).choices
     return {"pretrain_dflash.py": build_parser(), "evaluate_acceptance.py": _evaluate_module().build_parser(),
             **{f"convert {name}": sub for name, sub in subcommands.items()}}
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One CPU thread in this process: OpenMP threads that spin on a loaded machine crawl."""
-    import torch
-
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
 
 
 def _env():

@@ -41,18 +41,12 @@ from megatron_dflash.variants.domino import (
     save_domino_checkpoint,
 )
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 H, V, W, S = 32, 40, 4, 16
 E, G = 12, 10
 ANCHORS = torch.tensor([[1, 6, 12, 0], [4, 9, 2, 11]])
 VALID = torch.tensor([[True, True, True, False], [True, True, True, True]])
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def tiny_config(**overrides) -> DominoConfig:

@@ -21,6 +21,8 @@ import torch
 
 from reference_engine import reference_engine
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 # Small enough to clip on every step of these runs (their grad norms are ~1-10).
 CLIP = 0.25
 SCHEDULE = ["--train-iters", "5", "--lr", "2e-3", "--lr-warmup-iters", "2", "--lr-decay-style", "cosine",
@@ -37,28 +39,6 @@ DATA = ["--dflash-num-layers", "2", "--dflash-block-size", "8", "--data-format",
 # 2 bf16 ulps). A wrong update is far outside: without clipping the reference's losses move by
 # 1.2e-2 relative over the same 5 steps.
 TOLERANCE = {"fp32": dict(loss=1e-6, norm=1e-6, weight=1e-6), "bf16": dict(loss=1e-3, norm=1e-2, weight=8e-3)}
-
-
-@pytest.fixture(scope="module")
-def tiny_target(tmp_path_factory):
-    from megatron_dflash.training.tiny_target import TinyTargetRecipe, ensure_tiny_target
-
-    cache = tmp_path_factory.mktemp("dflash-cache")
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return ensure_tiny_target(str(cache), TinyTargetRecipe(train_steps=20, batch_size=8, seq_length=48),
-                                  log=lambda *a: None)
-    finally:
-        torch.set_num_threads(saved)
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
 
 
 def _argv(target, out_dir, *extra):

@@ -19,18 +19,12 @@ import torch
 from megatron_dflash.training.arguments import ArgumentError, parse_args
 from megatron_dflash.training.errors import CheckpointError, DataError, RunError
 from megatron_dflash.training.job import prepare_job
-from test_training import STEPS_ARGS, TINY_DRAFT, _base, _run, tiny_target  # noqa: F401 - the module fixture
+from test_training import STEPS_ARGS, TINY_DRAFT, _base, _run
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 MULTI_RANK_TIMEOUT_S = 300.0  # generous (a shared, loaded machine), but a hang fails instead of blocking
 SHORT = ["--train-iters", "2", "--micro-batch-size", "4", "--global-batch-size", "4", "--dflash-eval-prompts", "0"]
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
 
 
 @pytest.fixture(scope="module")

@@ -44,6 +44,8 @@ from megatron_dflash.generate import (
 from megatron_dflash.plan import DFlashBatchPlan
 from megatron_dflash.variants.dflash2 import DFlash2Body, DFlash2Config
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 transformers = pytest.importorskip("transformers")
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
@@ -51,15 +53,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HIDDEN = 64
 TARGET_LAYERS = 4
 TAPS = [0, 2]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny matmuls: thread start-up costs more than it saves, and badly so on a busy machine.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 # ================================================================================== tiny models

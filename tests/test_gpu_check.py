@@ -25,20 +25,6 @@ def gpu_check():
     return module
 
 
-@pytest.fixture(scope="module")
-def tiny_target(tmp_path_factory):
-    from megatron_dflash.training.tiny_target import TinyTargetRecipe, ensure_tiny_target
-
-    cache = tmp_path_factory.mktemp("dflash-cache")
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return ensure_tiny_target(str(cache), TinyTargetRecipe(train_steps=20, batch_size=8, seq_length=48),
-                                  log=lambda *a: None)
-    finally:
-        torch.set_num_threads(saved)
-
-
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_attention_check_compares_flex_with_chunked(gpu_check, dtype):
     row = gpu_check.check_attention("cpu", dtype, seq_length=64, num_blocks=4, block_size=4, heads=4, kv_heads=2,

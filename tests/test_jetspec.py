@@ -22,17 +22,11 @@ from megatron_dflash.plan import DFlashBatchPlan
 from megatron_dflash.variants.dflash2 import DFlash2Config
 from megatron_dflash.variants.jetspec import JetSpecConfig, jetspec_config, jetspec_loss, teacher_argmax_ids
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 H, V, W, S = 32, 48, 4, 16
 ANCHORS = torch.tensor([[1, 6, 11, 0], [4, 9, 2, 12]])
 VALID = torch.tensor([[True, True, True, False], [True, True, True, True]])
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def dflash_config(**overrides) -> DFlashConfig:

@@ -19,6 +19,8 @@ import torch
 from megatron_dflash.training.arguments import ArgumentError, parse_args, validate_args
 from megatron_dflash.training.job import prepare_job
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 # The tiny target has 6 layers: the published recipe's 5-layer, block-16 draft does not fit it.
 TINY_DRAFT = ["--dflash-num-layers", "2", "--dflash-block-size", "8"]
 STEPS_ARGS = [*TINY_DRAFT, "--data-format", "synthetic", "--no-progress-bar", "--log-interval", "1", "--seq-length", "48", "--synthetic-train-samples", "64",
@@ -27,30 +29,6 @@ STEPS_ARGS = [*TINY_DRAFT, "--data-format", "synthetic", "--no-progress-bar", "-
 
 
 # ------------------------------------------------------------------------------------------ fixtures
-
-
-@pytest.fixture(scope="module")
-def tiny_target(tmp_path_factory):
-    """A tiny Qwen3 target trained for 20 steps, in a temporary cache (never the user's)."""
-    from megatron_dflash.training.tiny_target import TinyTargetRecipe, ensure_tiny_target
-
-    cache = tmp_path_factory.mktemp("dflash-cache")
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)  # busy-waiting OpenMP threads crawl on a loaded machine
-    try:
-        return ensure_tiny_target(str(cache), TinyTargetRecipe(train_steps=20, batch_size=8, seq_length=48),
-                                  log=lambda *a: None)
-    finally:
-        torch.set_num_threads(saved)
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One CPU thread per process: stable timing on a shared machine, deterministic reductions."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
 
 
 def _run(argv, hooks=None, world_size=None):
