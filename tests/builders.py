@@ -26,3 +26,18 @@ def tiny_draft_kwargs(**overrides) -> dict:
     )
     kwargs.update(overrides)
     return kwargs
+
+
+def random_body_inputs(config, anchors, seq_length: int, seed: int):
+    """`(taps, blocks, plan)` for a draft body: random target taps `[B, S, taps * H]`, random block
+    embeddings `[B, N, block_size, H]` and the plan of the given anchors `[B, N]`."""
+    import torch
+
+    from megatron_dflash.plan import DFlashBatchPlan
+
+    gen = torch.Generator().manual_seed(seed)
+    B, N = anchors.shape
+    taps = torch.randn(B, seq_length, config.num_taps * config.hidden_size, generator=gen)
+    blocks = torch.randn(B, N, config.block_size, config.hidden_size, generator=gen)
+    plan = DFlashBatchPlan.from_anchors(anchors, block_size=config.block_size, seq_length=seq_length)
+    return taps, blocks, plan

@@ -28,9 +28,8 @@ from megatron_dflash.checkpoint import (
     sharded_state_dict,
 )
 from megatron_dflash.config import DFlashConfig
-from megatron_dflash.plan import DFlashBatchPlan
 
-from builders import tiny_draft_kwargs
+from builders import random_body_inputs, tiny_draft_kwargs
 
 dflash_model = pytest.importorskip("dflash.model", reason="the reference modeling code (`dflash`) is not installed")
 
@@ -62,12 +61,7 @@ def random_body(config: DFlashConfig, seed: int = 0, **kwargs) -> DFlashBody:
 
 
 def random_inputs(config: DFlashConfig, seed: int = 7):
-    gen = torch.Generator().manual_seed(seed)
-    B, N = ANCHORS.shape
-    taps = torch.randn(B, SEQ, config.num_taps * config.hidden_size, generator=gen)
-    blocks = torch.randn(B, N, config.block_size, config.hidden_size, generator=gen)
-    plan = DFlashBatchPlan.from_anchors(ANCHORS, block_size=config.block_size, seq_length=SEQ)
-    return taps, blocks, plan
+    return random_body_inputs(config, ANCHORS, SEQ, seed)
 
 
 @torch.no_grad()

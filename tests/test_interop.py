@@ -29,7 +29,7 @@ from megatron_dflash.variants.dflash2 import DFlash2Body, DFlash2Config, save_df
 from megatron_dflash.variants.domino import DominoConfig
 from megatron_dflash.variants.jetspec import JetSpecConfig
 
-from builders import tiny_draft_kwargs
+from builders import random_body_inputs, tiny_draft_kwargs
 
 TOL = 1e-5
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "interop")
@@ -96,12 +96,7 @@ def randomize(module: torch.nn.Module, seed: int) -> None:
 
 
 def inputs(config: DFlashConfig, seed: int = 3):
-    gen = torch.Generator().manual_seed(seed)
-    B, N = ANCHORS.shape
-    taps = torch.randn(B, SEQ, config.num_taps * config.hidden_size, generator=gen)
-    blocks = torch.randn(B, N, config.block_size, config.hidden_size, generator=gen)
-    plan = DFlashBatchPlan.from_anchors(ANCHORS, block_size=config.block_size, seq_length=SEQ)
-    return taps, blocks, plan
+    return random_body_inputs(config, ANCHORS, SEQ, seed)
 
 
 def training_forward(ref, taps, blocks, plan, *, causal: bool, **kwargs) -> torch.Tensor:
