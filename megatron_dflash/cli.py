@@ -31,6 +31,8 @@ __all__ = [
     "ArgumentParser",
     "UsageError",
     "usage_error",
+    "report_failure",
+    "DEBUG_ENV",
     "suggest_option",
     "require_file",
     "require_dir",
@@ -114,6 +116,19 @@ class DefaultsOnceFormatter(argparse.HelpFormatter):
 
 class UsageError(ValueError):
     """A bad command line or a bad input path/file: reported in one line, exit status 2."""
+
+
+DEBUG_ENV = "MEGATRON_DFLASH_DEBUG"  # set to 1 for the traceback of expected failures too
+
+
+def report_failure(prog: str, err: BaseException, *, debug: bool = False) -> None:
+    """Print an expected failure as one `prog: error: message` line on stderr, after its traceback
+    when `debug` or `$MEGATRON_DFLASH_DEBUG` asks for it. Call it from an `except` block."""
+    if debug or os.environ.get(DEBUG_ENV, "").lower() in ("1", "true", "yes"):
+        import traceback
+
+        traceback.print_exc()
+    print(f"{prog}: error: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
 
 
 def usage_error(prog: str, message: str, stream=None) -> NoReturn:

@@ -37,7 +37,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-from megatron_dflash.cli import ArgumentParser, UsageError, quiet_dependency_warnings, require_dir, require_file, usage_error  # noqa: E402,E501
+from megatron_dflash.cli import ArgumentParser, UsageError, quiet_dependency_warnings, report_failure, require_dir, require_file, usage_error  # noqa: E402,E501
 
 DTYPES = ("float32", "bfloat16", "float16")
 PROG = "evaluate_acceptance.py"
@@ -534,11 +534,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"{PROG}: error: {err}", file=sys.stderr, flush=True)
         return 2
     except (ValueError, OSError) as err:  # unreadable or mismatched files, bad decoding inputs
-        if os.environ.get("MEGATRON_DFLASH_DEBUG", "").lower() in ("1", "true", "yes"):
-            import traceback
-
-            traceback.print_exc()
-        print(f"{PROG}: error: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
+        report_failure(PROG, err)
         return 1
     print_report(report)
     if args.output:

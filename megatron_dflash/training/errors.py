@@ -7,9 +7,9 @@ printed only for other exceptions (bugs), or for these too with `--debug` / `MEG
 
 from __future__ import annotations
 
-__all__ = ["RunError", "CheckpointError", "DataError", "DEBUG_ENV"]
+from ..cli import DEBUG_ENV
 
-DEBUG_ENV = "MEGATRON_DFLASH_DEBUG"
+__all__ = ["RunError", "CheckpointError", "DataError", "DEBUG_ENV"]
 
 
 class RunError(ValueError):

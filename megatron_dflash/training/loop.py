@@ -854,16 +854,10 @@ def run(argv: Optional[Sequence[str]] = None, *, hooks: Optional[dict] = None, e
     return train(job, hooks=hooks, env=env)
 
 
-def _debug_requested(argv: Optional[Sequence[str]]) -> bool:
-    from .errors import DEBUG_ENV
-
-    argv = sys.argv[1:] if argv is None else list(argv)
-    return "--debug" in argv or os.environ.get(DEBUG_ENV, "").lower() in ("1", "true", "yes")
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """The command line: expected failures (arguments, checkpoints, data) end in one line on stderr
     (exit 2 for arguments, 1 otherwise) on every rank; bugs keep their traceback."""
+    from ..cli import report_failure
     from .errors import RunError
     from .rundir import ConsoleLog
 
@@ -872,11 +866,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         run(argv, console=console)
     except RunError as err:
-        if _debug_requested(argv):
-            import traceback
-
-            traceback.print_exc()
-        print(f"pretrain_dflash.py: error: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
+        report_failure("pretrain_dflash.py", err, debug="--debug" in (sys.argv[1:] if argv is None else argv))
         return 2 if isinstance(err, ArgumentError) else 1
     finally:
         if console is not None:
