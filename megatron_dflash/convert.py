@@ -1160,7 +1160,7 @@ def main(argv: Optional[list[str]] = None, prog: str = _PROG) -> int:
     Usage errors (a bad flag, a missing --load, a non-empty --output without --force) are found
     before torch and megatron are imported and reported in one line, like every tool here.
     """
-    from .cli import USAGE_EXIT_CODE, UsageError, quiet_dependency_warnings
+    from .cli import USAGE_EXIT_CODE, UsageError, quiet_dependency_warnings, report_failure
 
     quiet_dependency_warnings()
     args = build_parser(prog).parse_args(argv)
@@ -1181,7 +1181,7 @@ def main(argv: Optional[list[str]] = None, prog: str = _PROG) -> int:
                 target_tensor_parallel_size=args.target_tensor_parallel_size, iteration=args.iteration,
             )
     except (ValueError, FileExistsError, FileNotFoundError, NotADirectoryError) as err:
-        print(f"{prog}: error: {err}", file=sys.stderr)
+        report_failure(prog, err)
         return 1
     where = f" ({iteration_dir_name(result.iteration)})" if result.iteration is not None else ""
     print(
