@@ -240,6 +240,44 @@ def test_cached_block_hidden_matches_body_forward(dflash2):
     torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)
 
 
+def test_kv_cache_rows_growth_and_misuse():
+    """Growth keeps every entry, `select_rows` keeps the chosen rows in order, and a cache that does
+    not fit the forward (another batch, another draft, no `prepare`) is refused with a clear error."""
+    W = 4
+    body = make_draft(40, block_size=W)
+    cache = DraftKVCache(body, 3, capacity=2)
+    torch.manual_seed(0)
+    taps = torch.randn(3, 5, len(TAPS) * HIDDEN)
+    blocks = torch.randn(3, 1, W, HIDDEN)
+    with torch.no_grad():
+        plan = DFlashBatchPlan.for_decoding(torch.full((3,), 5), torch.arange(5).expand(3, 5), block_size=W)
+        body(taps, blocks, plan, kv_cache=cache)
+        assert cache.capacity == 5 and cache.num_layers == 2
+        written = [k.clone() for k in cache.keys]
+        cache.grow(11)
+        assert cache.capacity == 11 and all(torch.equal(k[:, :5], w) for k, w in zip(cache.keys, written))
+        assert all(not k[:, 5:].any() for k in cache.keys)
+        cache.select_rows(torch.tensor([2, 0]))
+        assert cache.batch_size == 2 and torch.equal(cache.keys[1][:, :5], written[1][[2, 0]])
+        # the kept rows decode exactly as when decoded alone
+        alone = DraftKVCache(body, 1, capacity=8)
+        one = DFlashBatchPlan.for_decoding(torch.tensor([5]), torch.arange(5)[None], block_size=W)
+        body(taps[2:], blocks[2:], one, kv_cache=alone)
+        empty = DFlashBatchPlan.for_decoding(torch.tensor([5, 5]), torch.zeros(2, 0, dtype=torch.int64), block_size=W)
+        kept = body(taps[[2, 0], :0], blocks[[2, 0]], empty, kv_cache=cache)
+        none_new = DFlashBatchPlan.for_decoding(torch.tensor([5]), torch.zeros(1, 0, dtype=torch.int64), block_size=W)
+        again = body(taps[2:, :0], blocks[2:], none_new, kv_cache=alone)
+        assert torch.equal(kept[:1], again)
+
+        with pytest.raises(ValueError, match="select_rows"):
+            body(taps, blocks, plan, kv_cache=cache)
+        other = make_draft(40, block_size=W, num_hidden_layers=1)
+        with pytest.raises(ValueError, match="KV cache holds 2 layers"):
+            other(taps, blocks, plan, kv_cache=DraftKVCache(body, 3, 8))
+    with pytest.raises(RuntimeError, match="before prepare"):
+        DraftKVCache(body, 3, 8).update(0, torch.zeros(3, 5, 2, 16), torch.zeros(3, 5, 2, 16))
+
+
 # ================================================================================== greedy
 
 
