@@ -27,6 +27,7 @@ from megatron_dflash.generate import (
     _compact_target_cache,
     _make_target_cache,
     _propose,
+    _Rows,
     _sample,
     greedy_verify,
     rejection_verify,
