@@ -46,7 +46,7 @@ from torch import nn
 
 from .attention import BlockVisibility, block_attention
 from .body import DFlashBody
-from .objectives import OutputHead
+from .head import OutputHead
 from .rope import apply_rope, rope_cos_sin, rope_inv_freq
 from .target import taps_from_hidden_states
 
