@@ -564,7 +564,7 @@ def dflash_loss(
             ``chunk_slots x V / TP`` fp32 (plus its gradient and the soft cap's intermediates).
         prefix_lengths: ``[B, N]`` variable-prefix lengths ``l``: slots ``< l`` are inputs, not predicted;
             the default mask and weights start at ``l``, and acceptance is counted from slot ``l``.
-        fused: None (default) uses the fused kernel (`_FusedHeadLoss`: the gradient w.r.t. ``hidden`` is
+        fused: None (default) uses the fused kernel (`head_loss._FusedHeadLoss`: the gradient w.r.t. ``hidden`` is
             formed in forward, chunk by chunk, in one reused ``[chunk_slots, V / TP]`` buffer; nothing is
             recomputed in backward) whenever the head is frozen, else the recomputing per-chunk path
             (which also gives the head's weight its gradient). True requires a frozen head; False forces
