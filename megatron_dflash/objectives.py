@@ -44,7 +44,10 @@ __all__ = [
     "embed_blocks",
     "block_labels",
     "decay_weights",
+    "AdditiveMetrics",
+    "all_reduce_together",
     "DFlashMetrics",
+    "EmittedPathMetrics",
     "acceptance_lengths",
     "counted_blocks",
     "SlotTargets",
@@ -230,9 +233,15 @@ class AdditiveMetrics:
     """Base of dataclasses whose fields are fp64 scalar sums.
 
     They add up over micro-batches (`+`) and over ranks (`all_reduce`, one collective for all
-    fields); ratios are derived only after summing, so a micro-batch with few tokens is not
-    over-weighted. Subclasses are dataclasses whose fields are all such sums.
+    fields; `all_reduce_together` for several records in one collective); ratios are derived only
+    after summing, so a micro-batch with few tokens is not over-weighted. Subclasses are dataclasses
+    whose fields are all such sums.
+
+    ``logged`` names the ratios a training log shows: ``(logged name, property)`` pairs, in order
+    (`log_values`).
     """
+
+    logged: tuple = ()
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
@@ -253,13 +262,36 @@ class AdditiveMetrics:
 
     def all_reduce(self, group=None):
         """Sum over the ranks of ``group`` (torch.distributed's default group when None) in one all-reduce."""
-        if not (dist.is_available() and dist.is_initialized()):
-            return self
-        if isinstance(group, SingleRankGroup) or dist.get_world_size(group) == 1:
-            return self
-        stacked = self._stack().clone()
-        dist.all_reduce(stacked, op=dist.ReduceOp.SUM, group=group)
-        return type(self)(*stacked.unbind())
+        return all_reduce_together([self], group)[0]
+
+    def to(self, device) -> "AdditiveMetrics":
+        """The same sums on ``device`` (one copy of all fields: e.g. to the host once before logging)."""
+        return type(self)(*self._stack().to(device).unbind())
+
+    def log_values(self) -> dict:
+        """``{logged name: float}`` of the ratios in ``logged`` (synchronises with the device)."""
+        return {name: float(getattr(self, attribute)) for name, attribute in self.logged}
+
+
+def all_reduce_together(records, group=None) -> list:
+    """Sum several `AdditiveMetrics` records (of any types) over the ranks of ``group`` in one all-reduce.
+
+    ``group`` None is torch.distributed's default group; without an initialised process group, or on a
+    single rank, the records come back as they are.
+    """
+    records = list(records)
+    if not (dist.is_available() and dist.is_initialized()):
+        return records
+    if isinstance(group, SingleRankGroup) or dist.get_world_size(group) == 1:
+        return records
+    stacked = torch.cat([r._stack() for r in records])
+    dist.all_reduce(stacked, op=dist.ReduceOp.SUM, group=group)
+    out, at = [], 0
+    for r in records:
+        n = len(r.field_names())
+        out.append(type(r)(*stacked[at : at + n].unbind()))
+        at += n
+    return out
 
 
 @dataclass
@@ -281,6 +313,7 @@ class DFlashMetrics(AdditiveMetrics):
     valid_blocks: torch.Tensor
 
     derived = ("accuracy", "acceptance_length")  # ratios reported next to the sums
+    logged = (("accuracy", "accuracy"), ("acceptance", "acceptance_length"))
 
     @property
     def accuracy(self) -> torch.Tensor:
@@ -311,6 +344,7 @@ class EmittedPathMetrics(DFlashMetrics):
     base_acceptance_sum: torch.Tensor
 
     derived = DFlashMetrics.derived + ("base_accuracy", "base_acceptance_length")
+    logged = DFlashMetrics.logged + (("base accuracy", "base_accuracy"), ("base acceptance", "base_acceptance_length"))
 
     @property
     def base_accuracy(self) -> torch.Tensor:

@@ -525,6 +525,9 @@ class DFlash2Metrics(EmittedPathMetrics):
     selector_weight_sum: torch.Tensor
 
     derived = EmittedPathMetrics.derived + ("candidate_recall", "teacher_forced_accuracy", "base_loss", "selector_loss")
+    logged = EmittedPathMetrics.logged + (
+        ("candidate recall", "candidate_recall"), ("base loss", "base_loss"), ("selector loss", "selector_loss"),
+    )
 
     @property
     def candidate_recall(self) -> torch.Tensor:

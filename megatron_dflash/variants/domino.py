@@ -546,6 +546,7 @@ class DominoMetrics(EmittedPathMetrics):
     loss_weight_sum: torch.Tensor
 
     derived = EmittedPathMetrics.derived + ("final_loss", "base_loss")
+    logged = EmittedPathMetrics.logged + (("final loss", "final_loss"), ("base loss", "base_loss"))
 
     @property
     def final_loss(self) -> torch.Tensor:
