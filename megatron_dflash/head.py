@@ -4,7 +4,8 @@ The target's head is megatron's vocab-parallel ``ColumnParallelLinear`` (this ra
 ``vocab_range`` of the weight) or a plain ``nn.Linear`` lm_head at TP=1. `OutputHead` adds what the
 draft needs on top of the raw layer: the real vocabulary size (padding columns excluded), the target's
 output transform (multiplier, soft cap) and the explicit tensor-parallel group. It lives apart from the
-losses so the target, the pipeline and decoding do not depend on the objective (docs/design.md §7).
+losses so the target, the pipeline and decoding do not depend on the objective
+(docs/design.md §7 Module map).
 
 Shapes: H hidden size, V vocabulary (local shard: ``V_padded / TP``).
 """
