@@ -15,6 +15,9 @@ states, and for DFlash 2 the selector's parameters):
               recomputation, the path a trainable head takes and the only path before the fused kernel.
     full      (DFlash only) the textbook formulation: ``logits = hidden @ W^T`` for every slot at once
               (materialised, fp32), ``F.cross_entropy(reduction="none")``, the same weights.
+    baseline  with ``--baseline-ref REF``: the production call (frozen head, default arguments) of the
+              package as it was at git commit REF (extracted with ``git archive``), e.g. the DFlash 2 loss
+              before its selector term shared the kernel's logits pass.
 
 The slots are laid out as ``slots / gamma`` blocks of ``W = --block-size`` in one row (slot 0 of each block is
 the anchor and is not predicted), so ``--slots`` is the number of predicted slots.
@@ -37,9 +40,11 @@ import argparse
 import gc
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -47,14 +52,22 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_dflash.head import OutputHead  # noqa: E402
-from megatron_dflash.objectives import decay_weights, dflash_loss  # noqa: E402
+def _package_root(argv) -> str:
+    """This checkout, or (a worker measuring ``--baseline-ref``) the package extracted from that commit."""
+    if "--package-root" in argv:
+        return argv[argv.index("--package-root") + 1]
+    return str(Path(__file__).resolve().parents[1])
+
+
+sys.path.insert(0, _package_root(sys.argv))
+
+# `objectives.OutputHead`: the name both this checkout and older commits export.
+from megatron_dflash.objectives import OutputHead, decay_weights, dflash_loss  # noqa: E402
 from megatron_dflash.plan import DFlashBatchPlan  # noqa: E402
 
 MIB = 2**20
-IMPLS = ("fused", "unfused", "full")
+IMPLS = ("fused", "unfused", "full", "baseline")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -76,7 +89,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=1, help="untimed passes in each process before the timed one")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--no-alloc-profile", action="store_true", help="CPU: skip the profiler pass (RSS only)")
+    parser.add_argument("--baseline-ref", default=None, help="git commit whose production loss to measure as 'baseline'")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # "impl,vocab,slots": one measurement
+    parser.add_argument("--package-root", default=None, help=argparse.SUPPRESS)  # the baseline's package
     return parser.parse_args(argv)
 
 
@@ -112,15 +127,16 @@ def make_inputs(args, vocab: int, slots: int):
 
 
 def make_step(impl, args, plan, input_ids, hidden, head, selector, vocab):
-    if impl in ("fused", "unfused"):
+    if impl in ("fused", "unfused", "baseline"):
         output_head = OutputHead(head, vocab)
-        fused = impl == "fused"
+        # The baseline is called as production calls it (no `fused`: older commits lack the argument).
+        options = {} if impl == "baseline" else {"fused": impl == "fused"}
         if selector is not None:
             from megatron_dflash.variants.dflash2 import dflash2_loss
 
             def step():
                 out = dflash2_loss(hidden, plan, input_ids, output_head, selector, decay_gamma=args.decay_gamma,
-                                   chunk_slots=args.chunk, fused=fused)
+                                   chunk_slots=args.chunk, **options)
                 out.loss_sum.backward()
                 return out.loss_sum.detach()
 
@@ -128,7 +144,7 @@ def make_step(impl, args, plan, input_ids, hidden, head, selector, vocab):
 
         def step():
             out = dflash_loss(hidden, plan, input_ids, output_head, decay_gamma=args.decay_gamma,
-                              chunk_slots=args.chunk, fused=fused)
+                              chunk_slots=args.chunk, **options)
             out.loss_sum.backward()
             return out.loss_sum.detach()
 
@@ -254,8 +270,21 @@ def worker(args) -> dict:
 # ------------------------------------------------------------------------------------------ the driver
 
 
-def run_worker(argv, impl: str, vocab: int, slots: int) -> dict:
+def extract_baseline(ref: str) -> str:
+    """The ``megatron_dflash`` package of git commit ``ref``, extracted into a temporary directory."""
+    root = Path(__file__).resolve().parents[1]
+    target = tempfile.mkdtemp(prefix="bench-loss-baseline-")
+    archive = subprocess.run(["git", "-C", str(root), "archive", ref, "megatron_dflash"], capture_output=True)
+    if archive.returncode != 0:
+        raise SystemExit(f"--baseline-ref={ref}: git archive failed: {archive.stderr.decode().strip()}")
+    subprocess.run(["tar", "-x", "-C", target], input=archive.stdout, check=True)
+    return target
+
+
+def run_worker(argv, impl: str, vocab: int, slots: int, package_root=None) -> dict:
     command = [sys.executable, os.path.abspath(__file__), *argv, "--worker", f"{impl},{vocab},{slots}"]
+    if impl == "baseline":
+        command += ["--package-root", package_root]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"worker {impl} vocab={vocab} slots={slots} failed:\n{done.stderr[-3000:]}")
@@ -275,11 +304,26 @@ def main(argv=None) -> None:
         print(json.dumps(worker(args)))
         return
     impls = args.impls or (["fused", "unfused", "full"] if args.loss == "dflash" else ["fused", "unfused"])
+    if args.baseline_ref and "baseline" not in impls:
+        impls = impls + ["baseline"]
     if "fused" not in impls:
         raise SystemExit("--impls must include fused (the ratios are against it)")
+    if "baseline" in impls and not args.baseline_ref:
+        raise SystemExit("--impls baseline needs --baseline-ref REF")
+    package_root = extract_baseline(args.baseline_ref) if args.baseline_ref else None
+    try:
+        compare(args, argv, impls, package_root)
+    finally:
+        if package_root is not None:
+            shutil.rmtree(package_root, ignore_errors=True)
+
+
+def compare(args, argv, impls, package_root) -> None:
+    """The table and the ratios: every (vocab, slots) over ``--rounds`` alternating rounds."""
     print(f"# loss={args.loss} device={args.device} dtype={args.dtype} hidden={args.hidden} chunk={args.chunk} "
           f"block_size={args.block_size} threads={args.threads or torch.get_num_threads()} rounds={args.rounds} "
-          f"warmup={args.warmup}" + (f" top_k={args.top_k} rank={args.rank}" if args.loss == "dflash2" else ""))
+          f"warmup={args.warmup}" + (f" top_k={args.top_k} rank={args.rank}" if args.loss == "dflash2" else "")
+          + (f" baseline={args.baseline_ref}" if args.baseline_ref else ""))
     mem_keys = ["alloc"] if args.device.startswith("cuda") else ["alloc", "rss"]
     print(f"{'vocab':>7} {'slots':>6} {'impl':>8} {'wall s':>8} {'cpu s':>8} "
           + " ".join(f"{k + ' MiB':>10}" for k in mem_keys) + f" {'loss':>14} {'grad norm':>12}")
@@ -289,7 +333,7 @@ def main(argv=None) -> None:
             for round_index in range(args.rounds):
                 order = impls if round_index % 2 == 0 else impls[::-1]  # alternate who goes first
                 for impl in order:
-                    runs[impl].append(run_worker(argv, impl, vocab, slots))
+                    runs[impl].append(run_worker(argv, impl, vocab, slots, package_root))
             summary = {}
             for impl, results in runs.items():
                 if any("error" in r for r in results):
