@@ -323,7 +323,7 @@ class _FusedHeadLoss(torch.autograd.Function):
             ctx.dtypes = (hidden.dtype,)
         ctx.group = group
         ctx.candidates = None
-        if top_k and with_grad:
+        if top_k and with_grad and real > 0:  # a shard of padding only owns no candidate
             # d z / d hidden of a candidate is its factor times its row of W_real (rows of this shard only):
             # the factor is multiplier / T, times 1 - tanh^2 under the soft cap (tanh read back from z).
             local = candidate_ids - start
