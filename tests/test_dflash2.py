@@ -647,3 +647,24 @@ def test_tensor_parallel_matches_single_rank(tp_pool):
         rank_grads.append(grad)
     # Each rank's gradient covers its own shard; together they are the full gradient.
     assert torch.equal(rank_grads[0] + rank_grads[1], top_grad)
+
+
+def test_fused_loss_never_materialises_more_than_one_chunk_of_logits():
+    """The selector term adds no logits of its own: with a frozen head the peak allocation of the whole
+    DFlash 2 loss, forward and backward, stays below one ``[chunk, V]`` chunk."""
+    from test_objectives import LargestNewTensor
+
+    gen = torch.Generator().manual_seed(6)
+    B, S, N, W, vocab, H, chunk = 2, 48, 4, 5, 1000, 8, 4
+    plan = DFlashBatchPlan.from_anchors(torch.tensor([[0, 9, 20, 31], [3, 14, 25, 40]]), block_size=W, seq_length=S)
+    input_ids = torch.randint(vocab, (B, S), generator=gen)
+    hidden = torch.randn(B, N, W, H, generator=gen).requires_grad_(True)
+    head = torch.nn.Linear(H, vocab, bias=False)
+    head.requires_grad_(False)
+    selector = random_selector(vocab=vocab, hidden=H, rank=4, top_k=5, seed=7)
+    M = B * N * (W - 1)
+    assert M * 5 * H < chunk * vocab  # so that the bound below is about logits
+    with LargestNewTensor() as tracker:
+        dflash2_loss(hidden, plan, input_ids, OutputHead(head, vocab), selector, chunk_slots=chunk).loss_sum.backward()
+    assert tracker.largest <= chunk * vocab, (tracker.largest, tracker.op)
+    assert hidden.grad.abs().sum() > 0
