@@ -46,8 +46,8 @@ import torch
 from torch import nn
 
 from .body import DFlashBody
+from .head import OutputHead
 from .kv_cache import DraftKVCache
-from .objectives import OutputHead
 from .plan import DFlashBatchPlan
 from .target import taps_from_hidden_states
 

@@ -1,4 +1,4 @@
-"""DFlash training objectives: block inputs, labels, loss weights, the chunked vocab-parallel loss, metrics.
+"""DFlash training objectives: block inputs, slot targets and loss weights, the DFlash loss, additive metrics.
 
 Conventions (docs/design.md §2 Conventions and §6 Objectives; they must never drift from what serving does):
 
@@ -12,21 +12,11 @@ Conventions (docs/design.md §2 Conventions and §6 Objectives; they must never 
   divides once by the global denominator, like megatron's ``calculate_per_token_loss=True``. Averaging per
   micro-batch would make the objective depend on how the global batch is split.
 
-Memory: the loss never materialises logits of all slots. The ``M = B * N * gamma`` predicted slots are cut
-into fixed-size chunks of ``chunk_slots`` rows (static shapes, no host synchronisation). With the target's
-head frozen (training) the loss is fused (`_FusedHeadLoss`): each chunk's ``[chunk, V / TP]`` logits are
-formed in one reused buffer, turned into the loss and then, in place, into the gradient w.r.t. the logits,
-and multiplied by the head's weight into the gradient w.r.t. the hidden states; backward only scales that
-by the incoming gradient, nothing is recomputed. A trainable head takes the per-chunk path under
-activation recomputation instead. Either way the peak is one chunk of logits whatever the number of slots.
-Unsupervised slots inside a chunk are computed and weighted by zero.
-
-Vocab-parallel cross entropy (same scheme as megatron's ``vocab_parallel_cross_entropy``, written here with
-an explicit group because megatron's reads ``parallel_state``): local max -> all-reduce MAX; sum of
-``exp(z - max)`` and the target's shifted logit (taken on the shard that owns it) -> one all-reduce SUM;
-``nll = log(sum_exp) - z_target``; the backward is analytical, ``softmax - onehot``, from the saved local
-softmax. Each rank's gradient w.r.t. the (replicated) hidden states covers only its vocabulary shard;
-`OutputHead.local_logits` sums it over the TP group in backward.
+One skeleton for every variant: `slot_targets` (or a variant's own `SlotTargets`) says which slots are
+supervised, with which label and weight; `head_loss.head_loss`, the one chunked vocab-parallel CE / KL kernel,
+turns the flattened slots into ``loss_sum`` and per-slot correctness; `dflash_metrics` (or a variant's
+metrics) counts them. Memory: never the logits of all slots, one ``[chunk_slots, V / TP]`` chunk at a time
+(static shapes, no host synchronisation); unsupervised slots inside a chunk are computed and weighted by zero.
 
 Shapes: B batch, S context length, N blocks per row, W block size, H hidden size, V vocabulary (local
 shard: ``V / TP``), M = B * N * (W - 1) predicted slots.
@@ -41,12 +31,11 @@ from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
-from .config import DFlashConfig
-from .parallel import SingleRankGroup, is_distributed_group, reduce_grad_over_group, tensor_parallel_group
+from .head import OutputHead
+from .head_loss import SOFT_TARGETS, check_loss_options, head_loss
+from .parallel import SingleRankGroup
 from .plan import DFlashBatchPlan
 
 __all__ = [
@@ -55,154 +44,21 @@ __all__ = [
     "embed_blocks",
     "block_labels",
     "decay_weights",
+    "AdditiveMetrics",
+    "all_reduce_together",
     "DFlashMetrics",
+    "EmittedPathMetrics",
     "acceptance_lengths",
     "counted_blocks",
+    "SlotTargets",
+    "slot_targets",
+    "teacher_rows",
     "DFlashLossOutput",
     "dflash_loss",
+    "dflash_metrics",
     "SOFT_TARGETS",
 ]
 
-SOFT_TARGETS = ("none", "ce", "kl")
-# Sentinel above any vocabulary index, for the MIN all-reduce that picks the global argmax.
-_NO_INDEX = torch.iinfo(torch.int64).max
-
-
-# --------------------------------------------------------------------------------------------------
-# The output head
-# --------------------------------------------------------------------------------------------------
-
-
-def _is_column_parallel(layer: nn.Module) -> bool:
-    """Megatron-style column-parallel linear: knows the width of its vocabulary shard."""
-    return hasattr(layer, "output_size_per_partition") and not isinstance(layer, nn.Linear)
-
-
-@dataclass
-class OutputHead:
-    """The frozen target's output layer as seen by the objective.
-
-    Args:
-        layer: a megatron ``ColumnParallelLinear`` (vocab-parallel: this rank holds rows
-            ``vocab_range`` of the weight) or a plain ``nn.Linear`` lm_head (TP=1). Only its ``weight`` and
-            ``bias`` are used (see `local_logits`).
-        vocab_size: the real vocabulary size V. The layer may be wider (megatron pads the vocabulary to a
-            multiple of ``128 * TP``); columns ``>= vocab_size`` are excluded from softmax and argmax.
-        tp_group: the group that splits the vocabulary. For a column-parallel layer: this group, else the
-            layer's ``tp_group``, else megatron's TP group (`parallel.tensor_parallel_group`). A plain
-            ``nn.Linear`` is always one rank.
-        output_multiplier: the target multiplies its raw logits by this (``dflash_config``).
-        final_logit_softcapping: if set, logits become ``cap * tanh(logits / cap)`` after the multiplier.
-        weight: the output weight to pass to the layer when it owns none (megatron builds the output layer
-            with ``skip_weight_param_allocation=True`` for targets with tied embeddings and passes the
-            embedding weight at call time). Column-parallel layers only.
-    """
-
-    layer: nn.Module
-    vocab_size: int
-    tp_group: object = None
-    output_multiplier: float = 1.0
-    final_logit_softcapping: Optional[float] = None
-    weight: Optional[torch.Tensor] = None
-
-    def __post_init__(self) -> None:
-        if isinstance(self.layer, nn.Linear):
-            if self.tp_group is not None and getattr(self.tp_group, "size", lambda: 1)() > 1:
-                raise ValueError(
-                    "OutputHead: a plain nn.Linear holds the whole vocabulary, but a tensor-parallel group of "
-                    f"size {self.tp_group.size()} was given. Use a megatron ColumnParallelLinear for a "
-                    "vocab-parallel head, or drop tp_group."
-                )
-            if self.weight is not None:
-                raise ValueError("OutputHead.weight is only for column-parallel layers built without a weight.")
-            self.tp_group = SingleRankGroup()
-            self._local_vocab = self.layer.out_features
-        elif _is_column_parallel(self.layer):
-            group = self.tp_group if self.tp_group is not None else getattr(self.layer, "tp_group", None)
-            self.tp_group = tensor_parallel_group(group)
-            self._local_vocab = int(self.layer.output_size_per_partition)
-        else:
-            raise ValueError(
-                f"OutputHead.layer must be a megatron ColumnParallelLinear or an nn.Linear, got "
-                f"{type(self.layer).__name__}."
-            )
-        self.vocab_size = int(self.vocab_size)
-        padded = self._local_vocab * self.tp_group.size()
-        if not 1 <= self.vocab_size <= padded:
-            raise ValueError(
-                f"OutputHead: vocab_size={self.vocab_size} but the layer has {padded} output columns in all "
-                f"({self._local_vocab} per rank x TP {self.tp_group.size()}); vocab_size must be between 1 and "
-                "the layer's width (pass the real, unpadded vocabulary)."
-            )
-        if not (math.isfinite(self.output_multiplier) and self.output_multiplier > 0):
-            raise ValueError(f"OutputHead.output_multiplier={self.output_multiplier} must be finite and > 0.")
-        if self.final_logit_softcapping is not None and not self.final_logit_softcapping > 0:
-            raise ValueError(
-                f"OutputHead.final_logit_softcapping={self.final_logit_softcapping} must be > 0 or None."
-            )
-
-    @classmethod
-    def from_config(
-        cls, layer: nn.Module, config: DFlashConfig, tp_group=None, weight: Optional[torch.Tensor] = None
-    ) -> "OutputHead":
-        """A head with the vocabulary size and output transform of the draft's config."""
-        return cls(
-            layer=layer,
-            vocab_size=config.vocab_size,
-            tp_group=tp_group,
-            output_multiplier=config.output_multiplier,
-            final_logit_softcapping=config.final_logit_softcapping,
-            weight=weight,
-        )
-
-    @property
-    def local_vocab_size(self) -> int:
-        """Columns of this rank's shard, ``V_padded / TP``."""
-        return self._local_vocab
-
-    @property
-    def vocab_range(self) -> tuple[int, int]:
-        """``(start, end)`` of this rank's vocabulary shard (end exclusive, may include padding)."""
-        start = self.tp_group.rank() * self._local_vocab
-        return start, start + self._local_vocab
-
-    def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden [..., H] -> [..., V / TP]`` fp32 logits of this rank's shard, as the target reads them.
-
-        ``hidden @ W_local^T (+ bias)`` with the layer's (or the given) weight; in backward the gradient
-        w.r.t. ``hidden`` is summed over the TP group (each rank holds only its shard's contribution).
-
-        Applies the output multiplier, then the soft cap, then sets padded vocabulary columns to ``-inf``
-        (after the cap: ``tanh`` would otherwise turn ``-inf`` into ``-cap``).
-        """
-        weight = self.weight if self.weight is not None else self.layer.weight
-        if weight is None:
-            raise ValueError(
-                "OutputHead: the layer owns no weight (megatron's skip_weight_param_allocation, used for tied "
-                "embeddings); pass the output weight as OutputHead(weight=...)."
-            )
-        bias = getattr(self.layer, "bias", None)
-        # The matmul is done here rather than by the module: megatron's layer resolves its gradient
-        # all-reduce through parallel_state (and fails outside an initialised launch); the group is explicit here.
-        hidden = reduce_grad_over_group(hidden.to(weight.dtype), self.tp_group)
-        logits = F.linear(hidden, weight, bias)
-        logits = logits.float()
-        if self.output_multiplier != 1.0:
-            logits = logits * self.output_multiplier
-        if self.final_logit_softcapping is not None:
-            cap = float(self.final_logit_softcapping)
-            logits = torch.tanh(logits / cap) * cap
-        start, end = self.vocab_range
-        if end > self.vocab_size:  # this shard holds padding columns
-            columns = torch.arange(start, end, device=logits.device)
-            logits = logits.masked_fill(columns >= self.vocab_size, float("-inf"))
-        return logits
-
-    def requires_grad(self) -> bool:
-        """Whether any tensor the head computes with requires a gradient."""
-        if self.weight is not None and self.weight.requires_grad:
-            return True
-        return any(p.requires_grad for p in self.layer.parameters())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -377,9 +233,15 @@ class AdditiveMetrics:
     """Base of dataclasses whose fields are fp64 scalar sums.
 
     They add up over micro-batches (`+`) and over ranks (`all_reduce`, one collective for all
-    fields); ratios are derived only after summing, so a micro-batch with few tokens is not
-    over-weighted. Subclasses are dataclasses whose fields are all such sums.
+    fields; `all_reduce_together` for several records in one collective); ratios are derived only
+    after summing, so a micro-batch with few tokens is not over-weighted. Subclasses are dataclasses
+    whose fields are all such sums.
+
+    ``logged`` names the ratios a training log shows: ``(logged name, property)`` pairs, in order
+    (`log_values`).
     """
+
+    logged: tuple = ()
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
@@ -400,13 +262,36 @@ class AdditiveMetrics:
 
     def all_reduce(self, group=None):
         """Sum over the ranks of ``group`` (torch.distributed's default group when None) in one all-reduce."""
-        if not (dist.is_available() and dist.is_initialized()):
-            return self
-        if isinstance(group, SingleRankGroup) or dist.get_world_size(group) == 1:
-            return self
-        stacked = self._stack().clone()
-        dist.all_reduce(stacked, op=dist.ReduceOp.SUM, group=group)
-        return type(self)(*stacked.unbind())
+        return all_reduce_together([self], group)[0]
+
+    def to(self, device) -> "AdditiveMetrics":
+        """The same sums on ``device`` (one copy of all fields: e.g. to the host once before logging)."""
+        return type(self)(*self._stack().to(device).unbind())
+
+    def log_values(self) -> dict:
+        """``{logged name: float}`` of the ratios in ``logged`` (synchronises with the device)."""
+        return {name: float(getattr(self, attribute)) for name, attribute in self.logged}
+
+
+def all_reduce_together(records, group=None) -> list:
+    """Sum several `AdditiveMetrics` records (of any types) over the ranks of ``group`` in one all-reduce.
+
+    ``group`` None is torch.distributed's default group; without an initialised process group, or on a
+    single rank, the records come back as they are.
+    """
+    records = list(records)
+    if not (dist.is_available() and dist.is_initialized()):
+        return records
+    if isinstance(group, SingleRankGroup) or dist.get_world_size(group) == 1:
+        return records
+    stacked = torch.cat([r._stack() for r in records])
+    dist.all_reduce(stacked, op=dist.ReduceOp.SUM, group=group)
+    out, at = [], 0
+    for r in records:
+        n = len(r.field_names())
+        out.append(type(r)(*stacked[at : at + n].unbind()))
+        at += n
+    return out
 
 
 @dataclass
@@ -428,6 +313,7 @@ class DFlashMetrics(AdditiveMetrics):
     valid_blocks: torch.Tensor
 
     derived = ("accuracy", "acceptance_length")  # ratios reported next to the sums
+    logged = (("accuracy", "accuracy"), ("acceptance", "acceptance_length"))
 
     @property
     def accuracy(self) -> torch.Tensor:
@@ -458,6 +344,7 @@ class EmittedPathMetrics(DFlashMetrics):
     base_acceptance_sum: torch.Tensor
 
     derived = DFlashMetrics.derived + ("base_accuracy", "base_acceptance_length")
+    logged = DFlashMetrics.logged + (("base accuracy", "base_accuracy"), ("base acceptance", "base_acceptance_length"))
 
     @property
     def base_accuracy(self) -> torch.Tensor:
@@ -520,289 +407,133 @@ def _shifted_ok(correct, supervised, block_valid, first_slot):
     return ok, counted
 
 
+
 # --------------------------------------------------------------------------------------------------
-# Vocab-parallel cross entropy (hard or soft targets) with global argmax
+# Slot targets: what each predicted slot is trained on
 # --------------------------------------------------------------------------------------------------
 
 
-def _all_reduce(tensor: torch.Tensor, op, group) -> torch.Tensor:
-    if is_distributed_group(group):
-        dist.all_reduce(tensor, op=op, group=group)
-    return tensor
+@dataclass
+class SlotTargets:
+    """The supervision of the predicted slots of one micro-batch, the input of `head_loss.head_loss`.
 
+    Index ``j`` of the last dimension is block slot ``first_slot + j`` (DFlash: slots ``1..W-1``; Domino with
+    ``shift_label``: ``0..W-1``).
 
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Per-row ``logsumexp(z) - sum_v q_v z_v`` over a vocabulary split across ``group``.
-
-    Hard targets: ``q`` = one-hot of ``target`` (given as indices). Soft targets: ``q = target_probs``, the
-    local shard of a distribution. Also returns the global argmax of ``z`` (ties: smallest index) as a
-    non-differentiable output. Backward: ``(softmax(z) - q) * grad``.
+    Attributes:
+        labels: ``[B, N, P]`` int64 label of each predicted slot; 0 where unsupervised (any valid id keeps
+            the kernel's gathers in range without a host check).
+        supervised: ``[B, N, P]`` bool.
+        weights: ``[B, N, P]`` fp32 ``w * mask`` (0 where unsupervised).
+        first_slot: the block slot of index 0.
+        tokens: ``[B, N, W]`` the blocks' ground-truth tokens (slot 0: the anchor), unmasked, when the builder
+            read them (DFlash 2's selector conditions on them).
     """
 
-    @staticmethod
-    def forward(ctx, logits, target, target_probs, vocab_start, group):
-        # logits: [c, Vl] fp32; target: [c] int64 or None; target_probs: [c, Vl] or None.
-        rows = torch.arange(logits.shape[0], device=logits.device)
-        local_max, local_arg = logits.max(dim=-1)
-        global_max = _all_reduce(local_max.clone(), dist.ReduceOp.MAX, group)
-        # One [c, Vl] buffer: exp(z - max) computed in place (it becomes the saved softmax).
-        exp = torch.sub(logits, global_max[:, None]).exp_()
-        zero = torch.zeros((), device=logits.device)
-        if target_probs is None:
-            local_target = target - vocab_start
-            owned = (local_target >= 0) & (local_target < logits.shape[-1])
-            local_target = local_target.clamp(0, logits.shape[-1] - 1)
-            picked = torch.where(owned, logits[rows, local_target] - global_max, zero)
-        else:
-            # sum_v q_v (z_v - max); 0 * -inf (padding columns) must count as 0.
-            picked = torch.where(target_probs > 0, target_probs * logits, zero).sum(-1)
-            picked = picked - global_max * target_probs.sum(-1)
-        sums = _all_reduce(torch.stack([exp.sum(dim=-1), picked]), dist.ReduceOp.SUM, group)
-        sum_exp, target_logit = sums[0], sums[1]
-        loss = torch.log(sum_exp) - target_logit
-        # Global argmax: only a shard whose max equals the global max offers its first maximal index.
-        candidate = torch.where(
-            local_max == global_max,
-            local_arg + vocab_start,
-            torch.full((), _NO_INDEX, dtype=torch.int64, device=logits.device),
+    labels: torch.Tensor
+    supervised: torch.Tensor
+    weights: torch.Tensor
+    first_slot: int
+    tokens: Optional[torch.Tensor] = None
+
+    @classmethod
+    def from_mask(cls, labels, supervised, weights, first_slot: int, tokens=None) -> "SlotTargets":
+        """Zero the labels and weights of unsupervised slots."""
+        supervised = supervised.bool()
+        zero = torch.zeros((), device=labels.device)
+        return cls(
+            labels=torch.where(supervised, labels, zero.long()),
+            supervised=supervised,
+            weights=torch.where(supervised, weights.to(device=labels.device, dtype=torch.float32), zero),
+            first_slot=first_slot,
+            tokens=tokens,
         )
-        argmax = _all_reduce(candidate, dist.ReduceOp.MIN, group)
-        softmax = exp.div_(sum_exp[:, None])
-        if target_probs is None:
-            ctx.save_for_backward(softmax, local_target, owned)
-        else:
-            ctx.save_for_backward(softmax, target_probs)
-        ctx.hard = target_probs is None
-        ctx.mark_non_differentiable(argmax)
-        return loss, argmax
 
-    @staticmethod
-    def backward(ctx, grad_loss, grad_argmax):
-        # The saved softmax is used once (and recomputed under activation checkpointing), so the
-        # gradient is formed in its buffer, as megatron's vocab-parallel cross entropy does.
-        if ctx.hard:
-            grad, local_target, owned = ctx.saved_tensors
-            rows = torch.arange(grad.shape[0], device=grad.device)
-            grad[rows, local_target] -= owned.to(grad.dtype)
-        else:
-            grad, target_probs = ctx.saved_tensors
-            grad.sub_(target_probs)
-        grad.mul_(grad_loss[:, None])
-        return grad, None, None, None, None
+    @property
+    def num_predicted(self) -> int:
+        return self.labels.shape[-1]
 
+    @property
+    def weight_sum(self) -> torch.Tensor:
+        """fp32 scalar ``sum(w * mask)`` (no grad): this micro-batch's share of the global denominator."""
+        return self.weights.sum().to(torch.float32)
 
-def _vocab_parallel_softmax(logits: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
-    """Local shard of ``softmax(logits)`` over the split vocabulary and ``sum_v q_v log q_v`` per row."""
-    global_max = _all_reduce(logits.max(dim=-1).values.clone(), dist.ReduceOp.MAX, group)
-    shifted = logits - global_max[:, None]
-    exp = shifted.exp()
-    sum_exp = _all_reduce(exp.sum(dim=-1), dist.ReduceOp.SUM, group)
-    probs = exp / sum_exp[:, None]
-    # sum q log q = sum q * shifted - log(sum_exp); padding columns have q = 0 and shifted = -inf.
-    q_shifted = torch.where(probs > 0, probs * shifted, torch.zeros((), device=logits.device)).sum(-1)
-    q_shifted = _all_reduce(q_shifted, dist.ReduceOp.SUM, group)
-    return probs, q_shifted - torch.log(sum_exp)
+    def flat_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[B, N, W, H] -> [M, H]``, the predicted slots in the order of the flat labels."""
+        first = self.first_slot
+        return hidden[:, :, first : first + self.num_predicted, :].reshape(-1, hidden.shape[-1])
+
+    @property
+    def flat_labels(self) -> torch.Tensor:
+        return self.labels.reshape(-1)
+
+    @property
+    def flat_weights(self) -> torch.Tensor:
+        return self.weights.reshape(-1)
 
 
-# --------------------------------------------------------------------------------------------------
-# The fused head loss: gradient w.r.t. the hidden states formed in forward, chunk by chunk
-# --------------------------------------------------------------------------------------------------
+def slot_targets(
+    input_ids: torch.Tensor,
+    plan: DFlashBatchPlan,
+    *,
+    decay_gamma: Optional[float] = None,
+    loss_mask: Optional[torch.Tensor] = None,
+    weights: Optional[torch.Tensor] = None,
+    prefix_lengths: Optional[torch.Tensor] = None,
+) -> SlotTargets:
+    """The DFlash supervision of slots ``1..W-1``: slot ``k`` of a block at ``p`` is labelled ``x_{p+k}``.
 
-
-def _row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``[c, V] x [c, V] -> [c]`` row-wise dot product without a ``[c, V]`` temporary."""
-    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
-
-
-class _FusedHeadLoss(torch.autograd.Function):
-    """``sum_r w_r * loss_r`` over the slots of a frozen, vocab-parallel head, with the gradients computed in
-    forward.
-
-    The objective is a plain weighted sum, so its gradient w.r.t. the hidden states ``dH [M, H]`` does not
-    depend on anything after the loss except one scalar (the incoming gradient). Each chunk of ``c`` rows
-    runs: logits into one reused ``[c, V_real]`` fp32 buffer (``V_real``: this shard's columns below
-    ``vocab_size``; padding columns are never formed, they carry probability 0) -> output transform in
-    place -> ``amax`` and its MAX all-reduce -> picked logits -> ``exp`` in place -> SUM all-reduce ->
-    per-row loss -> ``(softmax - q) * coefficient`` in place -> ``dH[rows] = G @ W_real``. Backward only
-    scales ``dH`` and sums it over the TP group (each rank's ``dH`` covers its vocabulary shard), the
-    all-reduce `OutputHead.local_logits` does. The head's weight gets no gradient: callers use this path
-    only for a frozen head.
-
-    Per-row loss: hard targets ``lse(z) - z[label]``; soft targets ``T^2 (lse(z) - sum_v q_v z_v)`` with
-    ``z`` the logits over ``T`` and ``q = softmax(teacher / T)``, plus ``T^2 sum_v q_v log q_v`` for "kl".
-    A row is *correct* when its label's logit equals the global row maximum (``z[label] - max == 0``
-    exactly; ties, which fp32 logits practically never produce, count as correct).
-
-    Domino (``features``/``shard`` given, hard targets): a second set of logits ``final = base + features @
-    shard^T`` (the delta added after the output transform) in a second buffer, and the loss
-    ``(1 - mix) * final_CE + mix * base_CE``; the gradients w.r.t. ``features [M, E]`` and ``shard
-    [V_local, E]`` are formed in forward too (``shard``'s accumulated over the chunks).
-
-    Inputs: hidden ``[M, H]``, labels ``[M]`` int64 (any valid id on unsupervised rows), weights ``[M]``
-    fp32 (0: unsupervised), teacher ``[M_t, H]`` and teacher_index ``[M]`` or None, features ``[M, E]`` and
-    shard ``[V_local, E]`` or None, mix (Domino's ``lambda_base``).
-    Outputs: loss_sum (fp32 scalar), then, non-differentiable, the base loss sum, the final loss sum (0
-    without Domino), correct ``[M]`` bool of the base logits and of the final ones (the base's without Domino).
+    Args:
+        input_ids: ``[B, S]`` the context tokens.
+        plan: the batch plan (on the device of ``input_ids``).
+        decay_gamma: slot decay length (None: uniform weights).
+        loss_mask: ``[B, N, W]`` bool, default ``plan.loss_mask`` (and, with ``prefix_lengths``, only slots
+            ``k >= l``). Slot 0 is never supervised, whatever the mask says.
+        weights: ``[B, N, W]`` per-slot weights, default `decay_weights` (restarted at ``prefix_lengths``).
+        prefix_lengths: ``[B, N]`` variable-prefix lengths ``l``.
     """
-
-    @staticmethod
-    def forward(ctx, hidden, labels, weights, teacher, teacher_index, features, shard, head, soft_target,
-                temperature, mix, chunk, with_grad):
-        group = head.tp_group
-        weight = head.weight if head.weight is not None else head.layer.weight
-        bias = getattr(head.layer, "bias", None)
-        start = head.vocab_range[0]
-        real = max(0, min(head.local_vocab_size, head.vocab_size - start))  # this shard's real columns
-        weight = weight[:real]
-        bias = bias[:real].float() if bias is not None else None
-        soft = soft_target != "none"
-        domino = features is not None
-        cap = head.final_logit_softcapping
-        multiplier = float(head.output_multiplier)
-        M = hidden.shape[0]
-        device = hidden.device
-        rows_max = max(1, min(chunk, M))
-        # The reused buffers: logits (turned into exp, then into the gradient), and for soft targets the
-        # teacher's, for Domino the final logits, for the soft cap its tanh (needed for the chain rule).
-        logits_buf = torch.empty(rows_max, real, dtype=torch.float32, device=device)
-        second_buf = torch.empty_like(logits_buf) if soft or domino else None
-        tanh_buf = torch.empty_like(logits_buf) if cap is not None else None
-        grad_hidden = torch.empty(M if with_grad else 0, hidden.shape[-1], dtype=weight.dtype, device=device)
-        if domino:
-            shard_real = shard[:real].float()
-            grad_features = torch.empty(M if with_grad else 0, features.shape[-1], dtype=torch.float32, device=device)
-            grad_shard = torch.zeros(shard.shape, dtype=torch.float32, device=device)
-        zero = torch.zeros((), device=device)
-        base_sum = torch.zeros((), dtype=torch.float32, device=device)
-        final_sum = torch.zeros((), dtype=torch.float32, device=device)
-        base_correct = torch.empty(M, dtype=torch.bool, device=device)
-        final_correct = torch.empty(M, dtype=torch.bool, device=device) if domino else base_correct
-        scale = temperature * temperature if soft else 1.0
-        # d loss_r / d logits after the transform = (softmax - q) * w * T^2 / T (soft: T^2 scales the loss,
-        # 1/T comes from z / T). The transform's own factor (multiplier, tanh') follows; without Domino the
-        # multiplier is folded into the row factor (one pass less).
-        base_factor = (mix if domino else 1.0) * scale / temperature * (1.0 if domino else multiplier)
-        final_factor = 1.0 - mix
-
-        def transformed_logits(h, out, tanh_out):
-            """``out <- transform(h @ W_real^T + b) / T`` in place; returns the view of ``n`` rows."""
-            n = h.shape[0]
-            out = out[:n]
-            if weight.dtype == torch.float32:
-                torch.matmul(h.to(torch.float32), weight.t(), out=out)
-            else:
-                out.copy_(F.linear(h.to(weight.dtype), weight))
-            if bias is not None:
-                out.add_(bias)
-            if cap is not None:
-                t = tanh_out[:n] if tanh_out is not None else out
-                torch.tanh(out.mul_(multiplier / cap), out=t)
-                if t is not out:
-                    out.copy_(t)
-                out.mul_(cap / temperature)
-            elif multiplier / temperature != 1.0:
-                out.mul_(multiplier / temperature)
-            return out
-
-        def cross_entropy_to_grad(z, label, owned, q, row):
-            """Per-row loss and correctness of logits ``z``; ``z`` becomes ``(softmax - q) * row`` in place
-            (``q``: the soft target, or the one-hot of ``label`` when None)."""
-            n = z.shape[0]
-            z_max = _all_reduce(_row_amax(z), dist.ReduceOp.MAX, group)
-            label_shifted = torch.where(owned, z.gather(1, label)[:, 0] - z_max, zero) if real else zero.expand(n)
-            if q is not None:
-                picked = _row_dot(q, z) - z_max * q.sum(dim=-1)
-            z.sub_(z_max[:, None]).exp_()
-            stats = [z.sum(dim=-1), label_shifted] + ([picked] if q is not None else [])
-            stats = _all_reduce(torch.stack(stats), dist.ReduceOp.SUM, group)
-            sum_exp = stats[0]
-            loss = torch.log(sum_exp) - (stats[2] if q is not None else stats[1])
-            if with_grad:
-                # exp * (row / sum_exp), then - q * row: as few passes over the buffer as possible.
-                z.mul_((row / sum_exp)[:, None])
-                if q is not None:
-                    z.addcmul_(q, row[:, None], value=-1.0)
-                elif real:
-                    z.scatter_add_(1, label, -(owned * row).to(z.dtype)[:, None])
-            return loss, stats[1] == 0
-
-        for lo in range(0, M, rows_max):
-            hi = min(lo + rows_max, M)
-            n = hi - lo
-            w = weights[lo:hi]
-            label = labels[lo:hi] - start
-            owned = (label >= 0) & (label < real)
-            label = label.clamp(0, max(real - 1, 0))[:, None]
-            q = None
-            if soft:
-                # Teacher: q = softmax(t), and sum_v q_v log q_v = sum_v q_v (t_v - tmax) - log(sum exp).
-                t = transformed_logits(teacher.index_select(0, teacher_index[lo:hi]), second_buf, None)
-                t_max = _all_reduce(_row_amax(t), dist.ReduceOp.MAX, group)
-                t.sub_(t_max[:, None])
-                e = logits_buf[:n]  # scratch for exp(t - tmax) until the draft's logits are formed
-                torch.exp(t, out=e)
-                t_stats = _all_reduce(torch.stack([e.sum(dim=-1), _row_dot(e, t)]), dist.ReduceOp.SUM, group)
-                neg_entropy = t_stats[1] / t_stats[0] - torch.log(t_stats[0])
-                q = t.copy_(e).div_(t_stats[0][:, None])
-            z = transformed_logits(hidden[lo:hi], logits_buf, tanh_buf)
-            if domino:
-                final = second_buf[:n].copy_(z).addmm_(features[lo:hi].float(), shard_real.t())
-            loss, base_correct[lo:hi] = cross_entropy_to_grad(z, label, owned, q, w * base_factor)
-            if soft_target == "kl":
-                loss = loss + neg_entropy
-            # `where`, not a product: an unsupervised slot's loss may be inf and 0 * inf is NaN.
-            base_sum += torch.where(w != 0, loss * (w * scale), zero).sum()
-            if domino:
-                loss, final_correct[lo:hi] = cross_entropy_to_grad(final, label, owned, None, w * final_factor)
-                final_sum += torch.where(w != 0, loss * w, zero).sum()
-            if not with_grad:
-                continue
-            if domino:
-                # `final` holds d loss / d final logits = d loss / d delta; it joins the base gradient.
-                torch.matmul(final, shard_real, out=grad_features[lo:hi])
-                grad_shard[:real].addmm_(final.t(), features[lo:hi].float())
-                z.add_(final)
-                if multiplier != 1.0:
-                    z.mul_(multiplier)
-            if cap is not None:
-                th = tanh_buf[:n]
-                z.mul_(th.mul_(th).neg_().add_(1.0))
-            if weight.dtype == torch.float32:
-                torch.matmul(z, weight, out=grad_hidden[lo:hi])
-            else:
-                grad_hidden[lo:hi] = z.to(weight.dtype) @ weight
-        if domino:
-            loss_sum = mix * base_sum + (1.0 - mix) * final_sum
-            ctx.save_for_backward(grad_hidden, grad_features, grad_shard)
-            ctx.dtypes = (hidden.dtype, features.dtype, shard.dtype)
-        else:
-            loss_sum = base_sum.clone()
-            ctx.save_for_backward(grad_hidden)
-            ctx.dtypes = (hidden.dtype,)
-        ctx.group = group
-        ctx.mark_non_differentiable(base_sum, final_sum, base_correct, final_correct)
-        return loss_sum, base_sum, final_sum, base_correct, final_correct
-
-    @staticmethod
-    def backward(ctx, grad_loss_sum, *unused):
-        grads = []
-        for index, (saved, dtype) in enumerate(zip(ctx.saved_tensors, ctx.dtypes)):
-            grad = saved.mul_(grad_loss_sum.to(saved.dtype))  # saved once, used once
-            if index < 2:  # hidden states and features are replicated: each rank's part covers its shard
-                grad = _all_reduce(grad, dist.ReduceOp.SUM, ctx.group)
-            grads.append(grad.to(dtype))
-        grad_hidden = grads[0]
-        grad_features, grad_shard = grads[1:] if len(grads) == 3 else (None, None)
-        return (grad_hidden, None, None, None, None, grad_features, grad_shard) + (None,) * 6
+    B, N, W = plan.batch_size, plan.num_blocks, plan.block_size
+    for name, tensor in (("loss_mask", loss_mask), ("weights", weights)):
+        if tensor is not None and tuple(tensor.shape) != (B, N, W):
+            raise ValueError(f"{name} must have shape [batch, blocks, block_size] = {(B, N, W)}, got {tuple(tensor.shape)}.")
+    device = input_ids.device
+    slots = _slot_index(W, device)
+    if loss_mask is None:
+        mask = plan.loss_mask
+        if prefix_lengths is not None:
+            mask = mask & (slots[None, None, :] >= prefix_lengths.to(device)[:, :, None])
+    else:
+        mask = loss_mask.to(device).bool()
+    mask = mask & (slots > 0)[None, None, :]
+    if weights is None:
+        weights = decay_weights(plan, decay_gamma=decay_gamma, prefix_lengths=prefix_lengths, device=device)
+    tokens = block_labels(input_ids, plan)
+    return SlotTargets.from_mask(tokens[:, :, 1:], mask[:, :, 1:], weights[:, :, 1:], first_slot=1, tokens=tokens)
 
 
-def _row_amax(logits: torch.Tensor) -> torch.Tensor:
-    """Row maximum (``amax``: no indices, several times cheaper than ``max``); -inf for a shard without
-    real columns."""
-    if logits.shape[-1] == 0:
-        return torch.full(logits.shape[:-1], float("-inf"), device=logits.device)
-    return logits.amax(dim=-1)
+def teacher_rows(plan: DFlashBatchPlan) -> torch.Tensor:
+    """``[B * N * (W-1)]`` rows of the flattened ``[B * S, H]`` target states that distil slots ``1..W-1``:
+    slot ``k`` of a block at ``p`` is distilled from position ``p + k - 1`` (whose next token is ``p + k``)."""
+    B, S, W = plan.batch_size, plan.seq_length, plan.block_size
+    device = plan.anchor_positions.device
+    slots = _slot_index(W, device)
+    positions = (plan.anchor_positions[:, :, None] + slots[None, None, 1:] - 1).clamp(0, S - 1)
+    rows = torch.arange(B, device=device)[:, None, None] * S
+    return (rows + positions).reshape(-1)
 
+
+def check_block_hidden(hidden: torch.Tensor, plan: DFlashBatchPlan, hidden_size: Optional[int] = None) -> None:
+    """``hidden`` is the ``[B, N, W, H]`` body output of ``plan`` (shapes only: no host synchronisation)."""
+    if not isinstance(plan, DFlashBatchPlan):
+        raise ValueError(f"plan must be a DFlashBatchPlan, got {type(plan).__name__}.")
+    B, N, W = plan.batch_size, plan.num_blocks, plan.block_size
+    if (not isinstance(hidden, torch.Tensor) or hidden.dim() != 4 or tuple(hidden.shape[:3]) != (B, N, W)
+            or (hidden_size is not None and hidden.shape[-1] != hidden_size)):
+        shape = tuple(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__
+        raise ValueError(
+            f"hidden must be [batch, blocks, block_size, hidden] = [{B}, {N}, {W}, {hidden_size or 'H'}] for this "
+            f"plan, got {shape}."
+        )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -825,63 +556,6 @@ class DFlashLossOutput:
     loss_sum: torch.Tensor
     weight_sum: torch.Tensor
     metrics: DFlashMetrics
-
-
-def _chunk_loss(head: OutputHead, soft_target: str, temperature: float, teacher_flat: Optional[torch.Tensor]):
-    """The per-chunk computation run under activation recomputation.
-
-    ``(h [c, H], labels [c], weights [c], teacher_index [c] or None) -> (weighted loss sum, argmax [c])``.
-    """
-    start = head.vocab_range[0]
-    group = head.tp_group
-
-    def run(h, labels, weights, teacher_index):
-        logits = head.local_logits(h)
-        if temperature != 1.0:
-            logits = logits / temperature
-        probs = neg_entropy = None
-        if soft_target != "none":
-            with torch.no_grad():
-                teacher = head.local_logits(teacher_flat.index_select(0, teacher_index))
-                if temperature != 1.0:
-                    teacher = teacher / temperature
-                probs, neg_entropy = _vocab_parallel_softmax(teacher, group)
-        loss, argmax = _VocabParallelCrossEntropy.apply(logits, labels, probs, start, group)
-        if soft_target == "kl":
-            loss = loss + neg_entropy  # KL(q || p) = CE(q, p) - H(q)
-        if soft_target != "none" and temperature != 1.0:
-            loss = loss * (temperature * temperature)
-        # `where`, not a product: an unsupervised slot's loss may be inf and 0 * inf is NaN.
-        weighted = torch.where(weights != 0, loss * weights, torch.zeros((), device=loss.device))
-        return weighted.sum(), argmax
-
-    return run
-
-
-def _chunked_head_loss(flat_hidden, flat_labels, flat_weights, teacher_flat, teacher_index, head, soft_target,
-                       temperature, size, *, recompute):
-    """The per-chunk path: each chunk's logits and loss under activation recomputation (the head may train).
-
-    Returns ``(loss_sum, argmax [M])``.
-    """
-    M = flat_hidden.shape[0]
-    run = _chunk_loss(head, soft_target, temperature, teacher_flat)
-    loss_sum = flat_hidden.new_zeros((), dtype=torch.float32)
-    argmaxes = []
-    pieces = zip(
-        flat_hidden.split(size),
-        flat_labels.split(size),
-        flat_weights.split(size),
-        teacher_index.split(size) if teacher_index is not None else [None] * math.ceil(M / size),
-    )
-    for h, lab, w, t in pieces:
-        if recompute:
-            part, argmax = checkpoint(run, h, lab, w, t, use_reentrant=False)
-        else:
-            part, argmax = run(h, lab, w, t)
-        loss_sum = loss_sum + part
-        argmaxes.append(argmax)
-    return loss_sum, torch.cat(argmaxes)
 
 
 def dflash_loss(
@@ -924,7 +598,7 @@ def dflash_loss(
             ``chunk_slots x V / TP`` fp32 (plus its gradient and the soft cap's intermediates).
         prefix_lengths: ``[B, N]`` variable-prefix lengths ``l``: slots ``< l`` are inputs, not predicted;
             the default mask and weights start at ``l``, and acceptance is counted from slot ``l``.
-        fused: None (default) uses the fused kernel (`_FusedHeadLoss`: the gradient w.r.t. ``hidden`` is
+        fused: None (default) uses the fused kernel (`head_loss._FusedHeadLoss`: the gradient w.r.t. ``hidden`` is
             formed in forward, chunk by chunk, in one reused ``[chunk_slots, V / TP]`` buffer; nothing is
             recomputed in backward) whenever the head is frozen, else the recomputing per-chunk path
             (which also gives the head's weight its gradient). True requires a frozen head; False forces
@@ -939,17 +613,9 @@ def dflash_loss(
     in ``ceil(M / chunk_slots)`` chunks, unsupervised ones with weight 0.
     """
     # ---- validation (shapes only: value checks would synchronise with the device) ----
-    if not isinstance(plan, DFlashBatchPlan):
-        raise ValueError(f"plan must be a DFlashBatchPlan, got {type(plan).__name__}.")
-    if not isinstance(head, OutputHead):
-        raise ValueError(f"head must be an OutputHead, got {type(head).__name__}; wrap the output layer in OutputHead.")
-    B, N, W = plan.batch_size, plan.num_blocks, plan.block_size
-    if hidden.dim() != 4 or tuple(hidden.shape[:3]) != (B, N, W):
-        raise ValueError(
-            f"hidden must be [batch, blocks, block_size, hidden] = [{B}, {N}, {W}, H] for this plan, got "
-            f"{tuple(hidden.shape)}."
-        )
-    H = hidden.shape[-1]
+    check_block_hidden(hidden, plan)
+    check_loss_options(head, chunk_slots, fused)
+    B = plan.batch_size
     _check_input_ids(input_ids, plan)
     _check_prefix_lengths(prefix_lengths, plan)
     if soft_target not in SOFT_TARGETS:
@@ -972,83 +638,35 @@ def dflash_loss(
                 f"teacher_hidden must be [batch, seq_length, hidden] = [{B}, {plan.seq_length}, H], got "
                 f"{tuple(teacher_hidden.shape)}."
             )
-    if chunk_slots is not None and (isinstance(chunk_slots, bool) or not isinstance(chunk_slots, int) or chunk_slots < 1):
-        raise ValueError(f"chunk_slots={chunk_slots!r} must be a positive int or None (one chunk).")
-    if fused not in (None, True, False):
-        raise ValueError(f"fused={fused!r} must be None (automatic), True or False.")
-    if fused and head.requires_grad():
-        raise ValueError(
-            "fused=True needs a frozen output head (the fused loss gives the head's weight no gradient); "
-            "freeze the head or pass fused=None / False."
-        )
-    for name, tensor in (("loss_mask", loss_mask), ("weights", weights)):
-        if tensor is not None and tuple(tensor.shape) != (B, N, W):
-            raise ValueError(f"{name} must have shape [batch, blocks, block_size] = {(B, N, W)}, got {tuple(tensor.shape)}.")
 
     device = hidden.device
     plan = plan.to(device)
-    input_ids = input_ids.to(device)
-    slots = _slot_index(W, device)
-
-    # ---- what is supervised, with which weight ----
-    if loss_mask is None:
-        mask = plan.loss_mask
-        if prefix_lengths is not None:
-            mask = mask & (slots[None, None, :] >= prefix_lengths.to(device)[:, :, None])
-    else:
-        mask = loss_mask.to(device).bool()
-    mask = mask & (slots > 0)[None, None, :]
-    if weights is None:
-        weights = decay_weights(plan, decay_gamma=decay_gamma, prefix_lengths=prefix_lengths, device=device)
-    else:
-        weights = weights.to(device=device, dtype=torch.float32)
-    effective = torch.where(mask, weights, torch.zeros((), device=device))  # [B, N, W]
-
-    # ---- flatten the predicted slots 1..W-1 ----
-    G = W - 1
-    M = B * N * G
-    labels = block_labels(input_ids, plan)
-    labels = torch.where(mask, labels, torch.zeros((), dtype=torch.int64, device=device))  # masked: any valid id
-    flat_hidden = hidden[:, :, 1:, :].reshape(M, H)
-    flat_labels = labels[:, :, 1:].reshape(M)
-    flat_weights = effective[:, :, 1:].reshape(M)
+    targets = slot_targets(input_ids.to(device), plan, decay_gamma=decay_gamma, loss_mask=loss_mask, weights=weights,
+                           prefix_lengths=prefix_lengths)
     teacher_flat = teacher_index = None
     if soft_target != "none":
         teacher_flat = teacher_hidden.to(device).reshape(B * plan.seq_length, -1)
-        # Target position p + k - 1 predicts the token at p + k.
-        positions = (plan.anchor_positions[:, :, None] + slots[None, None, 1:] - 1).clamp(0, plan.seq_length - 1)
-        rows = torch.arange(B, device=device)[:, None, None] * plan.seq_length
-        teacher_index = (rows + positions).reshape(M)
+        teacher_index = teacher_rows(plan)
+    terms = head_loss(
+        targets.flat_hidden(hidden), targets.flat_labels, targets.flat_weights, head, chunk_slots=chunk_slots,
+        fused=fused, teacher=teacher_flat, teacher_index=teacher_index, soft_target=soft_target,
+        temperature=float(temperature),
+    )
+    metrics = dflash_metrics(targets, terms.base_correct, plan, prefix_lengths)
+    return DFlashLossOutput(loss_sum=terms.loss_sum, weight_sum=targets.weight_sum, metrics=metrics)
 
-    # ---- chunks ----
-    size = M if chunk_slots is None else min(chunk_slots, M)
-    if fused is None:
-        fused = not head.requires_grad()
-    if fused:
-        with_grad = torch.is_grad_enabled() and hidden.requires_grad
-        loss_sum, _, _, label_is_max, _ = _FusedHeadLoss.apply(
-            flat_hidden, flat_labels, flat_weights, teacher_flat, teacher_index, None, None, head, soft_target,
-            float(temperature), 0.0, size, with_grad,
-        )
-        label_is_max = label_is_max.view(B, N, G)
-    else:
-        loss_sum, label_is_max = _chunked_head_loss(
-            flat_hidden, flat_labels, flat_weights, teacher_flat, teacher_index, head, soft_target,
-            float(temperature), size, recompute=torch.is_grad_enabled() and (hidden.requires_grad or head.requires_grad()),
-        )
-        label_is_max = label_is_max.view(B, N, G) == labels[:, :, 1:]
 
-    # ---- metrics ----
-    with torch.no_grad():
-        supervised = mask[:, :, 1:]
-        correct = label_is_max & supervised
-        acceptance = acceptance_lengths(correct, supervised, plan.block_valid, first_slot=prefix_lengths)
-        counted = counted_blocks(supervised, plan.block_valid, prefix_lengths)
-        metrics = DFlashMetrics(
-            supervised_tokens=supervised.sum().to(torch.float64),
-            correct_tokens=correct.sum().to(torch.float64),
-            acceptance_sum=acceptance.sum().to(torch.float64),
-            valid_blocks=counted.sum().to(torch.float64),
-        )
-        weight_sum = effective.sum().to(torch.float32)
-    return DFlashLossOutput(loss_sum=loss_sum, weight_sum=weight_sum, metrics=metrics)
+@torch.no_grad()
+def dflash_metrics(targets: "SlotTargets", correct: torch.Tensor, plan: DFlashBatchPlan,
+                   prefix_lengths: Optional[torch.Tensor] = None) -> DFlashMetrics:
+    """`DFlashMetrics` of the predicted slots 1..W-1: ``correct [M]`` (or ``[B, N, W-1]``) bool per slot."""
+    supervised = targets.supervised
+    correct = correct.view(supervised.shape) & supervised
+    acceptance = acceptance_lengths(correct, supervised, plan.block_valid, first_slot=prefix_lengths)
+    counted = counted_blocks(supervised, plan.block_valid, prefix_lengths)
+    return DFlashMetrics(
+        supervised_tokens=supervised.sum().to(torch.float64),
+        correct_tokens=correct.sum().to(torch.float64),
+        acceptance_sum=acceptance.sum().to(torch.float64),
+        valid_blocks=counted.sum().to(torch.float64),
+    )

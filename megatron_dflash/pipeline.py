@@ -32,7 +32,7 @@ only and usually far cheaper than the draft's forward and backward on the draft'
 The block embeddings need the target's **input embedding** (first stage) and the loss needs its **output
 layer** (last stage). Both are frozen, so the draft's stage keeps frozen copies made once at setup by
 `copy_frozen_target_heads`: TP rank ``r`` of the first (last) stage sends its vocabulary shard to TP rank
-``r`` of the draft's stage, which wraps it in a megatron ``VocabParallelEmbedding`` (an `objectives.OutputHead`
+``r`` of the draft's stage, which wraps it in a megatron ``VocabParallelEmbedding`` (an `head.OutputHead`
 over a weightless ``ColumnParallelLinear``). Memory: ``V_padded * H / TP`` parameters per copy and TP rank
 (Qwen3-8B, bf16, TP 8: 152k x 4096 / 8 x 2 bytes = 156 MB). With tied embeddings the output layer *is* the
 embedding, so at most one copy is made; a draft on the first (last) stage needs no embedding (head) copy.
@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .objectives import OutputHead
+from .head import OutputHead
 from .parallel import gather_disagreement
 from .target import MegatronTarget, concat_taps
 

@@ -21,7 +21,7 @@ Two targets share one contract:
 Both are frozen: parameters never require gradients, the module stays in eval mode whatever its parent
 does, and forwards run under ``torch.no_grad()`` (not inference mode: the taps feed the draft's autograd
 graph). Both expose ``embedding`` (the target's input embedding module, vocab-parallel under megatron) and
-``output_head`` (an `objectives.OutputHead` over the target's output layer, with the draft's output
+``output_head`` (an `head.OutputHead` over the target's output layer, with the draft's output
 multiplier and soft cap).
 
 The megatron target is built from a HF checkpoint directory by `build_megatron_target`, with our own
@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import DFlashConfig, check_target_layer_ids, read_rope_parameters
-from .objectives import OutputHead
+from .head import OutputHead
 from .target_weights import convert_with_plan, fused_qkv_weight, megatron_weight_plan, safetensors_files, stream_with_plan
 
 __all__ = [

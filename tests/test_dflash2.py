@@ -485,6 +485,60 @@ def test_loss_matches_naive_reference(chunk_slots):
     )
 
 
+@pytest.mark.parametrize("chunk_slots", [5, None])
+def test_fused_selector_term_matches_naive_reference(chunk_slots):
+    """A frozen head takes the fused kernel: the candidates come out of the same logits pass as the
+    backbone CE, their gradient through their rows of the head's weight. Against the dense oracle."""
+    plan, input_ids, hidden, head, selector = loss_problem(seed=4)
+    head.requires_grad_(False)
+    out_hidden = hidden.clone().requires_grad_(True)
+    got = dflash2_loss(out_hidden, plan, input_ids, OutputHead(head, 24), selector, decay_gamma=2.0,
+                       selector_weight=0.5, chunk_slots=chunk_slots, fused=True)
+    got.loss_sum.backward()
+    ours = [out_hidden.grad] + [p.grad.clone() for p in selector.parameters()]
+    selector.zero_grad()
+    ref_hidden = hidden.clone().requires_grad_(True)
+    expected, weight_sum, counts = naive_dflash2_loss(ref_hidden, plan, input_ids, head, selector, 2.0, 0.5)
+    expected.backward()
+    torch.testing.assert_close(got.loss_sum, expected.detach(), rtol=1e-5, atol=1e-5)
+    for a, b in zip(ours, [ref_hidden.grad] + [p.grad for p in selector.parameters()]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    m = got.metrics
+    assert 0 < counts["hits"] < counts["supervised"]
+    assert (float(m.candidate_hits), float(m.teacher_forced_correct)) == (counts["hits"], counts["tf"])
+    assert (float(m.correct_tokens), float(m.base_correct_tokens)) == (counts["walk_correct"], counts["base_correct"])
+    assert float(m.acceptance_sum) == counts["walk_acceptance"]
+
+
+@pytest.mark.parametrize("backbone_grad", [True, False])
+def test_fused_selector_term_equals_the_recomputing_path(backbone_grad):
+    """Fused against the per-chunk path with the target's output transform (multiplier, soft cap) and a
+    padded head (the kernel never forms the padding columns): loss, every gradient, every metric."""
+    plan, input_ids, hidden, head, selector = loss_problem(seed=5)
+    wide = torch.nn.Linear(head.in_features, 28, bias=False)
+    with torch.no_grad():
+        wide.weight.zero_()
+        wide.weight[:24] = head.weight
+    wide.requires_grad_(False)
+    results = []
+    for fused in (True, False):
+        selector.zero_grad()
+        h = hidden.clone().requires_grad_(True)
+        out_head = OutputHead(wide, 24, output_multiplier=1.3, final_logit_softcapping=4.0)
+        out = dflash2_loss(h, plan, input_ids, out_head, selector, decay_gamma=3.0, selector_weight=0.7,
+                           chunk_slots=4, selector_backbone_grad=backbone_grad, fused=fused)
+        out.loss_sum.backward()
+        results.append((out, h.grad, {n: p.grad.clone() for n, p in selector.named_parameters()}))
+    (fused_out, fused_gh, fused_g), (ref_out, ref_gh, ref_g) = results
+    torch.testing.assert_close(fused_out.loss_sum, ref_out.loss_sum, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fused_gh, ref_gh, rtol=1e-4, atol=1e-6)
+    for name, grad in ref_g.items():
+        torch.testing.assert_close(fused_g[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    counts = slice(0, 8)  # the counts exactly, the loss sums to rounding
+    assert torch.equal(fused_out.metrics._stack()[counts], ref_out.metrics._stack()[counts])
+    torch.testing.assert_close(fused_out.metrics._stack()[8:], ref_out.metrics._stack()[8:], rtol=1e-5, atol=1e-5)
+
+
 def test_loss_without_backbone_gradient_and_identity_selector():
     plan, input_ids, hidden, head, selector = loss_problem(seed=2)
     hidden.requires_grad_(True)
@@ -593,3 +647,24 @@ def test_tensor_parallel_matches_single_rank(tp_pool):
         rank_grads.append(grad)
     # Each rank's gradient covers its own shard; together they are the full gradient.
     assert torch.equal(rank_grads[0] + rank_grads[1], top_grad)
+
+
+def test_fused_loss_never_materialises_more_than_one_chunk_of_logits():
+    """The selector term adds no logits of its own: with a frozen head the peak allocation of the whole
+    DFlash 2 loss, forward and backward, stays below one ``[chunk, V]`` chunk."""
+    from test_objectives import LargestNewTensor
+
+    gen = torch.Generator().manual_seed(6)
+    B, S, N, W, vocab, H, chunk = 2, 48, 4, 5, 1000, 8, 4
+    plan = DFlashBatchPlan.from_anchors(torch.tensor([[0, 9, 20, 31], [3, 14, 25, 40]]), block_size=W, seq_length=S)
+    input_ids = torch.randint(vocab, (B, S), generator=gen)
+    hidden = torch.randn(B, N, W, H, generator=gen).requires_grad_(True)
+    head = torch.nn.Linear(H, vocab, bias=False)
+    head.requires_grad_(False)
+    selector = random_selector(vocab=vocab, hidden=H, rank=4, top_k=5, seed=7)
+    M = B * N * (W - 1)
+    assert M * 5 * H < chunk * vocab  # so that the bound below is about logits
+    with LargestNewTensor() as tracker:
+        dflash2_loss(hidden, plan, input_ids, OutputHead(head, vocab), selector, chunk_slots=chunk).loss_sum.backward()
+    assert tracker.largest <= chunk * vocab, (tracker.largest, tracker.op)
+    assert hidden.grad.abs().sum() > 0

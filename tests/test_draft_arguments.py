@@ -235,7 +235,7 @@ def test_selector_loss_weight_reaches_the_dflash2_loss():
             return spec.loss(body, hidden, plan, ids, head, decay_gamma=None, chunk_slots=None, args=args)
 
     none, one, two = loss(0.0), loss(1.0), loss(2.0)
-    assert torch.equal(none.loss_sum.double(), none.extra["base_loss_sum"])
+    assert torch.equal(none.loss_sum.double(), none.metrics.base_loss_sum)
     selector_part = one.loss_sum - none.loss_sum
     assert selector_part > 0
     torch.testing.assert_close(two.loss_sum - none.loss_sum, 2 * selector_part)

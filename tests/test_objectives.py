@@ -699,3 +699,29 @@ def test_errors_say_what_is_wrong():
         OutputHead(nn.Identity(), V)
     with pytest.raises(ValueError, match="softcapping"):
         OutputHead(lin, V, final_logit_softcapping=0.0)
+
+
+def test_logged_ratios_of_every_metrics_record():
+    """The names and ratios the training log shows, derived after summing (the loop logs `log_values`)."""
+    from megatron_dflash.variants.dflash2 import DFlash2Metrics
+    from megatron_dflash.variants.domino import DominoMetrics
+
+    def f64(*values):
+        return [torch.tensor(float(v), dtype=torch.float64) for v in values]
+
+    plain = DFlashMetrics(*f64(8, 6, 9, 3))
+    assert plain.log_values() == {"accuracy": 6 / 8, "acceptance": 9 / 3}
+    empty = DFlashMetrics.zeros()
+    assert empty.log_values() == {"accuracy": 0.0, "acceptance": 0.0}  # nothing supervised: 0, not NaN
+    dflash2 = DFlash2Metrics(*f64(8, 6, 9, 3, 5, 7, 4, 2, 1.5, 0.25, 2.0, 0.5))
+    assert dflash2.log_values() == {
+        "accuracy": 6 / 8, "acceptance": 9 / 3, "base accuracy": 5 / 8, "base acceptance": 7 / 3,
+        "candidate recall": 4 / 8, "base loss": 1.5 / 2.0, "selector loss": 0.25 / 0.5,
+    }
+    domino = DominoMetrics(*f64(8, 6, 9, 3, 5, 7, 1.0, 1.5, 2.0))
+    assert domino.log_values() == {
+        "accuracy": 6 / 8, "acceptance": 9 / 3, "base accuracy": 5 / 8, "base acceptance": 7 / 3,
+        "final loss": 1.0 / 2.0, "base loss": 1.5 / 2.0,
+    }
+    # Ratios of sums, not sums of ratios.
+    assert (plain + DFlashMetrics(*f64(2, 0, 1, 1))).log_values() == {"accuracy": 6 / 10, "acceptance": 10 / 4}

@@ -122,3 +122,92 @@ def test_tensor_parallel_loss_equals_single_rank(tp_pool):
             # The fused loss gives the frozen head no gradient.
             assert d["grad_weight_absent"] == case.endswith("/fused"), where
         assert sum(case.endswith("/fused") for case in diffs) == 8
+
+
+def _tp_candidates(rank: int, world_size: int) -> dict:
+    """The kernel's candidates (DFlash 2's top-k) at TP=2 against TP=1, fused and per chunk: values, ids, the
+    loss, and the gradient w.r.t. the hidden states through the loss and the candidate values together."""
+    from megatron.core import parallel_state
+    from torch import nn
+
+    from megatron_dflash.body import default_parallel_config
+    from megatron_dflash.head import OutputHead
+    from megatron_dflash.head_loss import head_loss
+    from megatron_dflash.layers import column_parallel
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    gen = torch.Generator().manual_seed(3)
+    M, K = 11, 5
+    full_weight = torch.randn(PADDED, HIDDEN, generator=gen) * 0.5
+    hidden0 = torch.randn(M, HIDDEN, generator=gen)
+    pull = torch.randn(M, K, generator=gen)  # an arbitrary use of the candidate values
+    reference = nn.Linear(HIDDEN, PADDED, bias=False)
+    layer = column_parallel(HIDDEN, PADDED, bias=False, parallel_config=default_parallel_config(), tp_group=group, std=0.02)
+    shard = PADDED // world_size
+    with torch.no_grad():
+        reference.weight.copy_(full_weight)
+        layer.weight.copy_(full_weight[rank * shard : (rank + 1) * shard])
+    reference.requires_grad_(False)
+    layer.requires_grad_(False)
+    diffs = {}
+    # 52: rank 1 holds 3 real columns, fewer than K (its top-k offers fillers that are never picked).
+    for vocab in (VOCAB, 52):
+        labels = torch.randint(0, vocab, (M,), generator=gen)
+        weights = torch.rand(M, generator=gen) * (torch.arange(M) % 4 != 0)
+        results = []
+        for tp_layer, fused in ((reference, True), (layer, True), (layer, False)):
+            head = OutputHead(tp_layer, vocab, output_multiplier=1.2, final_logit_softcapping=3.0)
+            hidden = hidden0.clone().requires_grad_()
+            terms = head_loss(hidden, labels, weights, head, chunk_slots=4, fused=fused, top_k=K)
+            (terms.loss_sum + (terms.candidate_values * pull).sum()).backward()
+            results.append((terms.loss_sum.detach(), terms.candidate_values.detach(), terms.candidate_ids, hidden.grad))
+        (ref_loss, ref_values, ref_ids, ref_grad), *tp_results = results
+        for path, (loss, values, ids, grad) in zip(("fused", "chunked"), tp_results):
+            diffs[f"{vocab}/{path}"] = {
+                "ids_equal": bool(torch.equal(ids, ref_ids)),
+                "ids_in_vocab": bool((ids < vocab).all()),
+                "loss": float((loss - ref_loss).abs()),
+                "values": float((values - ref_values).abs().max()),
+                "grad_hidden": float((grad - ref_grad).abs().max()),
+                "grad_scale": float(ref_grad.abs().max()),
+            }
+    return diffs
+
+
+def test_tensor_parallel_candidates_equal_single_rank(tp_pool):
+    for rank, diffs in enumerate(tp_pool(2).run(_tp_candidates)):
+        assert len(diffs) == 4
+        for case, d in diffs.items():
+            where = f"rank {rank}, case {case}: {d}"
+            assert d["ids_equal"] and d["ids_in_vocab"] and d["grad_scale"] > 0, where
+            assert d["loss"] <= 1e-4 and d["values"] <= 1e-5 and d["grad_hidden"] <= 1e-5, where
+
+
+def _metrics_reduce_together(rank: int, world_size: int) -> dict:
+    """Records of different types summed over the group in one all-reduce."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron_dflash.objectives import DFlashMetrics, all_reduce_together
+    from megatron_dflash.variants.domino import DominoMetrics
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    first = DFlashMetrics(*(torch.tensor(float(rank + i), dtype=torch.float64) for i in range(4)))
+    second = DominoMetrics(*(torch.tensor(float(10 * rank + i), dtype=torch.float64) for i in range(9)))
+    calls = []
+    real = dist.all_reduce
+    dist.all_reduce = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+    try:
+        summed = all_reduce_together([first, second], group)
+    finally:
+        dist.all_reduce = real
+    return {"calls": len(calls), "types": [type(r).__name__ for r in summed],
+            "first": summed[0]._stack().tolist(), "second": summed[1]._stack().tolist()}
+
+
+def test_metric_records_reduce_together_in_one_collective(tp_pool):
+    for result in tp_pool(2).run(_metrics_reduce_together):
+        assert result["calls"] == 1
+        assert result["types"] == ["DFlashMetrics", "DominoMetrics"]
+        assert result["first"] == [float(2 * i + 1) for i in range(4)]  # (0 + i) + (1 + i)
+        assert result["second"] == [float(2 * i + 10) for i in range(9)]  # (0 + i) + (10 + i)

@@ -40,6 +40,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ..objectives import AdditiveMetrics, all_reduce_together
 from .arguments import EMBEDDED_SYNTHETIC_HELDOUT_SEED, EMBEDDED_SYNTHETIC_TRAIN_SEED, ArgumentError, parse_args
 from .job import Job, prepare_job
 
@@ -277,18 +278,47 @@ def _check_data(job: Job, train_ds, collate, log=print) -> None:
 
 
 @dataclass
-class _Totals:
-    """Additive statistics of one step on this rank (reduced over DP before logging)."""
+class StepCounts(AdditiveMetrics):
+    """The loop's own additive statistics of a micro-batch (summed over a step, then over DP and PP).
 
-    loss_sum: float = 0.0
-    weight_sum: float = 0.0
-    supervised_tokens: float = 0.0
-    correct_tokens: float = 0.0
-    acceptance_sum: float = 0.0
-    valid_blocks: float = 0.0
-    tokens: float = 0.0
-    extra: dict = field(default_factory=dict)
-    scalars: dict = field(default_factory=dict)
+    Fields:
+        loss_sum: the objective's numerator (detached).
+        weight_sum: its denominator, ``sum(w * mask)``.
+        tokens: real (non-padding) tokens read.
+        empty_micro_batches: micro-batches without a supervised slot (no valid anchor).
+        unreadable_micro_batches: stand-ins for a record this rank could not read (non-zero: every rank
+            stops, see `_RankData`).
+    """
+
+    loss_sum: torch.Tensor
+    weight_sum: torch.Tensor
+    tokens: torch.Tensor
+    empty_micro_batches: torch.Tensor
+    unreadable_micro_batches: torch.Tensor
+
+
+@dataclass
+class StepStatistics:
+    """What a step (or a validation pass) adds up: the loop's `StepCounts` and the variant's metrics
+    (`VariantLoss.metrics`, None off the draft's pipeline stage until `_StepRunner.reduce`)."""
+
+    counts: StepCounts
+    metrics: Optional[AdditiveMetrics]
+    scalars: dict = field(default_factory=dict)  # after `reduce`: learning rate, grad norm
+
+    def __add__(self, other: "StepStatistics") -> "StepStatistics":
+        metrics = self.metrics if other.metrics is None else (
+            other.metrics if self.metrics is None else self.metrics + other.metrics)
+        return StepStatistics(self.counts + other.counts, metrics)
+
+    def log_values(self) -> dict:
+        """The logged values: ``loss`` (the global numerator over the global denominator), then the
+        metrics' ratios (`AdditiveMetrics.logged`)."""
+        c = self.counts
+        weight_sum = float(c.weight_sum)
+        out = {"loss": float(c.loss_sum) / weight_sum if weight_sum > 0 else float("nan")}
+        out.update(self.metrics.log_values())
+        return out
 
 
 class _StepRunner:
@@ -296,11 +326,10 @@ class _StepRunner:
         self.job, self.body, self.model, self.target, self.device = job, body, model, target, device
         self.args = job.args
         self.config = job.draft_config
-        self.ratios: dict = {}
         self._verified_step: Optional[int] = None  # last step whose plan the TP group compared
 
-    def micro_batch(self, batch: dict, step: int, seed: int, backward: bool) -> list:
-        """Forward (+ backward) of one micro-batch; returns the additive statistics as tensors."""
+    def micro_batch(self, batch: dict, step: int, seed: int, backward: bool) -> StepStatistics:
+        """Forward (+ backward) of one micro-batch; returns its additive statistics."""
         from ..data import attach_dflash_plan
         from ..objectives import embed_blocks
 
@@ -333,8 +362,7 @@ class _StepRunner:
                                            sample_ids=batch["sample_ids"])
         from_target = self.target(batch)  # collective over the pipeline when PP > 1
         if from_target is None:  # off the draft's stage: no body here, zero statistics
-            zeros = [torch.zeros((), dtype=torch.float64, device=self.device) for _ in range(_N_TOTALS)]
-            return zeros, []
+            return StepStatistics(StepCounts.zeros(self.device), None)
         taps, final_hidden = from_target
         with torch.no_grad():
             blocks = embed_blocks(batch["tokens"], plan, self.target.embedding, mask_token_id=cfg.mask_token_id,
@@ -348,46 +376,37 @@ class _StepRunner:
             )
             if backward:
                 out.loss_sum.backward()
-        self.ratios = out.ratios
-        m = out.metrics
-        values = [out.loss_sum.detach(), out.weight_sum, m.supervised_tokens, m.correct_tokens, m.acceptance_sum,
-                  m.valid_blocks, (batch["document_ids"] >= 0).sum()]
-        values += [out.extra[k] for k in sorted(out.extra)]
-        return [torch.as_tensor(v, dtype=torch.float64, device=self.device).detach().reshape(()) for v in values], \
-            sorted(out.extra)
+        f64 = lambda v: torch.as_tensor(v, dtype=torch.float64, device=self.device).detach().reshape(())  # noqa: E731
+        weight_sum = f64(out.weight_sum)
+        counts = StepCounts(
+            loss_sum=f64(out.loss_sum), weight_sum=weight_sum, tokens=f64((batch["document_ids"] >= 0).sum()),
+            # a micro-batch without a supervised slot (no valid anchor) adds nothing: counted, not an error
+            empty_micro_batches=(weight_sum == 0).to(torch.float64), unreadable_micro_batches=f64(0.0),
+        )
+        return StepStatistics(counts, out.metrics.to(self.device))
 
-    def reduce(self, sums: list, names: list, scalars: Optional[dict] = None) -> _Totals:
+    def reduce(self, stats: StepStatistics, scalars: Optional[dict] = None) -> StepStatistics:
         """Sum the statistics over DP, then (PP > 1) over the pipeline group, where only the draft's stage
-        contributes: every rank, rank 0 included, gets the real numbers. `scalars` (learning rate, grad
-        norm: known on the draft's stage only) come back from the draft's stage as they are."""
-        stacked = torch.stack(sums)
+        contributes: every rank, rank 0 included, gets the real numbers, on the host. One all-reduce per
+        group for the counts and the metrics together. `scalars` (learning rate, grad norm: known on the
+        draft's stage only) come back from the draft's stage as they are."""
         from megatron.core import parallel_state
 
-        if dist.is_initialized() and parallel_state.get_data_parallel_world_size() > 1:
-            dist.all_reduce(stacked, group=parallel_state.get_data_parallel_group())
+        counts, metrics = stats.counts, stats.metrics
+        dp_group = parallel_state.get_data_parallel_group() if dist.is_initialized() else None
+        if metrics is not None and dp_group is not None and parallel_state.get_data_parallel_world_size() > 1:
+            counts, metrics = all_reduce_together([counts, metrics], dp_group)
         scalars = dict(scalars or {})
         if self.target.placement is not None:
             group = parallel_state.get_pipeline_model_parallel_group()
             src = dist.get_global_rank(group, self.target.placement.draft_stage)
-            meta = [names, self.ratios, scalars] if self.target.is_draft else [None, None, None]
+            meta = [type(metrics), scalars] if self.target.is_draft else [None, None]
             dist.broadcast_object_list(meta, src=src, group=group)
-            names, self.ratios, scalars = meta
-            if not self.target.is_draft:
-                stacked = torch.zeros(_N_TOTALS + len(names), dtype=torch.float64, device=self.device)
-            dist.all_reduce(stacked, group=group)  # SUM: the other stages contribute zeros
-        v = stacked.tolist()
-        return _Totals(*v[:_N_TOTALS], extra=dict(zip(names, v[_N_TOTALS:])), scalars=scalars)
-
-
-_N_TOTALS = 7  # the fixed fields of _Totals, before `extra`
-_EMPTY_MICRO_BATCHES = "empty_micro_batches"  # appended by the training loop to the statistics of each micro-batch
-
-
-def _accumulate(acc: Optional[list], values: list) -> list:
-    return values if acc is None else [a + b for a, b in zip(acc, values)]
-
-
-_UNREADABLE_MICRO_BATCHES = "unreadable_micro_batches"  # appended after the empty count; non-zero: stop
+            kind, scalars = meta
+            if not self.target.is_draft:  # SUM: the other stages contribute zeros
+                counts, metrics = StepCounts.zeros(self.device), kind.zeros(self.device)
+            counts, metrics = all_reduce_together([counts, metrics], group)
+        return StepStatistics(counts.to("cpu"), metrics.to("cpu"), scalars)
 
 
 class _RankData:
@@ -416,15 +435,16 @@ class _RankData:
                 self.error = str(err)
         return self._collate(self._stand_in)
 
-    def mark(self, values: list, names: list) -> tuple[list, list]:
-        """`values` / `names` of a micro-batch with this rank's count of unreadable micro-batches appended."""
-        flag = torch.full((), float(self.error is not None), dtype=torch.float64, device=values[0].device)
-        return values + [flag], names + [_UNREADABLE_MICRO_BATCHES]
+    def mark(self, stats: StepStatistics) -> StepStatistics:
+        """``stats`` of a micro-batch with this rank's count of unreadable micro-batches set."""
+        counts = stats.counts
+        counts.unreadable_micro_batches = torch.full_like(counts.unreadable_micro_batches, float(self.error is not None))
+        return stats
 
-    def stop_if_unreadable(self, totals: "_Totals") -> None:
+    def stop_if_unreadable(self, totals: StepStatistics) -> None:
         """Raise on every rank the `DataError` of the lowest rank that met an unreadable record, if any did
         (the reduced count says so on every rank; the messages are gathered on this failure path only)."""
-        if totals.extra.pop(_UNREADABLE_MICRO_BATCHES, 0.0) <= 0:
+        if float(totals.counts.unreadable_micro_batches) <= 0:
             return
         from .errors import DataError
 
@@ -433,18 +453,6 @@ class _RankData:
             messages = [None] * dist.get_world_size()
             dist.all_gather_object(messages, self.error)
         raise DataError(next(m for m in messages if m is not None))
-
-
-def _metrics(t: _Totals, ratios: dict) -> dict:
-    out = {
-        "loss": t.loss_sum / t.weight_sum if t.weight_sum > 0 else float("nan"),
-        "accuracy": t.correct_tokens / max(1.0, t.supervised_tokens),
-        "acceptance": t.acceptance_sum / max(1.0, t.valid_blocks),
-    }
-    for name, (num, den) in ratios.items():
-        if num in t.extra and den in t.extra:
-            out[name] = t.extra[num] / max(1e-12, t.extra[den])
-    return out
 
 
 # ------------------------------------------------------------------------------------------ evaluation
@@ -465,19 +473,19 @@ def validation_loss(runner: _StepRunner, dataset, job: Job) -> dict:
                             dp_rank=parallel_state.get_data_parallel_rank(), dp_size=job.dp, seed=args.seed + 1,
                             start_step=0, collate_fn=collate)
     reader = _RankData(it, collate, job.pad_token_id, args.micro_batch_size)
-    acc, names = None, []
+    acc = None
     if runner.body is not None:
         runner.body.eval()
     try:
         for _ in range(args.eval_iters * args.num_micro_batches):
-            values, names = reader.mark(*runner.micro_batch(next(reader), step=0, seed=args.seed + 1, backward=False))
-            acc = _accumulate(acc, values)
+            stats = reader.mark(runner.micro_batch(next(reader), step=0, seed=args.seed + 1, backward=False))
+            acc = stats if acc is None else acc + stats
     finally:
         if runner.body is not None:
             runner.body.train()
-    totals = runner.reduce(acc, names)
+    totals = runner.reduce(acc)
     reader.stop_if_unreadable(totals)
-    return _metrics(totals, runner.ratios)
+    return totals.log_values()
 
 
 @torch.no_grad()
@@ -728,15 +736,12 @@ def train(job: Job, *, hooks: Optional[dict] = None, env=None) -> TrainResult:
             step_t0 = time.time()
             if engine is not None:
                 engine.zero_grad()
-            acc, names = None, []
-            weight = torch.zeros((), dtype=torch.float64, device=ctx.device)
+            acc = None
             for _ in range(args.num_micro_batches):
-                values, names = runner.micro_batch(next(train_data), step=iteration, seed=args.seed, backward=True)
-                # a micro-batch without a supervised slot (no valid anchor) adds nothing: counted, not an error
-                values, names = values + [(values[1] == 0).to(torch.float64)], names + [_EMPTY_MICRO_BATCHES]
-                values, names = train_data.mark(values, names)
-                weight = weight + values[1]
-                acc = _accumulate(acc, values)
+                stats = train_data.mark(runner.micro_batch(next(train_data), step=iteration, seed=args.seed,
+                                                           backward=True))
+                acc = stats if acc is None else acc + stats
+            weight = acc.counts.weight_sum
             lr = grad_norm = float("nan")
             if engine is not None:
                 lr = engine.lr
@@ -744,18 +749,19 @@ def train(job: Job, *, hooks: Optional[dict] = None, env=None) -> TrainResult:
                 # decides alike): no optimizer step, so neither Adam's moments nor the schedule move.
                 if engine.finish_grads(weight) > 0:
                     grad_norm = engine.step()
-            totals = runner.reduce(acc, names, {"lr": lr, "grad_norm": grad_norm})
+            totals = runner.reduce(acc, {"lr": lr, "grad_norm": grad_norm})
             train_data.stop_if_unreadable(totals)  # before anything of this step is logged or saved
             lr, grad_norm = totals.scalars["lr"], totals.scalars["grad_norm"]
             iteration += 1
-            empty = int(round(totals.extra.pop(_EMPTY_MICRO_BATCHES, 0.0)))
+            empty = int(round(float(totals.counts.empty_micro_batches)))
             result.empty_micro_batches += empty
-            if totals.weight_sum <= 0:
+            if float(totals.counts.weight_sum) <= 0:
                 result.skipped_steps += 1
                 log(f"[dflash] iteration {iteration}: no supervised slot in the global batch ({empty} empty "
                     f"micro-batch(es)); optimizer step skipped ({result.skipped_steps} skipped so far).")
-            values = _metrics(totals, runner.ratios)
-            tps = totals.tokens / max(1e-9, time.time() - step_t0)
+            values = totals.log_values()
+            tokens = float(totals.counts.tokens)
+            tps = tokens / max(1e-9, time.time() - step_t0)
             values.update({"learning rate": lr, "grad norm": grad_norm, "tokens per second": tps})
             if result.empty_micro_batches:
                 values.update({"empty micro-batches": result.empty_micro_batches,
@@ -765,7 +771,7 @@ def train(job: Job, *, hooks: Optional[dict] = None, env=None) -> TrainResult:
             result.grad_norms.append(grad_norm)
             result.metrics.append(values)
             result.iterations = iteration
-            window_tokens += totals.tokens
+            window_tokens += tokens
             monitor.scalars(labelled(values, "train"), iteration)
             monitor.advance(f"loss {values['loss']:.3f} acc {values['accuracy']:.2f}")
             if iteration % args.log_interval == 0 or iteration == args.train_iters:

@@ -12,12 +12,13 @@ Variants whose module is missing in this installation are refused with a clear e
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from ..config import DFlashConfig
+from ..objectives import AdditiveMetrics
 from .arguments import ArgumentError
 
 __all__ = ["VariantLoss", "VariantSpec", "get_variant"]
@@ -27,16 +28,13 @@ __all__ = ["VariantLoss", "VariantSpec", "get_variant"]
 class VariantLoss:
     """One micro-batch: `loss_sum` (differentiable), `weight_sum` (no grad), additive metrics.
 
-    `metrics` is an `objectives.DFlashMetrics` (accuracy / acceptance of what decoding emits);
-    `extra` holds further additive fp64 scalars to log (summed over micro-batches and DP ranks),
-    `ratios` says how to turn them into logged values: `name -> (numerator, denominator)`.
+    `metrics` is the variant's `objectives.AdditiveMetrics` (`DFlashMetrics`, `DFlash2Metrics`,
+    `DominoMetrics`): the loop sums it over micro-batches and ranks and logs its `logged` ratios.
     """
 
     loss_sum: torch.Tensor
     weight_sum: torch.Tensor
-    metrics: Any
-    extra: dict = field(default_factory=dict)
-    ratios: dict = field(default_factory=dict)
+    metrics: AdditiveMetrics
 
 
 @dataclass
@@ -103,22 +101,7 @@ def _dflash2_loss(body, hidden, plan, input_ids, head, *, decay_gamma, chunk_slo
     out = dflash2_loss(hidden, plan, input_ids, head, body.candidate_selector, decay_gamma=decay_gamma,
                        chunk_slots=chunk_slots,
                        selector_weight=float(getattr(args, "dflash_selector_loss_weight", 1.0)))
-    m = out.metrics
-    extra = {
-        "base_correct_tokens": m.base_correct_tokens, "base_acceptance_sum": m.base_acceptance_sum,
-        "candidate_hits": m.candidate_hits, "supervised_tokens": m.supervised_tokens,
-        "valid_blocks": m.valid_blocks, "base_loss_sum": m.base_loss_sum,
-        "selector_loss_sum": m.selector_loss_sum, "loss_weight_sum": m.loss_weight_sum,
-        "selector_weight_sum": m.selector_weight_sum,
-    }
-    ratios = {
-        "base accuracy": ("base_correct_tokens", "supervised_tokens"),
-        "base acceptance": ("base_acceptance_sum", "valid_blocks"),
-        "candidate recall": ("candidate_hits", "supervised_tokens"),
-        "base loss": ("base_loss_sum", "loss_weight_sum"),
-        "selector loss": ("selector_loss_sum", "selector_weight_sum"),
-    }
-    return VariantLoss(out.loss_sum, out.weight_sum, m.as_dflash_metrics(), extra, ratios)
+    return VariantLoss(out.loss_sum, out.weight_sum, out.metrics)
 
 
 def _dflash2_save(body, directory, dtype=None, overwrite=False):
@@ -217,16 +200,7 @@ def _domino_loss(body, hidden, plan, input_ids, head, *, decay_gamma, chunk_slot
     out = domino_loss(hidden, plan, input_ids, head, body.domino_head, embedding, lambda_base=lam,
                       decay_gamma=decay_gamma, input_embedding_scale=body.config.input_embedding_scale,
                       input_mask=input_mask, chunk_slots=chunk_slots)
-    m = out.metrics
-    extra = {"base_correct_tokens": m.base_correct_tokens, "base_acceptance_sum": m.base_acceptance_sum,
-             "supervised_tokens": m.supervised_tokens, "valid_blocks": m.valid_blocks,
-             "final_loss_sum": m.final_loss_sum, "base_loss_sum": m.base_loss_sum,
-             "loss_weight_sum": m.loss_weight_sum}
-    ratios = {"base accuracy": ("base_correct_tokens", "supervised_tokens"),
-              "base acceptance": ("base_acceptance_sum", "valid_blocks"),
-              "final loss": ("final_loss_sum", "loss_weight_sum"),
-              "base loss": ("base_loss_sum", "loss_weight_sum")}
-    return VariantLoss(out.loss_sum, out.weight_sum, m.as_dflash_metrics(), extra, ratios)
+    return VariantLoss(out.loss_sum, out.weight_sum, out.metrics)
 
 
 def _domino_save(body, directory, dtype=None, overwrite=False):

@@ -34,15 +34,14 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..body import DFlashBody, default_parallel_config
 from ..config import DFLASH_ARCHITECTURE, DFlashConfig, architecture_name, resolve_causal
-from ..parallel import is_distributed_group, tensor_parallel_group
-from ..objectives import EmittedPathMetrics
+from ..head_loss import check_loss_options, head_loss, topk_vocab_parallel
+from ..objectives import EmittedPathMetrics, check_block_hidden, dflash_metrics, slot_targets
 from ..plan import DFlashBatchPlan
 
 __all__ = [
@@ -435,74 +434,6 @@ class CandidateSelector(nn.Module):
         return f"vocab_size={self.vocab_size}, rank={self.rank}, top_k={self.top_k}"
 
 
-# ================================================================================== vocab-parallel top-k
-
-
-class _AllGatherLastDim(torch.autograd.Function):
-    """Concatenate every rank's tensor along the last dim; backward keeps this rank's slice.
-
-    The gathered tensor feeds replicated computation (the same on every rank), so its gradient
-    is the same on every rank and this rank's part of it is its own slice.
-    """
-
-    @staticmethod
-    def forward(ctx, tensor: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        ctx.width = tensor.shape[-1]
-        return _all_gather_last_dim(tensor, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        start = ctx.group.rank() * ctx.width
-        return grad[..., start : start + ctx.width].contiguous(), None
-
-
-def _all_gather_last_dim(tensor: torch.Tensor, group) -> torch.Tensor:
-    local = tensor.contiguous()
-    parts = [torch.empty_like(local) for _ in range(group.size())]
-    dist.all_gather(parts, local, group=group)
-    return torch.cat(parts, dim=-1)
-
-
-def topk_vocab_parallel(
-    local_logits: torch.Tensor, k: int, vocab_start: int = 0, group=None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Global top-k of logits split over the vocabulary, without gathering the vocabulary.
-
-    Each rank takes its local top-k, the `k` candidates of every rank are all-gathered
-    (`TP * k` per position), and the top-k of those is the global top-k. Differentiable in
-    the values (the gradient reaches each rank's own logits).
-
-    Args:
-        local_logits: `[..., V / TP]`, this rank's slice of the vocabulary.
-        k: candidates to keep.
-        vocab_start: global id of this rank's first vocabulary entry.
-        group: the group splitting the vocabulary (megatron's TP group when None and
-            initialised, a single rank otherwise).
-    Returns:
-        `(values [..., k], ids [..., k])`, sorted by decreasing value, ids global; identical on
-        every rank.
-    """
-    group = tensor_parallel_group(group)
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"k={k!r} must be a positive integer.")
-    local_k = min(k, local_logits.shape[-1])
-    values, index = torch.topk(local_logits, local_k, dim=-1)
-    ids = index + vocab_start
-    if not is_distributed_group(group):
-        if local_k < k:
-            raise ValueError(f"k={k} exceeds the vocabulary size {local_logits.shape[-1]}.")
-        return values, ids
-    if local_k * group.size() < k:
-        raise ValueError(
-            f"k={k} exceeds the vocabulary size {local_logits.shape[-1]} x {group.size()} ranks."
-        )
-    all_values = _AllGatherLastDim.apply(values, group)  # [..., TP * local_k]
-    all_ids = _all_gather_last_dim(ids, group)
-    top_values, where = torch.topk(all_values, k, dim=-1)
-    return top_values, all_ids.gather(-1, where)
-
-
 # ================================================================================== body
 
 
@@ -594,6 +525,9 @@ class DFlash2Metrics(EmittedPathMetrics):
     selector_weight_sum: torch.Tensor
 
     derived = EmittedPathMetrics.derived + ("candidate_recall", "teacher_forced_accuracy", "base_loss", "selector_loss")
+    logged = EmittedPathMetrics.logged + (
+        ("candidate recall", "candidate_recall"), ("base loss", "base_loss"), ("selector loss", "selector_loss"),
+    )
 
     @property
     def candidate_recall(self) -> torch.Tensor:
@@ -631,17 +565,6 @@ class DFlash2LossOutput:
     metrics: DFlash2Metrics
 
 
-def _candidate_chunk(head, top_k: int):
-    """`h [c, H] -> (values [c, K] fp32, ids [c, K])`: the backbone's global top-k per slot."""
-    start = head.vocab_range[0]
-    group = head.tp_group
-
-    def run(h):
-        return topk_vocab_parallel(head.local_logits(h), top_k, start, group)
-
-    return run
-
-
 def _selector_chunk(selector: CandidateSelector):
     """Teacher-forced selector CE of one chunk of slots.
 
@@ -677,10 +600,11 @@ def dflash2_loss(
     weights: Optional[torch.Tensor] = None,
     chunk_slots: Optional[int] = 1024,
     selector_backbone_grad: bool = True,
+    fused: Optional[bool] = None,
 ) -> DFlash2LossOutput:
     """DFlash 2 objective of one micro-batch: backbone block CE + candidate-selection CE.
 
-    * Backbone: `objectives.dflash_loss` (decay-weighted, chunked, vocab-parallel CE).
+    * Backbone: the DFlash CE (`objectives.slot_targets`, `head_loss.head_loss`).
     * Selector: at predicted slot `k` of a block at `p`, the backbone's top-k candidates are
       rescored given the **true** predecessor, the token at `p + k - 1` (the anchor for `k = 1`),
       which is what the walk would have committed had every earlier slot been accepted; the CE
@@ -699,20 +623,19 @@ def dflash2_loss(
 
     Args:
         hidden: `[B, N, W, H]` draft body output.
-        plan, input_ids, head, decay_gamma, loss_mask, weights, chunk_slots: as `dflash_loss`.
+        plan, input_ids, head, decay_gamma, loss_mask, weights, chunk_slots, fused: as `dflash_loss`.
         selector: the body's `CandidateSelector`.
         selector_weight: multiplier of the selector term.
         selector_backbone_grad: whether the selector term also trains the backbone (through the
             hidden state and the candidate logits). False: it trains only the selector.
 
-    Memory: the top-k candidates are found chunk by chunk under activation recomputation (peak
-    one chunk of `[chunk, V / TP]` logits); the selector's `[chunk, K, R]` codebook rows likewise.
-    Note this computes the head's logits once more than `dflash_loss` alone.
+    Memory and compute: the head runs once per chunk for the backbone CE and the candidates together
+    (the fused kernel takes the top-k from the logits before they turn into the gradient, and routes
+    the candidates' gradient through their K rows of the head's weight); the selector's `[chunk, K, R]`
+    codebook rows are recomputed chunk by chunk in backward.
     """
-    from ..objectives import OutputHead, acceptance_lengths, block_labels, counted_blocks, decay_weights, dflash_loss
-
-    if not isinstance(head, OutputHead):
-        raise ValueError(f"head must be an objectives.OutputHead, got {type(head).__name__}.")
+    check_block_hidden(hidden, plan)
+    check_loss_options(head, chunk_slots, fused)
     if not isinstance(selector, CandidateSelector):
         raise ValueError(f"selector must be a CandidateSelector, got {type(selector).__name__}.")
     if head.vocab_size != selector.vocab_size:
@@ -722,98 +645,76 @@ def dflash2_loss(
         )
     if not (isinstance(selector_weight, (int, float)) and selector_weight >= 0):
         raise ValueError(f"selector_weight={selector_weight!r} must be a non-negative number.")
-    base = dflash_loss(
-        hidden,
-        plan,
-        input_ids,
-        head,
-        decay_gamma=decay_gamma,
-        loss_mask=loss_mask,
-        weights=weights,
-        chunk_slots=chunk_slots,
-    )  # validates shapes
 
     device = hidden.device
     plan = plan.to(device)
     B, N, W = plan.batch_size, plan.num_blocks, plan.block_size
-    H = hidden.shape[-1]
     T = W - 1
-    M = B * N * T
     K = selector.top_k
-    slots = torch.arange(W, device=device)
-
-    # Same supervision and weights as the backbone term.
-    mask = (plan.loss_mask if loss_mask is None else loss_mask.to(device).bool()) & (slots > 0)
-    if weights is None:
-        weights = decay_weights(plan, decay_gamma=decay_gamma, device=device)
-    effective = torch.where(mask, weights.to(device=device, dtype=torch.float32), torch.zeros((), device=device))
-    labels = block_labels(input_ids.to(device), plan)  # [B, N, W], slot 0 = anchor token
-
-    h = hidden[:, :, 1:, :]
+    targets = slot_targets(input_ids.to(device), plan, decay_gamma=decay_gamma, loss_mask=loss_mask, weights=weights)
+    flat_h = targets.flat_hidden(hidden)
+    terms = head_loss(flat_h, targets.flat_labels, targets.flat_weights, head, chunk_slots=chunk_slots, fused=fused,
+                      top_k=K)
+    unary_all, ids_all = terms.candidate_values, terms.candidate_ids  # [M, K]
     if not selector_backbone_grad:
-        h = h.detach()
-    flat_h = h.reshape(M, H)
-    flat_predecessor = labels[:, :, :-1].reshape(M)  # slot k follows the true token at p + k - 1
-    flat_label = labels[:, :, 1:].reshape(M)
-    flat_weight = effective[:, :, 1:].reshape(M)
+        flat_h, unary_all = flat_h.detach(), unary_all.detach()
+    labels = targets.tokens  # [B, N, W] ground truth, slot 0 = anchor
+    flat_predecessor = labels[:, :, :-1].reshape(-1)  # slot k follows the true token at p + k - 1
+    flat_label = labels[:, :, 1:].reshape(-1)
+    flat_weight = targets.flat_weights
 
-    size = M if chunk_slots is None else min(chunk_slots, M)
+    size = flat_h.shape[0] if chunk_slots is None else min(chunk_slots, flat_h.shape[0])
     selector_trains = any(p.requires_grad for p in selector.parameters())
-    recompute = torch.is_grad_enabled() and (flat_h.requires_grad or head.requires_grad() or selector_trains)
-    find = _candidate_chunk(head, K)
+    recompute = torch.is_grad_enabled() and (unary_all.requires_grad or flat_h.requires_grad or selector_trains)
     rescore = _selector_chunk(selector)
-    unary_parts, id_parts, hit_parts, top1_parts = [], [], [], []
+    hit_parts, top1_parts = [], []
     selector_sum = hidden.new_zeros((), dtype=torch.float32)
-    for h_c, pred_c, label_c, weight_c in zip(
-        flat_h.split(size), flat_predecessor.split(size), flat_label.split(size), flat_weight.split(size)
+    for h_c, unary_c, ids_c, pred_c, label_c, weight_c in zip(
+        flat_h.split(size), unary_all.split(size), ids_all.split(size), flat_predecessor.split(size),
+        flat_label.split(size), flat_weight.split(size),
     ):
         if recompute:
-            unary_c, ids_c = checkpoint(find, h_c, use_reentrant=False)
             part, hit_c, top1_c = checkpoint(rescore, h_c, unary_c, ids_c, pred_c, label_c, weight_c, use_reentrant=False)
         else:
-            unary_c, ids_c = find(h_c)
             part, hit_c, top1_c = rescore(h_c, unary_c, ids_c, pred_c, label_c, weight_c)
         selector_sum = selector_sum + part
-        unary_parts.append(unary_c.detach())
-        id_parts.append(ids_c)
         hit_parts.append(hit_c)
         top1_parts.append(top1_c)
 
+    weight_sum = targets.weight_sum
     with torch.no_grad():
-        supervised = mask[:, :, 1:]
-        unary = torch.cat(unary_parts).view(B, N, T, K)
-        candidate_ids = torch.cat(id_parts).view(B, N, T, K)
+        supervised = targets.supervised
         hits = torch.cat(hit_parts).view(B, N, T) & supervised
-        selector_weight_sum = torch.where(hits, effective[:, :, 1:], torch.zeros((), device=device)).sum()
+        selector_weight_sum = torch.where(hits, targets.weights, torch.zeros((), device=device)).sum()
         # No slot with its label among the candidates: the selector term is zero (selector_sum is 0).
-        scale = base.weight_sum.to(torch.float32) / selector_weight_sum.clamp(min=1e-12)
-    loss_sum = base.loss_sum + selector_weight * scale * selector_sum
+        scale = weight_sum / selector_weight_sum.clamp(min=1e-12)
+    loss_sum = terms.loss_sum + selector_weight * scale * selector_sum
 
     with torch.no_grad():
+        base = dflash_metrics(targets, terms.base_correct, plan)
         top1 = torch.cat(top1_parts).view(B, N, T) & supervised
         # The decode-time walk: each step after the walk's own previous pick.
         path, _, _ = selector.walk_candidates(
-            selector.project(hidden[:, :, 1:, :].detach()), unary, candidate_ids, labels[:, :, 0], 0.0
+            selector.project(hidden[:, :, 1:, :].detach()), unary_all.detach().view(B, N, T, K),
+            ids_all.view(B, N, T, K), labels[:, :, 0], 0.0,
         )
-        correct = (path == labels[:, :, 1:]) & supervised
-        acceptance = acceptance_lengths(correct, supervised, plan.block_valid)
-        counted = counted_blocks(supervised, plan.block_valid)
+        walk = dflash_metrics(targets, path == labels[:, :, 1:], plan)
         f64 = torch.float64
         metrics = DFlash2Metrics(
-            supervised_tokens=supervised.sum().to(f64),
-            valid_blocks=counted.sum().to(f64),
-            correct_tokens=correct.sum().to(f64),
-            acceptance_sum=acceptance.sum().to(f64),
-            base_correct_tokens=base.metrics.correct_tokens.to(f64),
-            base_acceptance_sum=base.metrics.acceptance_sum.to(f64),
+            supervised_tokens=walk.supervised_tokens,
+            valid_blocks=walk.valid_blocks,
+            correct_tokens=walk.correct_tokens,
+            acceptance_sum=walk.acceptance_sum,
+            base_correct_tokens=base.correct_tokens,
+            base_acceptance_sum=base.acceptance_sum,
             candidate_hits=hits.sum().to(f64),
             teacher_forced_correct=top1.sum().to(f64),
-            base_loss_sum=base.loss_sum.detach().to(f64),
+            base_loss_sum=terms.base_sum.detach().to(f64),
             selector_loss_sum=selector_sum.detach().to(f64),
-            loss_weight_sum=base.weight_sum.detach().to(f64),
+            loss_weight_sum=weight_sum.to(f64),
             selector_weight_sum=selector_weight_sum.to(f64),
         )
-    return DFlash2LossOutput(loss_sum=loss_sum, weight_sum=base.weight_sum, metrics=metrics)
+    return DFlash2LossOutput(loss_sum=loss_sum, weight_sum=weight_sum, metrics=metrics)
 
 
 # ================================================================================== HF checkpoints

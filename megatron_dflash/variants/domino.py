@@ -48,7 +48,7 @@ teacher-forced acceptance length of `DominoMetrics` is what the greedy walk woul
 ``3G(H+G) + E(H+G) + V E`` weights). The delta is only ever formed for this rank's vocabulary shard
 (rows ``vocab_range`` of ``embed_proj.2.weight``) and added to the shard's base logits, chunk by chunk:
 the loss holds a few ``[chunk_slots, V / TP]`` fp32 buffers at a time (base and corrected logits, their
-softmax, the delta), whatever the number of slots, like `objectives.dflash_loss`. Each rank's gradient w.r.t. the replicated features and ``embed_proj.2`` is
+softmax, the delta), whatever the number of slots, in the one loss kernel of every variant (`head_loss.head_loss`). Each rank's gradient w.r.t. the replicated features and ``embed_proj.2`` is
 summed over the group, so every rank holds the full, identical gradient of the replicated weights.
 
 **HF format.** ``architectures: ["DominoDraftModel"]``; ``dflash_config`` adds ``projector_type:
@@ -75,15 +75,21 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from ..body import DFlashBody, default_parallel_config
 from ..config import DFLASH_ARCHITECTURE, DFlashConfig
-from ..parallel import is_distributed_group, reduce_grad_over_group
-from ..objectives import EmittedPathMetrics
+from ..head_loss import check_loss_options, head_loss
+from ..objectives import (
+    EmittedPathMetrics,
+    SlotTargets,
+    acceptance_lengths,
+    check_block_hidden,
+    counted_blocks,
+    decay_weights,
+)
+from ..parallel import reduce_grad_over_group
 from ..plan import DFlashBatchPlan
 from .dflash2 import GREEDY_TEMPERATURE_EPS
 
@@ -540,6 +546,7 @@ class DominoMetrics(EmittedPathMetrics):
     loss_weight_sum: torch.Tensor
 
     derived = EmittedPathMetrics.derived + ("final_loss", "base_loss")
+    logged = EmittedPathMetrics.logged + (("final loss", "final_loss"), ("base loss", "base_loss"))
 
     @property
     def final_loss(self) -> torch.Tensor:
@@ -571,76 +578,9 @@ class DominoLossOutput:
 # ================================================================================== loss
 
 
-class _VocabParallelCE(torch.autograd.Function):
-    """``logsumexp(z) - z[label]`` per row over a vocabulary split across `group`, plus the global argmax.
-
-    The same scheme as `objectives.dflash_loss` (one MAX and one SUM all-reduce, analytic backward
-    ``softmax - onehot`` from the saved local softmax); argmax ties go to the smallest index.
-    """
-
-    @staticmethod
-    def forward(ctx, logits, labels, vocab_start, group):
-        distributed = is_distributed_group(group)
-        rows = torch.arange(logits.shape[0], device=logits.device)
-        local_max, local_arg = logits.max(dim=-1)
-        global_max = local_max.clone()
-        if distributed:
-            dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
-        exp = torch.sub(logits, global_max[:, None]).exp_()
-        local_label = labels - vocab_start
-        owned = (local_label >= 0) & (local_label < logits.shape[-1])
-        local_label = local_label.clamp(0, logits.shape[-1] - 1)
-        picked = torch.where(owned, logits[rows, local_label] - global_max, torch.zeros((), device=logits.device))
-        sums = torch.stack([exp.sum(dim=-1), picked])
-        if distributed:
-            dist.all_reduce(sums, group=group)
-        loss = torch.log(sums[0]) - sums[1]
-        candidate = torch.where(
-            local_max == global_max, local_arg + vocab_start,
-            torch.full((), torch.iinfo(torch.int64).max, dtype=torch.int64, device=logits.device),
-        )
-        if distributed:
-            dist.all_reduce(candidate, op=dist.ReduceOp.MIN, group=group)
-        ctx.save_for_backward(exp.div_(sums[0][:, None]), local_label, owned)
-        ctx.mark_non_differentiable(candidate)
-        return loss, candidate
-
-    @staticmethod
-    def backward(ctx, grad_loss, grad_argmax):
-        grad, local_label, owned = ctx.saved_tensors
-        rows = torch.arange(grad.shape[0], device=grad.device)
-        grad[rows, local_label] -= owned.to(grad.dtype)
-        grad.mul_(grad_loss[:, None])
-        return grad, None, None, None
-
-
-def _domino_chunk(head, domino: DominoHead):
-    """``(h [c, H], features [c, E], shard_weight [V_local, E], labels [c], weights [c])`` ->
-    ``(final weighted CE sum, base weighted CE sum, final argmax [c], base argmax [c])``."""
-    start = head.vocab_range[0]
-    group = head.tp_group
-
-    def run(h, features, weight, labels, weights):
-        base = head.local_logits(h)
-        features = reduce_grad_over_group(features, group)  # each rank's gradient covers its shard
-        final = base + domino.local_delta(features, head, weight)
-        zero = torch.zeros((), device=base.device)
-        sums, argmaxes = [], []
-        for logits in (final, base):
-            loss, argmax = _VocabParallelCE.apply(logits, labels, start, group)
-            # `where`, not a product: an unsupervised slot's loss may be inf and 0 * inf is NaN.
-            sums.append(torch.where(weights != 0, loss * weights, zero).sum())
-            argmaxes.append(argmax)
-        return sums[0], sums[1], argmaxes[0], argmaxes[1]
-
-    return run
-
-
 def _slot_weights(plan: DFlashBatchPlan, P: int, shift_label: bool, decay_gamma, device) -> torch.Tensor:
     """``[B, N, P]`` weights ``exp(-j / decay_gamma)`` for predicted index ``j`` (the first predicted slot
     has weight 1, as in DFlash and the reference), uniform when ``decay_gamma`` is None."""
-    from ..objectives import decay_weights
-
     if shift_label:
         start = torch.zeros(plan.batch_size, plan.num_blocks, dtype=torch.int64, device=device)
         return decay_weights(plan, decay_gamma=decay_gamma, prefix_lengths=start, device=device)[:, :, :P]
@@ -689,7 +629,7 @@ def domino_loss(
         weights: ``[B, N, P]`` overrides the per-slot weights.
         chunk_slots: predicted slots per chunk (None: one chunk); peak memory a few ``[chunk_slots, V / TP]``
             fp32 buffers (base and corrected logits, their softmax, the delta).
-        fused: as `objectives.dflash_loss`: None uses the fused head loss (gradients w.r.t. the hidden
+        fused: as `objectives.dflash_loss` (`head_loss.head_loss`): None uses the fused head loss (gradients w.r.t. the hidden
             states, the features and ``embed_proj.2`` formed in forward in two reused ``[chunk_slots, V / TP]``
             buffers, nothing recomputed) whenever the target's head is frozen; False forces the recomputing
             per-chunk path. A slot is *correct* when its label's logit is its row maximum.
@@ -697,12 +637,8 @@ def domino_loss(
     Returns:
         `DominoLossOutput`.
     """
-    from ..objectives import OutputHead, _FusedHeadLoss, acceptance_lengths, counted_blocks
-
-    if not isinstance(plan, DFlashBatchPlan):
-        raise ValueError(f"plan must be a DFlashBatchPlan, got {type(plan).__name__}.")
-    if not isinstance(head, OutputHead):
-        raise ValueError(f"head must be an objectives.OutputHead, got {type(head).__name__}.")
+    check_block_hidden(hidden, plan, domino.hidden_size if isinstance(domino, DominoHead) else None)
+    check_loss_options(head, chunk_slots, fused)
     if not isinstance(domino, DominoHead):
         raise ValueError(f"domino must be a DominoHead (body.domino_head), got {type(domino).__name__}.")
     if head.vocab_size != domino.vocab_size:
@@ -713,21 +649,8 @@ def domino_loss(
     if not (isinstance(lambda_base, (int, float)) and not isinstance(lambda_base, bool) and 0.0 <= lambda_base <= 1.0):
         raise ValueError(f"lambda_base={lambda_base!r} must be in [0, 1] (see domino_lambda).")
     B, N, W = plan.batch_size, plan.num_blocks, plan.block_size
-    if hidden.dim() != 4 or tuple(hidden.shape[:3]) != (B, N, W) or hidden.shape[-1] != domino.hidden_size:
-        raise ValueError(
-            f"hidden must be [batch, blocks, block_size, hidden] = [{B}, {N}, {W}, {domino.hidden_size}], got "
-            f"{tuple(hidden.shape)}."
-        )
     if domino.correction_start > W - 1:
         raise ValueError(f"the Domino head corrects from slot {domino.correction_start}, past a block of {W}.")
-    if chunk_slots is not None and (
-        isinstance(chunk_slots, bool) or not isinstance(chunk_slots, int) or chunk_slots < 1
-    ):
-        raise ValueError(f"chunk_slots={chunk_slots!r} must be a positive int or None (one chunk).")
-    if fused not in (None, True, False):
-        raise ValueError(f"fused={fused!r} must be None (automatic), True or False.")
-    if fused and head.requires_grad():
-        raise ValueError("fused=True needs a frozen output head; freeze the head or pass fused=None / False.")
     shift = domino.shift_label
     P = W if shift else W - 1
     for name, tensor in (("loss_mask", loss_mask), ("weights", weights)):
@@ -745,57 +668,21 @@ def domino_loss(
         supervised = loss_mask.to(device).bool() & plan.block_valid[:, :, None]
     if weights is None:
         weights = _slot_weights(plan, P, shift, decay_gamma, device)
-    effective = torch.where(supervised, weights.to(device=device, dtype=torch.float32), torch.zeros((), device=device))
-    labels = torch.where(supervised, labels, torch.zeros((), dtype=torch.int64, device=device))
-
-    # Predicted slots and the GRU's state for each (teacher forcing: ground-truth previous tokens).
     first = 0 if shift else 1
-    h = hidden[:, :, first:, :]  # [B, N, P, H]
+    targets = SlotTargets.from_mask(labels, supervised, weights, first_slot=first)
+
+    # The GRU's state for each predicted slot (teacher forcing: ground-truth previous tokens).
     states, _ = domino.states(_embed(embedding, prev_ids, input_embedding_scale))  # [B, N, P, G]
     corrected = (torch.arange(P, device=device) + first) >= domino.correction_start  # [P]
-    features = domino.features(h, states)
+    features = domino.features(hidden[:, :, first:, :], states)
     features = features * corrected[:, None].to(features.dtype)  # uncorrected slots: zero delta, no gradient
 
-    M = B * N * P
-    flat_h = h.reshape(M, -1)
-    flat_features = features.reshape(M, -1)
-    flat_labels = labels.reshape(M)
-    flat_weights = effective.reshape(M)
-    shard = domino.shard_weight(head, head.tp_group)
-
-    size = M if chunk_slots is None else min(chunk_slots, M)
     lam = float(lambda_base)
-    if fused is None:
-        fused = not head.requires_grad()
-    if fused:
-        # The fused head loss: gradients w.r.t. the hidden states, the features and the shard formed in forward.
-        with_grad = torch.is_grad_enabled() and (
-            flat_h.requires_grad or flat_features.requires_grad or shard.requires_grad
-        )
-        loss_sum, base_sum, final_sum, base_hit, final_hit = _FusedHeadLoss.apply(
-            flat_h, flat_labels, flat_weights, None, None, flat_features, shard, head, "none", 1.0, lam, size,
-            with_grad,
-        )
-    else:
-        run = _domino_chunk(head, domino)
-        recompute = torch.is_grad_enabled() and (
-            flat_h.requires_grad or flat_features.requires_grad or head.requires_grad()
-        )
-        final_sum = base_sum = hidden.new_zeros((), dtype=torch.float32)
-        final_parts, base_parts = [], []
-        pieces = zip(flat_h.split(size), flat_features.split(size), flat_labels.split(size), flat_weights.split(size))
-        for h_c, f_c, l_c, w_c in pieces:
-            if recompute:
-                f_sum, b_sum, f_arg, b_arg = checkpoint(run, h_c, f_c, shard, l_c, w_c, use_reentrant=False)
-            else:
-                f_sum, b_sum, f_arg, b_arg = run(h_c, f_c, shard, l_c, w_c)
-            final_sum = final_sum + f_sum
-            base_sum = base_sum + b_sum
-            final_parts.append(f_arg)
-            base_parts.append(b_arg)
-        loss_sum = (1.0 - lam) * final_sum + lam * base_sum
-        final_hit = torch.cat(final_parts) == flat_labels
-        base_hit = torch.cat(base_parts) == flat_labels
+    terms = head_loss(
+        targets.flat_hidden(hidden), targets.flat_labels, targets.flat_weights, head, chunk_slots=chunk_slots,
+        fused=fused, features=features.reshape(B * N * P, -1), shard=domino.shard_weight(head, head.tp_group),
+        mix=lam,
+    )
 
     with torch.no_grad():
         # Decoding proposes W - 1 tokens: predicted indices 0..W-2 (slots 1..W-1, or 0..W-2 with shift).
@@ -804,23 +691,23 @@ def domino_loss(
         counted = counted_blocks(sup_used, plan.block_valid)
         f64 = torch.float64
         stats = {}
-        for name, hit in (("final", final_hit), ("base", base_hit)):
-            correct = hit.view(B, N, P) & supervised
+        for name, hit in (("final", terms.final_correct), ("base", terms.base_correct)):
+            correct = hit.view(B, N, P) & targets.supervised
             acceptance = acceptance_lengths(correct[:, :, used], sup_used, plan.block_valid)
             stats[name] = (correct.sum().to(f64), acceptance.sum().to(f64))
-        weight_sum = effective.sum().to(torch.float32)
+        weight_sum = targets.weight_sum
         metrics = DominoMetrics(
-            supervised_tokens=supervised.sum().to(f64),
+            supervised_tokens=targets.supervised.sum().to(f64),
             valid_blocks=counted.sum().to(f64),
             correct_tokens=stats["final"][0],
             acceptance_sum=stats["final"][1],
             base_correct_tokens=stats["base"][0],
             base_acceptance_sum=stats["base"][1],
-            final_loss_sum=final_sum.detach().to(f64),
-            base_loss_sum=base_sum.detach().to(f64),
+            final_loss_sum=terms.final_sum.detach().to(f64),
+            base_loss_sum=terms.base_sum.detach().to(f64),
             loss_weight_sum=weight_sum.to(f64),
         )
-    return DominoLossOutput(loss_sum=loss_sum, weight_sum=weight_sum, metrics=metrics, lambda_base=lam)
+    return DominoLossOutput(loss_sum=terms.loss_sum, weight_sum=weight_sum, metrics=metrics, lambda_base=lam)
 
 
 # ================================================================================== decoding

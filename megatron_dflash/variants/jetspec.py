@@ -28,9 +28,10 @@ One JetSpec training step::
     out = jetspec_loss(hidden, plan, input_ids, head, teacher_hidden, temperature=2.0)
     (out.loss_sum / global_weight_sum).backward()
 
-The loss is `objectives.dflash_loss(soft_target="kl")` (chunked, vocab-parallel, never all logits at
-once); the target's argmax for the metrics is found chunk by chunk with `topk_vocab_parallel`, one extra
-no-grad pass of the head over the teacher rows.
+The loss is the DFlash skeleton with soft targets: `objectives.slot_targets` and the one kernel
+`head_loss.head_loss(soft_target="kl")` (chunked, vocab-parallel, never all logits at once); the
+target's argmax for the metrics is found chunk by chunk with `topk_vocab_parallel`, one extra no-grad
+pass of the head over the teacher rows.
 """
 
 from __future__ import annotations
@@ -43,9 +44,10 @@ from typing import Any, Optional
 import torch
 
 from ..config import DFLASH_ARCHITECTURE, DFlashConfig, resolve_causal
-from ..objectives import DFlashLossOutput, OutputHead, dflash_loss
+from ..head import OutputHead
+from ..head_loss import check_loss_options, head_loss, topk_vocab_parallel
+from ..objectives import DFlashLossOutput, SlotTargets, check_block_hidden, dflash_metrics, slot_targets, teacher_rows
 from ..plan import DFlashBatchPlan
-from .dflash2 import topk_vocab_parallel
 
 __all__ = ["JetSpecConfig", "jetspec_config", "jetspec_loss", "teacher_argmax_ids"]
 
@@ -184,13 +186,14 @@ def jetspec_loss(
     loss_mask: Optional[torch.Tensor] = None,
     weights: Optional[torch.Tensor] = None,
     chunk_slots: Optional[int] = 1024,
+    fused: Optional[bool] = None,
 ) -> DFlashLossOutput:
     """JetSpec objective of one micro-batch: temperature-scaled forward KL to the target, per slot.
 
     ``loss_k = T**2 * KL(softmax(teacher_{p+k-1} / T) || softmax(draft_k / T))`` with the slot weights
     ``w_k`` of `objectives.decay_weights` (uniform when ``decay_gamma`` is None, the JetSpec paper's
     main setting); ``loss_sum = sum(w * mask * loss)`` and ``weight_sum = sum(w * mask)``, to be summed
-    over the global batch before dividing (as for `objectives.dflash_loss`, which computes it).
+    over the global batch before dividing (as for `objectives.dflash_loss`).
 
     Args:
         hidden: ``[B, N, W, H]`` output of a causal (JetSpec) body.
@@ -201,17 +204,15 @@ def jetspec_loss(
         teacher_hidden: ``[B, S, H]`` the target's final normed hidden states (the input of its output
             layer): the teacher logits are ``head(teacher_hidden)``.
         temperature: T > 0 of both distributions; the loss is scaled by ``T**2``.
-        decay_gamma, loss_mask, weights, chunk_slots: as `objectives.dflash_loss`.
+        decay_gamma, loss_mask, weights, chunk_slots, fused: as `objectives.dflash_loss`.
 
     Returns:
         `objectives.DFlashLossOutput`. Its metrics count a slot as correct when the draft's argmax equals
         the **target's** argmax at ``p + k - 1``; ``acceptance_length`` is then the greedy acceptance
         length against the target (bonus included), the quantity speculative decoding realises.
     """
-    if not isinstance(plan, DFlashBatchPlan):
-        raise ValueError(f"plan must be a DFlashBatchPlan, got {type(plan).__name__}.")
-    if not isinstance(head, OutputHead):
-        raise ValueError(f"head must be an OutputHead, got {type(head).__name__}; wrap the output layer in OutputHead.")
+    check_block_hidden(hidden, plan)
+    check_loss_options(head, chunk_slots, fused)
     if not isinstance(teacher_hidden, torch.Tensor):
         raise ValueError("teacher_hidden [B, S, H] (the target's final normed hidden states) is required for JetSpec.")
     if not (isinstance(temperature, (int, float)) and not isinstance(temperature, bool)
@@ -221,36 +222,24 @@ def jetspec_loss(
     if not isinstance(input_ids, torch.Tensor) or tuple(input_ids.shape) != (B, S):
         shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
         raise ValueError(f"input_ids must be [batch, seq_length] = {(B, S)}, got {shape}.")
+    if loss_mask is not None and tuple(loss_mask.shape) != (B, plan.num_blocks, plan.block_size):
+        raise ValueError(
+            f"loss_mask must have shape {(B, plan.num_blocks, plan.block_size)}, got {tuple(loss_mask.shape)}."
+        )
     greedy = teacher_argmax_ids(plan, head, teacher_hidden, chunk_slots=chunk_slots)  # [B, N, W]
-    # `dflash_loss` reads its labels as input_ids[p + k]; under a soft target they only feed the metrics.
-    # Write the target's greedy token for p + k at sequence index p + k: blocks overlapping at a position
-    # agree (the teacher row p + k - 1 is shared), unsupervised slots write into a spare column S.
     device = hidden.device
-    plan_d = plan.to(device)
-    if loss_mask is None:
-        supervised = plan_d.loss_mask
-    else:
-        if tuple(loss_mask.shape) != (B, plan.num_blocks, plan.block_size):
-            raise ValueError(
-                f"loss_mask must have shape {(B, plan.num_blocks, plan.block_size)}, got {tuple(loss_mask.shape)}."
-            )
-        supervised = loss_mask.to(device).bool()
-    offsets = torch.arange(plan.block_size, device=device)
-    supervised = supervised & plan_d.block_valid[:, :, None] & (offsets >= 1)
-    target_index = plan_d.anchor_positions[:, :, None] + offsets
-    target_index = torch.where(supervised & (target_index < S), target_index, torch.full((), S, device=device))
-    greedy_ids = torch.zeros(B, S + 1, dtype=torch.int64, device=device)
-    greedy_ids.scatter_(1, target_index.reshape(B, -1), greedy.to(device).reshape(B, -1))
-    return dflash_loss(
-        hidden,
-        plan,
-        greedy_ids[:, :S],
-        head,
-        decay_gamma=decay_gamma,
-        loss_mask=supervised if loss_mask is not None else None,
-        weights=weights,
-        teacher_hidden=teacher_hidden,
-        soft_target="kl",
-        temperature=float(temperature),
-        chunk_slots=chunk_slots,
+    plan = plan.to(device)
+    if loss_mask is not None:
+        loss_mask = loss_mask.to(device).bool() & plan.block_valid[:, :, None]
+    # The supervision and weights of DFlash; the label of a slot (it feeds only the metrics, the loss is the
+    # KL to the target's distribution) is the target's greedy token, what greedy decoding accepts.
+    dflash = slot_targets(input_ids.to(device), plan, decay_gamma=decay_gamma, loss_mask=loss_mask, weights=weights)
+    targets = SlotTargets.from_mask(greedy.to(device)[:, :, 1:], dflash.supervised, dflash.weights, first_slot=1)
+    terms = head_loss(
+        targets.flat_hidden(hidden), targets.flat_labels, targets.flat_weights, head, chunk_slots=chunk_slots,
+        fused=fused, teacher=teacher_hidden.to(device).reshape(B * S, -1), teacher_index=teacher_rows(plan),
+        soft_target="kl", temperature=float(temperature),
+    )
+    return DFlashLossOutput(
+        loss_sum=terms.loss_sum, weight_sum=targets.weight_sum, metrics=dflash_metrics(targets, terms.base_correct, plan)
     )
