@@ -26,6 +26,7 @@ from typing import Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from .architectures import _config_from_dict, _read_json
 from .atomic import atomic_directory
 from .body import DFlashBody, default_parallel_config
 from .config import DFLASH_ARCHITECTURE, DFlashConfig
@@ -326,8 +327,6 @@ def load_hf_checkpoint(
         FileNotFoundError: no config.json / safetensors in `directory`.
         ValueError: the weights do not match the config (names listed).
     """
-    from .convert import _config_from_dict, _read_json  # the variant registry builds on this module
-
     path = os.path.join(directory, CONFIG_NAME)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} does not exist: not a HF draft directory.")
