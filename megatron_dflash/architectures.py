@@ -142,7 +142,7 @@ def architecture_for_config(data: Mapping[str, Any], source: str = "config") -> 
     raise ValueError(
         f"{source} has architectures={data.get('architectures')}, not a draft model (known draft architectures: "
         f"{_known_names()}); pass a DFlash drafter directory, or register a new variant with "
-        "megatron_dflash.convert.register_architecture(...)."
+        "megatron_dflash.architectures.register_architecture(...)."
     )
 
 
@@ -158,7 +158,7 @@ def architecture_of(body) -> DraftArchitecture:
                 return entry
     raise ValueError(
         f"{type(body).__name__} with {type(body.config).__name__} is not a registered draft variant; register "
-        "it with megatron_dflash.convert.register_architecture(...)."
+        "it with megatron_dflash.architectures.register_architecture(...)."
     )
 
 
