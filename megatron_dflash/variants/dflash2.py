@@ -34,14 +34,13 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..body import DFlashBody, default_parallel_config
 from ..config import DFLASH_ARCHITECTURE, DFlashConfig, architecture_name, resolve_causal
-from ..parallel import is_distributed_group, tensor_parallel_group
+from ..parallel import gather_last_dim, is_distributed_group, tensor_parallel_group
 from ..objectives import EmittedPathMetrics
 from ..plan import DFlashBatchPlan
 
@@ -438,32 +437,6 @@ class CandidateSelector(nn.Module):
 # ================================================================================== vocab-parallel top-k
 
 
-class _AllGatherLastDim(torch.autograd.Function):
-    """Concatenate every rank's tensor along the last dim; backward keeps this rank's slice.
-
-    The gathered tensor feeds replicated computation (the same on every rank), so its gradient
-    is the same on every rank and this rank's part of it is its own slice.
-    """
-
-    @staticmethod
-    def forward(ctx, tensor: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        ctx.width = tensor.shape[-1]
-        return _all_gather_last_dim(tensor, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        start = ctx.group.rank() * ctx.width
-        return grad[..., start : start + ctx.width].contiguous(), None
-
-
-def _all_gather_last_dim(tensor: torch.Tensor, group) -> torch.Tensor:
-    local = tensor.contiguous()
-    parts = [torch.empty_like(local) for _ in range(group.size())]
-    dist.all_gather(parts, local, group=group)
-    return torch.cat(parts, dim=-1)
-
-
 def topk_vocab_parallel(
     local_logits: torch.Tensor, k: int, vocab_start: int = 0, group=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -497,8 +470,8 @@ def topk_vocab_parallel(
         raise ValueError(
             f"k={k} exceeds the vocabulary size {local_logits.shape[-1]} x {group.size()} ranks."
         )
-    all_values = _AllGatherLastDim.apply(values, group)  # [..., TP * local_k]
-    all_ids = _all_gather_last_dim(ids, group)
+    all_values = gather_last_dim(values, group)  # [..., TP * local_k]
+    all_ids = gather_last_dim(ids, group)
     top_values, where = torch.topk(all_values, k, dim=-1)
     return top_values, all_ids.gather(-1, where)
 
