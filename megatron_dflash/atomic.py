@@ -186,15 +186,19 @@ def publish_directory(staged: str, output: str, *, replace: bool) -> None:
 
 
 @contextlib.contextmanager
-def atomic_directory(output: str, *, replace: bool) -> Iterator[str]:
+def atomic_directory(output: str, *, replace: bool, remove_stale: bool = True) -> Iterator[str]:
     """Yield a staged directory that `publish_directory` moves into place as `output` when the
     block succeeds. On error the staged directory is deleted and `output` is untouched. A non-empty
     `output` is replaced only with `replace=True`; otherwise `FileExistsError` is raised, also
-    when `output` filled up while writing."""
+    when `output` filled up while writing.
+
+    `remove_stale=False` where several processes may build the same `output` at once (a shared
+    cache): the staged siblings of the others are then not leftovers of a killed writer."""
     output = os.path.abspath(output)
     parent = os.path.dirname(output)
     os.makedirs(parent, exist_ok=True)
-    remove_stale_siblings(output)
+    if remove_stale:
+        remove_stale_siblings(output)
     staged = tempfile.mkdtemp(prefix=f".{os.path.basename(output)}.{_STAGED}-", dir=parent)
     try:
         yield staged

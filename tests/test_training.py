@@ -429,7 +429,7 @@ def test_chat_text_and_indexed_data(tiny_target, tmp_path):
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
     from transformers import AutoTokenizer
 
-    from megatron_dflash.training.synthetic_corpus import conversations
+    from megatron_dflash.embedded_job.synthetic_corpus import conversations
 
     chats = list(conversations(7, 24))
     (tmp_path / "chat.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in chats))
