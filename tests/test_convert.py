@@ -615,3 +615,22 @@ def test_megatron_private_save_helpers():
     with torch_dist.single_process_group():
         pyt = mcore_torch.mcore_to_pyt_state_dict(grouped, False)
     assert list(pyt) == ["model.w"] and tuple(pyt["model.w"].size()) == (2, 3)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_evaluation_tool_reads_the_training_layout(converted, variant):
+    """`tools/evaluate_acceptance.py --draft` takes the trainer's torch_dist save directory (or one of its
+    checkpoint directories) as well as a HF directory, and builds the same draft from either."""
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    try:
+        import evaluate_acceptance
+    finally:
+        sys.path.pop(0)
+    case = converted[variant]
+    from_hf = evaluate_acceptance.load_draft(case["hf0"], "cpu", torch.float32, "dense")
+    for draft in (case["meg"], os.path.join(case["meg"], "release")):
+        from_megatron = evaluate_acceptance.load_draft(draft, "cpu", torch.float32, "dense")
+        assert type(from_megatron) is type(from_hf)
+        expected, got = hf_state_dict(from_hf), hf_state_dict(from_megatron)
+        assert sorted(got) == sorted(expected)
+        assert all(torch.equal(got[name], expected[name]) for name in expected), draft

@@ -42,6 +42,10 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 import torch.distributed as dist
+from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.dist_checkpointing.dict_utils import extract_matching_values
+from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedObject
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
 from ..atomic import publish_directory, remove_stale_siblings, staged_path, temporary_of
 from ..torch_dist import (
@@ -54,7 +58,9 @@ from ..torch_dist import (
     save_megatron_draft,
     write_tracker,
 )
+from ..checkpoint import load_sharded_state_dict_into
 from .errors import CheckpointError
+from .optim import optimizer_layout
 from .resume import ResumePoint, find_resume_point, is_stale_temporary
 
 __all__ = [
@@ -113,8 +119,6 @@ def _rng_state() -> dict:
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
         try:
-            from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
             state["tracker"] = get_cuda_rng_tracker().get_states()
         except Exception:  # noqa: BLE001 - tracker not initialised
             pass
@@ -128,21 +132,15 @@ def _set_rng_state(state: dict) -> None:
     if torch.cuda.is_available() and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"])
         if "tracker" in state:
-            from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
             get_cuda_rng_tracker().set_states(state["tracker"])
 
 
 def _rng_sharded(state: Optional[dict]):
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
-
     return ShardedObject("rng_state", state, (_world(),), (_rank(),), replica_id=0)
 
 
 def _pipeline_parallel() -> bool:
     """Whether the job has several pipeline stages (the draft then lives on one of them only)."""
-    from megatron.core import parallel_state
-
     return (_world() > 1 and parallel_state.model_parallel_is_initialized()
             and parallel_state.get_pipeline_model_parallel_world_size() > 1)
 
@@ -227,9 +225,6 @@ def save_checkpoint(
         # Only the draft's stage has the draft and its optimizer; the other stages join the collective
         # save with no shards but their RNG state, and the common state of the draft's stage (global
         # rank 0, which writes it, may be on another stage).
-        from megatron.core.dist_checkpointing.dict_utils import extract_matching_values
-        from megatron.core.dist_checkpointing.mapping import ShardedBase
-
         payload = None
         if body is not None:
             payload = (extract_matching_values(extra, lambda v: isinstance(v, ShardedBase))[1],
@@ -315,10 +310,6 @@ def _describe(error: BaseException) -> str:
 
 
 def _load(directory: str, iteration, body, engine, log: Callable, optimizer_layout: Optional[str]) -> dict:
-    from megatron.core import dist_checkpointing
-
-    from ..checkpoint import load_sharded_state_dict_into
-
     if body is None:  # a pipeline stage without the draft: join the collective load, nothing to restore
         return _load_off_draft_stage(directory, iteration, optimizer_layout)
     if iteration == RELEASE:
@@ -352,8 +343,6 @@ def _load(directory: str, iteration, body, engine, log: Callable, optimizer_layo
 
 def _check_optimizer_layout(common: dict, directory: str, expected: Optional[str]) -> None:
     """Refuse (on every rank alike, before any collective) an optimizer state this run cannot restore."""
-    from .optim import optimizer_layout
-
     saved_args = common.get("args", {})
     if int(common.get("checkpoint_version", 1)) < 2 and not saved_args.get("use_cuda", False):
         raise CheckpointError(
@@ -374,8 +363,6 @@ def _check_optimizer_layout(common: dict, directory: str, expected: Optional[str
 
 def _load_off_draft_stage(directory: str, iteration, optimizer_layout: Optional[str] = None) -> dict:
     """`load_checkpoint` on a pipeline stage without the draft: the same collectives, only the RNG state."""
-    from megatron.core import dist_checkpointing
-
     if iteration == RELEASE:
         dist_checkpointing.load({}, directory)
         return {"iteration": 0, "directory": directory, "release": True}

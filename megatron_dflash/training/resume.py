@@ -24,6 +24,8 @@ import os
 from dataclasses import dataclass
 from typing import Optional, Union
 
+import torch.distributed as dist
+
 from ..atomic import aside_copy, temporary_of
 from ..torch_dist import (
     DRAFT_CONFIG_FILENAME,
@@ -219,8 +221,6 @@ def agree_on_resume_point(load: str, config, *, override_config: bool = False, l
     """`find_resume_point(load)` (and the draft-config check) read on global rank 0 and broadcast, so
     every rank returns the same point or raises the same `CheckpointError` before any collective load.
     Collective over the world when `torch.distributed` is initialised."""
-    import torch.distributed as dist
-
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     rank = dist.get_rank() if distributed else 0
     box = [None]
