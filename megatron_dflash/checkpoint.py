@@ -294,7 +294,7 @@ def load_hf_checkpoint(
 ) -> DFlashBody:
     """Build the draft body of a HF draft directory and load its weights.
 
-    The variant is the one `config.json` names (`convert.architecture_for_config`): DFlash,
+    The variant is the one `config.json` names (`architectures.architecture_for_config`): DFlash,
     DFlash 2, Domino or JetSpec, in the layout of any published writer (`config.py`), e.g. a
     NeMo AutoModel `Qwen3DFlash2DraftModel` loads as a `DFlash2Body`.
 
