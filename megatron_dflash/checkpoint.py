@@ -26,7 +26,8 @@ from typing import Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from .atomic import atomic_directory
+from .architectures import _config_from_dict, _read_json
+from .atomic import atomic_directory, check_destination
 from .body import DFlashBody, default_parallel_config
 from .config import DFLASH_ARCHITECTURE, DFlashConfig
 from .parallel import is_distributed_group
@@ -168,24 +169,6 @@ def _is_writer(body: DFlashBody) -> bool:
     return tp_rank == 0 and _data_parallel_rank() == 0
 
 
-def _check_target_directory(directory: str, overwrite: bool) -> None:
-    if os.path.exists(directory) and not os.path.isdir(directory):
-        raise FileExistsError(f"{directory} exists and is not a directory; choose another path.")
-    if os.path.isdir(directory) and os.listdir(directory) and not overwrite:
-        raise FileExistsError(
-            f"{directory} exists and is not empty; pass overwrite=True to replace it or choose "
-            "an empty or new directory."
-        )
-
-
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_directory(
     config: DFlashConfig, tensors: dict[str, torch.Tensor], directory: str, architecture: str, overwrite: bool
 ) -> None:
@@ -198,12 +181,10 @@ def _write_directory(
     from safetensors.torch import save_file
 
     directory = os.path.abspath(directory)
-    _check_target_directory(directory, overwrite)
+    check_destination(directory, replace=overwrite, replace_flag="overwrite=True")
     with atomic_directory(directory, replace=overwrite) as tmp:
         config.save_pretrained(tmp, architecture=architecture)
         save_file(tensors, os.path.join(tmp, SAFETENSORS_NAME), metadata={"format": "pt"})
-        for name in (CONFIG_NAME, SAFETENSORS_NAME):
-            _fsync(os.path.join(tmp, name))
 
 
 def _agree_on_success(ok: bool, group, device, directory: str) -> None:
@@ -313,7 +294,7 @@ def load_hf_checkpoint(
 ) -> DFlashBody:
     """Build the draft body of a HF draft directory and load its weights.
 
-    The variant is the one `config.json` names (`convert.architecture_for_config`): DFlash,
+    The variant is the one `config.json` names (`architectures.architecture_for_config`): DFlash,
     DFlash 2, Domino or JetSpec, in the layout of any published writer (`config.py`), e.g. a
     NeMo AutoModel `Qwen3DFlash2DraftModel` loads as a `DFlash2Body`.
 
@@ -326,8 +307,6 @@ def load_hf_checkpoint(
         FileNotFoundError: no config.json / safetensors in `directory`.
         ValueError: the weights do not match the config (names listed).
     """
-    from .convert import _config_from_dict, _read_json  # the variant registry builds on this module
-
     path = os.path.join(directory, CONFIG_NAME)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} does not exist: not a HF draft directory.")

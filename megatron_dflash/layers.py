@@ -41,14 +41,14 @@ def _init_method(std: float):
 class _SingleRankSafe:
     """Mixin: a one-rank group runs the plain linear.
 
-    Megatron's region helpers look the group up again through
-    `get_tensor_model_parallel_group_if_none`, which returns None whenever
-    `torch.distributed` is not initialised, and then assert in forward/backward; with one
-    rank there is nothing to communicate, so the layer is just `F.linear`.
+    The group is given to megatron's constructor (`tp_group=`), which keeps it whenever
+    `torch.distributed` is initialised; without `torch.distributed` megatron 0.16 stores None
+    instead (`get_tensor_model_parallel_group_if_none`) and its region helpers would assert in
+    forward/backward. With one rank there is nothing to communicate, so the layer is just `F.linear`.
     """
 
     def forward(self, input_, *args, **kwargs):
-        if self.tp_group.size() == 1:
+        if self.tp_group is None or self.tp_group.size() == 1:
             return F.linear(input_, self.weight, self.bias), None
         # Megatron's weight-gradient path only flattens 3-D inputs; ours are
         # [B, N, W, H] blocks, so fold the leading dimensions into one.
@@ -75,7 +75,6 @@ def column_parallel(in_features, out_features, *, bias, parallel_config, tp_grou
         gather_output=False,
         tp_group=tp_group,
     )
-    layer.tp_group = tp_group  # megatron drops a group it cannot see in parallel_state
     _mark_partitioned(layer, weight_dim=0, bias_partitioned=True)
     return layer
 
@@ -91,7 +90,6 @@ def row_parallel(in_features, out_features, *, bias, parallel_config, tp_group, 
         skip_bias_add=False,
         tp_group=tp_group,
     )
-    layer.tp_group = tp_group
     _mark_partitioned(layer, weight_dim=1, bias_partitioned=False)
     return layer
 

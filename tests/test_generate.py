@@ -740,7 +740,7 @@ def test_cli_help_and_bad_prompts(tmp_path):
 
 def test_cli_text_and_chat_prompts_with_sampling(tmp_path):
     """'prompt' / 'messages' lines through the target's tokenizer (and its chat template)."""
-    synthetic = pytest.importorskip("megatron_dflash.training.synthetic_corpus")
+    synthetic = pytest.importorskip("megatron_dflash.embedded_job.synthetic_corpus")
     sys.path.insert(0, os.path.join(ROOT, "tools"))
     try:
         import evaluate_acceptance

@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 from megatron_dflash.body import DFlashBody
 from megatron_dflash.checkpoint import load_hf_checkpoint, save_hf_checkpoint
 from megatron_dflash.config import DFlashConfig, resolve_causal
-from megatron_dflash.convert import architecture_for_config
+from megatron_dflash.architectures import architecture_for_config
 from megatron_dflash.plan import DFlashBatchPlan
 from megatron_dflash.variants.dflash2 import DFlash2Body, DFlash2Config, save_dflash2_checkpoint
 from megatron_dflash.variants.domino import DominoConfig

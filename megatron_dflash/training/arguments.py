@@ -7,7 +7,7 @@ every rank of a launch evaluates it before any collective, so a bad combination 
 with the same message instead of leaving some of them waiting in a collective.
 
 Run without any argument, the defaults are the embedded job: the cached tiny Qwen3 target
-(`training.tiny_target.ensure_tiny_target`), synthetic chats (train split and held-out prompts from
+(`embedded_job.tiny_target.ensure_tiny_target`), synthetic chats (train split and held-out prompts from
 two seeds), a 2-layer draft with block size 8, 1200 steps, HF export and a speculative-decoding
 acceptance evaluation; a few minutes on a 2-core CPU once the target is cached. The batch-size /
 sequence-length / learning-rate defaults are that job's; set them for real runs.

@@ -15,6 +15,14 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from ..config import DFlashConfig, read_rope_parameters
+from ..embedded_job.synthetic_corpus import conversations
+from ..embedded_job.tiny_target import (
+    SHIPPED_TARGET_DIR,
+    TinyTargetRecipe,
+    default_cache_dir,
+    embedded_target_dir,
+    matches_recipe,
+)
 from .arguments import (
     DRAFT_CONFIG_FLAGS,
     EMBEDDED_SYNTHETIC_HELDOUT_SEED,
@@ -82,8 +90,6 @@ def resolve_target_dir(args, env=None, log=print, wait_s: float = 3600.0) -> str
     """
     if args.target is not None:
         return args.target
-    from .tiny_target import SHIPPED_TARGET_DIR, TinyTargetRecipe, default_cache_dir, embedded_target_dir, matches_recipe
-
     env = os.environ if env is None else env
     if _local_rank_zero(env) or matches_recipe(SHIPPED_TARGET_DIR):
         return embedded_target_dir(log=log)
@@ -225,8 +231,6 @@ def load_eval_prompts(path: str, tokenizer, limit: Optional[int] = None, log=Non
 
 def synthetic_eval_prompts(tokenizer, count: int, seed: int = EMBEDDED_SYNTHETIC_HELDOUT_SEED) -> list[list[int]]:
     """The user turns of `count` held-out synthetic chats, rendered with the generation prompt."""
-    from .synthetic_corpus import conversations
-
     prompts = []
     for chat in conversations(seed, count):
         out = tokenizer.apply_chat_template(chat[:1], tokenize=True, add_generation_prompt=True, return_dict=True)
