@@ -284,15 +284,17 @@ def test_greedy_equals_target_greedy(case, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "dflash2, mode", [(False, "random"), (False, "mixed"), (True, "random")],
-    ids=["dflash-random", "dflash-mixed", "dflash2-random"],
+    "dflash2, mode, causal", [(False, "random", None), (False, "mixed", None), (True, "random", None),
+                              (False, "random", True)],
+    ids=["dflash-random", "dflash-mixed", "dflash2-random", "jetspec-random"],
 )
-def test_proposals_match_reference_decoder(dflash2, mode, tmp_path, monkeypatch):
+def test_proposals_match_reference_decoder(dflash2, mode, causal, tmp_path, monkeypatch):
     """Every block our decoder drafts equals the one the published reference decoder
     (`dflash.model.dflash_generate`, loading our exported checkpoint) drafts in the same cycle.
 
     "random": the proposals are whatever the random draft's hidden states say (a sharp check
-    of the cached draft path); "mixed": rows accept varying lengths (the caches get cropped)."""
+    of the cached draft path); "mixed": rows accept varying lengths (the caches get cropped).
+    `causal=True` is a JetSpec draft (causal in-block attention, `is_causal: true` in its file)."""
     ref = pytest.importorskip("dflash.model")
     import time
 
@@ -302,7 +304,7 @@ def test_proposals_match_reference_decoder(dflash2, mode, tmp_path, monkeypatch)
     monkeypatch.setattr(ref, "_cuda_time", time.perf_counter)  # its timer assumes CUDA
     vocab, new = 96, 17
     target = qwen3_target(vocab=vocab, mode=mode)
-    draft = make_draft(vocab, dflash2=dflash2, backend="chunked")
+    draft = make_draft(vocab, dflash2=dflash2, backend="chunked", **({} if causal is None else {"causal": causal}))
     (save_dflash2_checkpoint if dflash2 else save_hf_checkpoint)(draft, str(tmp_path / "draft"))
     model_class = ref.DFlash2DraftModel if dflash2 else ref.DFlashDraftModel
     reference = model_class.from_pretrained(str(tmp_path / "draft"), dtype=torch.float32).eval()
