@@ -18,7 +18,7 @@ from torch import nn
 
 from .attention import BlockVisibility
 from .config import DFlashConfig
-from .layers import DFlashDecoderLayer
+from .layers import DFlashDecoderLayer, DFlashLayerSubmodules
 from .norm import RMSNorm
 from .parallel import agree_or_raise, check_parallel_layout, tensor_parallel_group
 from .plan import DFlashBatchPlan
@@ -48,6 +48,8 @@ class DFlashBody(nn.Module):
             initialised, a single rank otherwise.
         attention_backend: "auto" (FlexAttention on CUDA, exact chunked kernel elsewhere),
             "chunked", "flex" or "dense" (the reference, for tests).
+        layer_submodules: the optional sublayers every decoder layer builds
+            (`layers.DFlashLayerSubmodules`; none by default). Variants pass theirs here.
     """
 
     def __init__(
@@ -56,6 +58,7 @@ class DFlashBody(nn.Module):
         parallel_config: Optional[ModelParallelConfig] = None,
         tp_group=None,
         attention_backend: str = "auto",
+        layer_submodules: DFlashLayerSubmodules = DFlashLayerSubmodules(),
     ):
         super().__init__()
         parallel_config = parallel_config or default_parallel_config()
@@ -71,7 +74,7 @@ class DFlashBody(nn.Module):
         nn.init.normal_(self.fc.weight, mean=0.0, std=config.initializer_range)
         self.hidden_norm = RMSNorm(H, config.rms_norm_eps, dtype=dtype)
         self.layers = nn.ModuleList(
-            DFlashDecoderLayer(config, i, parallel_config, self.tp_group)
+            DFlashDecoderLayer(config, i, parallel_config, self.tp_group, layer_submodules)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(H, config.rms_norm_eps, dtype=dtype)

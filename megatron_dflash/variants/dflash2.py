@@ -40,6 +40,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..body import DFlashBody, default_parallel_config
+from ..layers import DFlashLayerSubmodules
 from ..config import DFLASH_ARCHITECTURE, DFlashConfig, architecture_name, resolve_causal
 from ..parallel import is_distributed_group, tensor_parallel_group
 from ..objectives import EmittedPathMetrics
@@ -506,6 +507,14 @@ def topk_vocab_parallel(
 # ================================================================================== body
 
 
+def _in_block_conv(config: DFlash2Config, dtype: torch.dtype) -> GroupedDynamicCausalConv:
+    return GroupedDynamicCausalConv(config.hidden_size, config.conv_kernel_size, config.conv_group_size, dtype=dtype)
+
+
+# DFlash 2's layers: an in-block convolution around the attention and around the MLP.
+DFLASH2_LAYER_SUBMODULES = DFlashLayerSubmodules(attention_conv=_in_block_conv, mlp_conv=_in_block_conv)
+
+
 class DFlash2Body(DFlashBody):
     """`DFlashBody` whose layers carry in-block convolutions, plus a `candidate_selector`.
 
@@ -529,17 +538,13 @@ class DFlash2Body(DFlashBody):
             )
         if parallel_config is not None and parallel_config.params_dtype == torch.float16:
             raise ValueError(_FP16_MESSAGE)
-        super().__init__(config, parallel_config=parallel_config, tp_group=tp_group, attention_backend=attention_backend)
+        super().__init__(
+            config, parallel_config=parallel_config, tp_group=tp_group, attention_backend=attention_backend,
+            layer_submodules=DFLASH2_LAYER_SUBMODULES,
+        )
         dtype = self.fc.weight.dtype
         device = self.fc.weight.device
         H = config.hidden_size
-        for layer in self.layers:
-            layer.attention_conv = GroupedDynamicCausalConv(
-                H, config.conv_kernel_size, config.conv_group_size, dtype=dtype, device=device
-            )
-            layer.mlp_conv = GroupedDynamicCausalConv(
-                H, config.conv_kernel_size, config.conv_group_size, dtype=dtype, device=device
-            )
         self.candidate_selector = CandidateSelector(
             config.vocab_size,
             H,
