@@ -23,6 +23,7 @@ from .norm import RMSNorm
 from .parallel import agree_or_raise, check_parallel_layout, tensor_parallel_group
 from .plan import DFlashBatchPlan
 from .rope import rope_cos_sin, rope_inv_freq
+from .sharding import sharded_state_dict
 
 
 def default_parallel_config(**overrides) -> ModelParallelConfig:
@@ -120,12 +121,10 @@ class DFlashBody(nn.Module):
         """Megatron `dist_checkpointing` view of the weights, keyed by the HF names.
 
         Load the result of `dist_checkpointing.load` with
-        `checkpoint.load_sharded_state_dict_into(body, loaded, prefix)`.
+        `sharding.load_sharded_state_dict_into(body, loaded, prefix)`.
         """
         if sharded_offsets:
             raise ValueError("DFlashBody is not a pipeline-sharded module: sharded_offsets must be empty.")
-        from .checkpoint import sharded_state_dict  # checkpoint.py builds bodies: import lazily
-
         return sharded_state_dict(self, prefix)
 
     # ------------------------------------------------------------------ forward

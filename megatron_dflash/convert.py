@@ -30,9 +30,9 @@ when it resumes (`load_megatron_draft`), is defined here::
   converter reads only the `model.` keys and ignores the rest.
 * **dflash_config.json** is `config.to_hf_dict(architecture)` of the draft (with `torch_dtype`
   / `dtype` set to the stored dtype), so the body can be rebuilt without the training
-  arguments. It picks the variant like any config.json does (`ARCHITECTURES`: Domino by its
+  arguments. It picks the variant like any config.json does (`variants.registry`: Domino by its
   architecture or `projector_type`, DFlash 2 by its architecture, JetSpec as a causal
-  `DFlashDraftModel`, else DFlash; `register_architecture` adds one). It is written after
+  `DFlashDraftModel`, else DFlash; `register_variant` adds one). It is written after
   the tensors: an iteration directory with it holds a complete draft. The trainer writes the
   tracker file last (`write_tracker` on rank 0, once `save_megatron_draft` returned; it ends
   with a barrier).
@@ -76,7 +76,6 @@ import argparse
 import contextlib
 import dataclasses
 import functools
-import importlib
 import json
 import os
 import re
@@ -85,18 +84,14 @@ import tempfile
 from typing import Any, Iterator, Mapping, Optional, Union
 
 from .atomic import atomic_directory
-from .config import architecture_name, resolve_causal
+from .config import resolve_causal
+from .variants.registry import Variant, config_from_hf_dict, get_variant, variant_names, variant_of
 
 __all__ = [
     "TRACKER_FILENAME",
     "RELEASE",
     "DRAFT_CONFIG_FILENAME",
     "MODEL_PREFIX",
-    "DraftArchitecture",
-    "ARCHITECTURES",
-    "register_architecture",
-    "architecture_for_config",
-    "architecture_of",
     "serving_notes",
     "iteration_dir_name",
     "read_tracker",
@@ -269,161 +264,11 @@ def resolve_iteration_dir(load: str, iteration: Optional[Iteration] = None) -> s
 
 
 # ---------------------------------------------------------------------------------- variants
-
-
-@dataclasses.dataclass(frozen=True)
-class DraftArchitecture:
-    """How to recognise and build one draft variant.
-
-    Fields:
-        name: the `architectures[0]` its config.json carries (several variants may share one:
-            JetSpec is written as `DFlashDraftModel` with `is_causal: true`).
-        config_class / body_class: classes or lazy `"module:attribute"` references.
-            `config_class.from_hf_dict(dict)` reads the config; `body_class(config,
-            parallel_config=, tp_group=, attention_backend=)` builds the body.
-        allows_fp16: False refuses float16 weights (DFlash 2 overflows in fp16, docs/design.md §15 Pitfalls).
-        matches: optional predicate (or `"module:function"`) on a config.json dict; without one a
-            dict matches when its `architectures[0]` is `name` (`DFlashDraftModel` when absent).
-    """
-
-    name: str
-    config_class: Any
-    body_class: Any
-    allows_fp16: bool = True
-    matches: Any = None
-
-    @staticmethod
-    def _resolve(ref: Any):
-        if isinstance(ref, str):
-            module, _, attribute = ref.partition(":")
-            return getattr(importlib.import_module(module), attribute)
-        return ref
-
-    def config_cls(self):
-        return self._resolve(self.config_class)
-
-    def body_cls(self):
-        return self._resolve(self.body_class)
-
-    def accepts(self, data: Mapping[str, Any]) -> bool:
-        if self.matches is not None:
-            try:
-                matches = self._resolve(self.matches)
-            except (ImportError, AttributeError):  # the variant's module is unavailable
-                return False
-            try:
-                return bool(matches(data))
-            except (AttributeError, TypeError, ValueError):  # malformed: the config parser says what is wrong
-                return False
-        return _architecture_name(data) == self.name
-
-
-_DFLASH = "DFlashDraftModel"
-_FP16_MESSAGE = (
-    "{name} overflows in float16 (its acceptance drops to 0); train, convert and serve it in "
-    "bfloat16 (--dtype bf16) or float32."
-)
-
-
-def _architecture_name(data: Mapping[str, Any]) -> str:
-    return architecture_name(data)
-
-
-def _is_jetspec_config(data: Mapping[str, Any]) -> bool:
-    """A `DFlashDraftModel` file that declares causal in-block attention (what
-    `JetSpecConfig.from_hf_dict` accepts)."""
-    if _architecture_name(data) != _DFLASH:
-        return False
-    dflash = data.get("dflash_config") or {}
-    if dflash.get("projector_type", data.get("projector_type")) not in (None, "dflash"):
-        return False
-    return resolve_causal(data) is True
-
-
-# Checked in order; the first variant that accepts a config.json builds it. Keys are variant ids.
-ARCHITECTURES: dict[str, DraftArchitecture] = {
-    "domino": DraftArchitecture(
-        "DominoDraftModel",
-        "megatron_dflash.variants.domino:DominoConfig",
-        "megatron_dflash.variants.domino:DominoBody",
-        matches="megatron_dflash.variants.domino:is_domino_hf_config",
-    ),
-    "dflash2": DraftArchitecture(
-        "DFlash2DraftModel",
-        "megatron_dflash.variants.dflash2:DFlash2Config",
-        "megatron_dflash.variants.dflash2:DFlash2Body",
-        allows_fp16=False,
-    ),
-    "jetspec": DraftArchitecture(
-        _DFLASH,
-        "megatron_dflash.variants.jetspec:JetSpecConfig",
-        "megatron_dflash.body:DFlashBody",
-        matches=_is_jetspec_config,
-    ),
-    "dflash": DraftArchitecture(_DFLASH, "megatron_dflash.config:DFlashConfig", "megatron_dflash.body:DFlashBody"),
-}
-
-
-def register_architecture(
-    key: str,
-    name: str,
-    config_class: Any,
-    body_class: Any,
-    *,
-    allows_fp16: bool = True,
-    matches: Any = None,
-    replace: bool = False,
-) -> DraftArchitecture:
-    """Make a draft variant convertible (see `DraftArchitecture`). It is checked before the
-    variants registered so far, so a predicate may claim files another variant would accept."""
-    if key in ARCHITECTURES and not replace:
-        raise ValueError(f"variant {key!r} is already registered; pass replace=True to change it.")
-    entry = DraftArchitecture(name, config_class, body_class, allows_fp16, matches)
-    rest = {k: v for k, v in ARCHITECTURES.items() if k != key}
-    ARCHITECTURES.clear()
-    ARCHITECTURES.update({key: entry, **rest})
-    return entry
+# Which variant a config.json is, and how to build its body: the variant registry's to say.
 
 
 def _known_names() -> list[str]:
-    return sorted({entry.name for entry in ARCHITECTURES.values()})
-
-
-def architecture_for_config(data: Mapping[str, Any], source: str = "config") -> DraftArchitecture:
-    """The registered variant that reads a HF-layout config dict."""
-    for entry in ARCHITECTURES.values():
-        if entry.accepts(data):
-            return entry
-    raise ValueError(
-        f"{source} has architectures={data.get('architectures')}, not a draft model (known draft architectures: "
-        f"{_known_names()}); pass a DFlash drafter directory, or register a new variant with "
-        "megatron_dflash.convert.register_architecture(...)."
-    )
-
-
-def architecture_of(body) -> DraftArchitecture:
-    """The registered variant of `body`, by the class of its config (nearest base first)."""
-    for cls in type(body.config).__mro__:
-        for entry in ARCHITECTURES.values():
-            try:
-                config_cls, body_cls = entry.config_cls(), entry.body_cls()
-            except (ImportError, AttributeError):  # an unavailable variant cannot be this body's
-                continue
-            if config_cls is cls and isinstance(body, body_cls):
-                return entry
-    raise ValueError(
-        f"{type(body).__name__} with {type(body.config).__name__} is not a registered draft variant; register "
-        "it with megatron_dflash.convert.register_architecture(...)."
-    )
-
-
-def _config_from_dict(data: Mapping[str, Any], source: str):
-    architecture = architecture_for_config(data, source)
-    try:
-        config = architecture.config_cls().from_hf_dict(dict(data))
-    except (TypeError, KeyError, ValueError, AttributeError) as err:
-        raise ValueError(f"{source} is not a valid {architecture.name} config: {err}") from err
-    return architecture, config
+    return sorted({name for name in variant_names() for name in get_variant(name).hf_names})
 
 
 def _read_json(path: str) -> dict:
@@ -437,7 +282,7 @@ def _read_json(path: str) -> dict:
     return data
 
 
-def _build_body(architecture: DraftArchitecture, config, *, params_dtype=None, parallel_config=None,
+def _build_body(architecture: Variant, config, *, params_dtype=None, parallel_config=None,
                 tp_group=None, attention_backend: str = "auto", initialize: bool = False):
     import torch
 
@@ -448,7 +293,7 @@ def _build_body(architecture: DraftArchitecture, config, *, params_dtype=None, p
         parallel_config = default_parallel_config(
             perform_initialization=initialize, params_dtype=params_dtype or torch.float32
         )
-    return architecture.body_cls()(
+    return architecture.build_body(
         config, parallel_config=parallel_config, tp_group=tp_group, attention_backend=attention_backend
     )
 
@@ -488,11 +333,8 @@ def _common_dtype(dtypes):
     return torch.float32
 
 
-def _check_dtype_allowed(architecture: DraftArchitecture, dtype) -> None:
-    import torch
-
-    if dtype == torch.float16 and not architecture.allows_fp16:
-        raise ValueError(_FP16_MESSAGE.format(name=architecture.name))
+def _check_dtype_allowed(architecture: Variant, dtype) -> None:
+    architecture.check_dtype(dtype)
 
 
 def _dtype_name(dtype) -> str:
@@ -603,12 +445,12 @@ def draft_config_dict(body) -> dict:
     """The `dflash_config.json` of `body`: its HF config dict, dtype fields set to the weights'."""
     from .checkpoint import _local_tensors
 
-    architecture = architecture_of(body)
+    architecture = variant_of(body)
     dtype = _common_dtype(t.dtype for t in _local_tensors(body).values())
     extra = dict(body.config.extra_hf_fields)
     extra.update({"torch_dtype": _dtype_name(dtype), "dtype": _dtype_name(dtype)})
     config = dataclasses.replace(body.config, extra_hf_fields=extra)
-    return config.to_hf_dict(architecture.name)
+    return config.to_hf_dict(architecture.architecture)
 
 
 def read_draft_config(iteration_dir: str, config_path: Optional[str] = None):
@@ -625,7 +467,7 @@ def read_draft_config(iteration_dir: str, config_path: Optional[str] = None):
             "(it was not written by megatron_dflash.convert.save_megatron_draft). Pass the draft's "
             "HF config.json with --config."
         )
-    return _config_from_dict(_read_json(path), path)
+    return config_from_hf_dict(_read_json(path), path)
 
 
 def megatron_draft_tensors(iteration_dir: str, prefix: str = MODEL_PREFIX) -> dict:
@@ -669,7 +511,7 @@ def read_megatron_draft_state(iteration_dir: str, prefix: str = MODEL_PREFIX) ->
     return {name: loaded[prefix + name] for name in stored}
 
 
-def _architecture_hint(architecture: Optional["DraftArchitecture"], unexpected: list[str]) -> Optional[str]:
+def _architecture_hint(architecture: Optional[Variant], unexpected: list[str]) -> Optional[str]:
     """When the unexpected tensors are neither an embedding/LM head nor prefixed, they likely
     belong to another variant whose file was labelled with this architecture (docs/design.md §15 Pitfalls)."""
     if architecture is None:
@@ -678,7 +520,7 @@ def _architecture_hint(architecture: Optional["DraftArchitecture"], unexpected: 
     if not foreign:
         return None
     return (
-        f"the config says architectures=[{architecture.name!r}] but tensors such as {foreign[0]} belong "
+        f"the config says architectures=[{architecture.architecture!r}] but tensors such as {foreign[0]} belong "
         f"to another variant; if so, set `architectures` to it (known: {_known_names()})"
     )
 
@@ -775,9 +617,9 @@ def load_megatron_draft_into(body, iteration_dir: str) -> None:
     load_sharded_state_dict_into(body, {key: loaded[key] for key in request}, prefix=MODEL_PREFIX)
 
 
-def _registered_architecture(body) -> Optional[DraftArchitecture]:
+def _registered_architecture(body) -> Optional[Variant]:
     try:
-        return architecture_of(body)
+        return variant_of(body)
     except ValueError:
         return None
 
@@ -942,30 +784,30 @@ def convert_megatron_to_hf(
         # The body holds the weights as stored (fp32 when they mix dtypes: exact for all of
         # them); the one cast to the output dtype happens on export.
         body_dtype = _common_dtype(d for _, d in stored.values())
-        if body_dtype == torch.float16 and not architecture.allows_fp16:
+        if body_dtype not in architecture.dtypes:
             body_dtype = torch.float32
         body = _build_body(architecture, config, params_dtype=body_dtype, tp_group=None)
         load_megatron_draft_into(body, iteration_dir)
         # The source as stored, read without the body, for the comparison.
         source = _convert_dtype(read_megatron_draft_state(iteration_dir), out_dtype) if validate else None
     with atomic_directory(output, replace=force) as tmp:
-        save_hf_checkpoint(body, tmp, dtype=out_dtype, architecture=architecture.name, overwrite=True)
+        save_hf_checkpoint(body, tmp, dtype=out_dtype, architecture=architecture.architecture, overwrite=True)
         if validate:
             written = read_safetensors(tmp)
             _compare_exact(source, written, f"the written {os.path.join(output, 'model.safetensors')}")
             with open(os.path.join(tmp, "config.json")) as f:
-                written_arch, written_config = _config_from_dict(json.load(f), "the written config.json")
-            if written_arch.name != architecture.name:
+                written_arch, written_config = config_from_hf_dict(json.load(f), "the written config.json")
+            if written_arch is not architecture:
                 raise ValueError(
-                    f"validation failed: the written config.json says {written_arch.name}, expected "
-                    f"{architecture.name}."
+                    f"validation failed: the written config.json reads as {written_arch.title}, expected "
+                    f"{architecture.title}."
                 )
             _compare_configs(config, written_config, "the written config.json")
             rebuilt = _build_body(written_arch, written_config, params_dtype=out_dtype)
             load_hf_state_dict_into(rebuilt, written)  # the written config agrees with the weights
     local = _local_tensors(body)
     return ConversionResult(
-        architecture=architecture.name,
+        architecture=architecture.architecture,
         source=iteration_dir,
         output=os.path.abspath(output),
         dtype=_dtype_name(out_dtype),
@@ -1012,7 +854,7 @@ def convert_hf_to_megatron(
         raise FileNotFoundError(f"{config_file} does not exist: not a HF draft directory.{hint}")
     iteration = _parse_iteration(iteration)
     _check_output(output, force, load)
-    architecture, config = _config_from_dict(_read_json(config_file), config_file)
+    architecture, config = config_from_hf_dict(_read_json(config_file), config_file)
     if target_tensor_parallel_size is not None:
         config.validate_tensor_parallel(int(target_tensor_parallel_size))
     dtype = _parse_dtype(dtype)
@@ -1043,7 +885,7 @@ def convert_hf_to_megatron(
                 _compare_configs(config, reloaded.config, f"the written {DRAFT_CONFIG_FILENAME}")
                 _compare_exact(expected, hf_state_dict(reloaded), "the megatron checkpoint loaded into a draft body")
     return ConversionResult(
-        architecture=architecture.name,
+        architecture=architecture.architecture,
         source=os.path.abspath(load),
         output=os.path.abspath(output),
         dtype=_dtype_name(out_dtype),

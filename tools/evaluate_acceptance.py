@@ -55,8 +55,8 @@ def build_parser() -> ArgumentParser:
                         "target of `python pretrain_dflash.py`).")
     parser.add_argument(
         "--draft", required=True,
-        help="HF draft directory (config.json + model.safetensors); DFlash 2 when its config says "
-        "DFlash2DraftModel.",
+        help="HF draft directory (config.json + model.safetensors) of any registered variant (DFlash, DFlash 2, "
+        "Domino, JetSpec, ...), read from its config.json.",
     )
     parser.add_argument("--prompts", default=None,
                         help="JSONL file of prompts (input_ids, text/prompt or messages lines; default with "
@@ -234,17 +234,23 @@ def load_target(path: str, device, dtype):
 
 
 def load_draft(path: str, device, dtype, attention_backend: str):
-    """A DFlash or DFlash 2 body from a HF draft directory (architecture read from config.json)."""
+    """The draft body of a HF draft directory (its variant read from config.json by the registry), in
+    `dtype` if its variant runs in it (DFlash 2 refuses float16)."""
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
         raise UsageError(f"--draft {path}: no config.json in it; expected a HF draft directory.")
     from megatron_dflash.checkpoint import load_hf_checkpoint  # the variant comes from config.json
+    from megatron_dflash.variants.registry import variant_of
 
     try:
         body = load_hf_checkpoint(path, attention_backend=attention_backend)
     except (OSError, ValueError, KeyError) as err:  # a broken config or weights file: exit 1, not a usage error
         raise ValueError(f"--draft {path}: cannot load the draft ({type(err).__name__}: "
                          f"{str(err).splitlines()[0] if str(err) else ''}).") from None
+    try:
+        variant_of(body).check_dtype(dtype)
+    except ValueError as err:
+        raise UsageError(f"--dtype: {err}") from None
     return body.to(device=device, dtype=dtype).eval()
 
 

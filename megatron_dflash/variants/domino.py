@@ -80,7 +80,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..body import DFlashBody, default_parallel_config
+from ..body import DFlashBody
 from ..config import DFLASH_ARCHITECTURE, DFlashConfig
 from ..parallel import is_distributed_group, reduce_grad_over_group
 from ..objectives import EmittedPathMetrics
@@ -101,9 +101,6 @@ __all__ = [
     "domino_loss",
     "domino_walk",
     "domino_propose",
-    "save_domino_checkpoint",
-    "load_domino_checkpoint",
-    "load_domino_state_dict_into",
 ]
 
 DOMINO_ARCHITECTURE = "DominoDraftModel"
@@ -957,49 +954,3 @@ def domino_propose(
         corrected=corrected, temperature=temperature, generator=generator,
     )
     return tokens, probs
-
-
-# ================================================================================== HF checkpoints
-
-
-def save_domino_checkpoint(
-    body: DominoBody, directory: str, *, dtype: Optional[torch.dtype] = None, overwrite: bool = False
-) -> None:
-    """Write `body` as a published-layout Domino HF draft (collective over the TP group; see
-    `checkpoint.save_hf_checkpoint`)."""
-    from ..checkpoint import save_hf_checkpoint
-
-    _require_domino(body)
-    save_hf_checkpoint(body, directory, dtype=dtype, architecture=DOMINO_ARCHITECTURE, overwrite=overwrite)
-
-
-def load_domino_state_dict_into(body: DominoBody, state_dict: Mapping[str, torch.Tensor]) -> None:
-    """Copy full weights under the published names into `body` (each rank keeps its shard)."""
-    from ..checkpoint import load_hf_state_dict_into
-
-    _require_domino(body)
-    load_hf_state_dict_into(body, state_dict)
-
-
-def load_domino_checkpoint(
-    directory: str, *, parallel_config=None, tp_group=None, attention_backend: str = "auto"
-) -> DominoBody:
-    """Build a `DominoBody` from a Domino HF directory and load its weights (any TP size).
-
-    Raises:
-        FileNotFoundError: no config.json / safetensors in `directory`.
-        ValueError: the directory is not a Domino draft, or weights and config disagree.
-    """
-    from .. import checkpoint
-
-    config = DominoConfig.from_pretrained(directory)
-    if parallel_config is None:
-        parallel_config = default_parallel_config()
-    body = DominoBody(config, parallel_config=parallel_config, tp_group=tp_group, attention_backend=attention_backend)
-    checkpoint.load_hf_state_dict_into(body, checkpoint.read_safetensors(directory))
-    return body
-
-
-def _require_domino(body) -> None:
-    if not isinstance(body, DominoBody):
-        raise ValueError(f"expected a DominoBody, got {type(body).__name__}.")
