@@ -81,11 +81,13 @@ import os
 import re
 import sys
 import tempfile
-from typing import Any, Iterator, Mapping, Optional, Union
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional, Union
 
 from .atomic import atomic_directory
 from .config import resolve_causal
-from .variants.registry import Variant, config_from_hf_dict, get_variant, variant_names, variant_of
+
+if TYPE_CHECKING:
+    from .variants.registry import Variant
 
 __all__ = [
     "TRACKER_FILENAME",
@@ -267,8 +269,17 @@ def resolve_iteration_dir(load: str, iteration: Optional[Iteration] = None) -> s
 # Which variant a config.json is, and how to build its body: the variant registry's to say.
 
 
+def _registry():
+    """The variant registry, imported on first use: it loads torch, and the command line reports bad paths
+    before torch loads (like every torch import of this module)."""
+    from .variants import registry
+
+    return registry
+
+
 def _known_names() -> list[str]:
-    return sorted({name for name in variant_names() for name in get_variant(name).hf_names})
+    registry = _registry()
+    return sorted({hf_name for name in registry.variant_names() for hf_name in registry.get_variant(name).hf_names})
 
 
 def _read_json(path: str) -> dict:
@@ -445,7 +456,7 @@ def draft_config_dict(body) -> dict:
     """The `dflash_config.json` of `body`: its HF config dict, dtype fields set to the weights'."""
     from .checkpoint import _local_tensors
 
-    architecture = variant_of(body)
+    architecture = _registry().variant_of(body)
     dtype = _common_dtype(t.dtype for t in _local_tensors(body).values())
     extra = dict(body.config.extra_hf_fields)
     extra.update({"torch_dtype": _dtype_name(dtype), "dtype": _dtype_name(dtype)})
@@ -467,7 +478,7 @@ def read_draft_config(iteration_dir: str, config_path: Optional[str] = None):
             "(it was not written by megatron_dflash.convert.save_megatron_draft). Pass the draft's "
             "HF config.json with --config."
         )
-    return config_from_hf_dict(_read_json(path), path)
+    return _registry().config_from_hf_dict(_read_json(path), path)
 
 
 def megatron_draft_tensors(iteration_dir: str, prefix: str = MODEL_PREFIX) -> dict:
@@ -619,7 +630,7 @@ def load_megatron_draft_into(body, iteration_dir: str) -> None:
 
 def _registered_architecture(body) -> Optional[Variant]:
     try:
-        return variant_of(body)
+        return _registry().variant_of(body)
     except ValueError:
         return None
 
@@ -796,7 +807,7 @@ def convert_megatron_to_hf(
             written = read_safetensors(tmp)
             _compare_exact(source, written, f"the written {os.path.join(output, 'model.safetensors')}")
             with open(os.path.join(tmp, "config.json")) as f:
-                written_arch, written_config = config_from_hf_dict(json.load(f), "the written config.json")
+                written_arch, written_config = _registry().config_from_hf_dict(json.load(f), "the written config.json")
             if written_arch is not architecture:
                 raise ValueError(
                     f"validation failed: the written config.json reads as {written_arch.title}, expected "
@@ -854,7 +865,7 @@ def convert_hf_to_megatron(
         raise FileNotFoundError(f"{config_file} does not exist: not a HF draft directory.{hint}")
     iteration = _parse_iteration(iteration)
     _check_output(output, force, load)
-    architecture, config = config_from_hf_dict(_read_json(config_file), config_file)
+    architecture, config = _registry().config_from_hf_dict(_read_json(config_file), config_file)
     if target_tensor_parallel_size is not None:
         config.validate_tensor_parallel(int(target_tensor_parallel_size))
     dtype = _parse_dtype(dtype)
