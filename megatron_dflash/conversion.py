@@ -27,14 +27,7 @@ from typing import Any, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from .architectures import (
-    _FP16_MESSAGE,
-    DraftArchitecture,
-    _architecture_hint,
-    _build_body,
-    _config_from_dict,
-    _read_json,
-)
+from .architectures import _architecture_hint, _config_from_dict, _read_json, build_body_for_checkpoint
 from .atomic import atomic_directory, check_destination
 from .body import default_parallel_config
 from .checkpoint import _local_tensors, hf_state_dict, load_hf_state_dict_into, read_safetensors, save_hf_checkpoint
@@ -83,9 +76,8 @@ def _parse_dtype(value):
     return getattr(torch, name)
 
 
-def _check_dtype_allowed(architecture: DraftArchitecture, dtype) -> None:
-    if dtype == torch.float16 and not architecture.allows_fp16:
-        raise ValueError(_FP16_MESSAGE.format(name=architecture.name))
+def _check_dtype_allowed(architecture, dtype) -> None:
+    architecture.check_dtype(dtype)
 
 
 def _require_single_process() -> None:
@@ -207,30 +199,30 @@ def convert_megatron_to_hf(
         # The body holds the weights as stored (fp32 when they mix dtypes: exact for all of
         # them); the one cast to the output dtype happens on export.
         body_dtype = common_dtype(d for _, d in stored.values())
-        if body_dtype == torch.float16 and not architecture.allows_fp16:
+        if body_dtype not in architecture.dtypes:
             body_dtype = torch.float32
-        body = _build_body(architecture, config, params_dtype=body_dtype, tp_group=None)
+        body = build_body_for_checkpoint(architecture, config, params_dtype=body_dtype, tp_group=None)
         load_megatron_draft_into(body, iteration_dir)
         # The source as stored, read without the body, for the comparison.
         source = _convert_dtype(read_megatron_draft_state(iteration_dir), out_dtype) if validate else None
     with atomic_directory(output, replace=force) as tmp:
-        save_hf_checkpoint(body, tmp, dtype=out_dtype, architecture=architecture.name, overwrite=True)
+        save_hf_checkpoint(body, tmp, dtype=out_dtype, architecture=architecture.architecture, overwrite=True)
         if validate:
             written = read_safetensors(tmp)
             _compare_exact(source, written, f"the written {os.path.join(output, 'model.safetensors')}")
             with open(os.path.join(tmp, "config.json")) as f:
                 written_arch, written_config = _config_from_dict(json.load(f), "the written config.json")
-            if written_arch.name != architecture.name:
+            if written_arch.architecture != architecture.architecture:
                 raise ValueError(
-                    f"validation failed: the written config.json says {written_arch.name}, expected "
-                    f"{architecture.name}."
+                    f"validation failed: the written config.json says {written_arch.architecture}, expected "
+                    f"{architecture.architecture}."
                 )
             _compare_configs(config, written_config, "the written config.json")
-            rebuilt = _build_body(written_arch, written_config, params_dtype=out_dtype)
+            rebuilt = build_body_for_checkpoint(written_arch, written_config, params_dtype=out_dtype)
             load_hf_state_dict_into(rebuilt, written)  # the written config agrees with the weights
     local = _local_tensors(body)
     return ConversionResult(
-        architecture=architecture.name,
+        architecture=architecture.architecture,
         source=iteration_dir,
         output=os.path.abspath(output),
         dtype=dtype_name(out_dtype),
@@ -286,7 +278,7 @@ def convert_hf_to_megatron(
     _check_dtype_allowed(architecture, out_dtype)
     with single_process_group():
         _require_single_process()
-        body = _build_body(architecture, config, params_dtype=out_dtype, tp_group=None)
+        body = build_body_for_checkpoint(architecture, config, params_dtype=out_dtype, tp_group=None)
         try:
             load_hf_state_dict_into(body, tensors)
         except ValueError as err:
@@ -308,7 +300,7 @@ def convert_hf_to_megatron(
                 _compare_configs(config, reloaded.config, f"the written {DRAFT_CONFIG_FILENAME}")
                 _compare_exact(expected, hf_state_dict(reloaded), "the megatron checkpoint loaded into a draft body")
     return ConversionResult(
-        architecture=architecture.name,
+        architecture=architecture.architecture,
         source=os.path.abspath(load),
         output=os.path.abspath(output),
         dtype=dtype_name(out_dtype),

@@ -11,7 +11,8 @@ Hq / Hkv the rank-local query / KV heads.
 
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -192,23 +193,55 @@ class DFlashMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)[0]) * self.up_proj(x)[0])[0]
 
 
+# Builds one optional sublayer: `(config, dtype) -> nn.Module`.
+SublayerBuilder = Callable[[DFlashConfig, torch.dtype], nn.Module]
+
+
+@dataclass(frozen=True)
+class DFlashLayerSubmodules:
+    """The optional sublayers of a `DFlashDecoderLayer`, asked for at construction.
+
+    In the spirit of megatron-core's `ModuleSpec` / `TransformerLayerSubmodules`: each field is a
+    builder `(config, dtype) -> nn.Module`, or None for the identity (the plain DFlash layer). A
+    variant that needs more inside its layers passes its builders to the body
+    (`DFlashBody(..., layer_submodules=...)`), e.g. DFlash 2's in-block convolutions.
+
+    Fields:
+        attention_conv: wraps the attention sublayer. The module has
+            `prepare(x [B, N, W, H]) -> (x', coefficients)`, applied before the sublayer, and
+            `finish(y, coefficients) -> y'`, applied after it.
+        mlp_conv: the same around the MLP.
+    """
+
+    attention_conv: Optional[SublayerBuilder] = None
+    mlp_conv: Optional[SublayerBuilder] = None
+
+
 class DFlashDecoderLayer(nn.Module):
     """Pre-norm residual layer. The context feature is not normed here: it is shared by
-    every layer and was normed once by the body's `hidden_norm`."""
+    every layer and was normed once by the body's `hidden_norm`.
 
-    def __init__(self, config: DFlashConfig, layer_idx: int, parallel_config: ModelParallelConfig, tp_group):
+    `submodules` adds the optional sublayers around attention and MLP (`DFlashLayerSubmodules`;
+    identity by default). They are registered after the norms, so the parameter order is
+    backbone first, then the variant's additions.
+    """
+
+    def __init__(
+        self,
+        config: DFlashConfig,
+        layer_idx: int,
+        parallel_config: ModelParallelConfig,
+        tp_group,
+        submodules: DFlashLayerSubmodules = DFlashLayerSubmodules(),
+    ):
         super().__init__()
         dtype = parallel_config.params_dtype
         self.self_attn = DFlashAttention(config, layer_idx, parallel_config, tp_group)
         self.mlp = DFlashMLP(config, parallel_config, tp_group)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
-
-        # Optional in-block convolutions around each sublayer (DFlash 2). Each has
-        # `prepare(x [B, N, W, H]) -> (x', coefficients)` before the sublayer and
-        # `finish(y, coefficients) -> y'` after it; None for plain DFlash.
-        self.attention_conv: Optional[nn.Module] = None
-        self.mlp_conv: Optional[nn.Module] = None
+        self.attention_conv = _build(submodules.attention_conv, config, dtype)
+        self.mlp_conv = _build(submodules.mlp_conv, config, dtype)
 
     def forward(
         self,
@@ -226,6 +259,10 @@ class DFlashDecoderLayer(nn.Module):
             self.input_layernorm(hidden),
         )
         return hidden + _around(self.mlp_conv, self.mlp, self.post_attention_layernorm(hidden))
+
+
+def _build(builder: Optional[SublayerBuilder], config: DFlashConfig, dtype: torch.dtype) -> Optional[nn.Module]:
+    return None if builder is None else builder(config, dtype)
 
 
 def _around(conv: Optional[nn.Module], sublayer, x: torch.Tensor) -> torch.Tensor:

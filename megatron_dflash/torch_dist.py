@@ -64,14 +64,7 @@ import re
 import tempfile
 from typing import Iterator, Mapping, Optional, Union
 
-from .architectures import (
-    DraftArchitecture,
-    _architecture_hint,
-    _build_body,
-    _config_from_dict,
-    _read_json,
-    architecture_of,
-)
+from .architectures import _architecture_hint, _config_from_dict, _read_json, architecture_of, build_body_for_checkpoint
 from .atomic import write_file
 
 __all__ = [
@@ -300,7 +293,7 @@ def draft_config_dict(body) -> dict:
     extra = dict(body.config.extra_hf_fields)
     extra.update({"torch_dtype": dtype_name(dtype), "dtype": dtype_name(dtype)})
     config = dataclasses.replace(body.config, extra_hf_fields=extra)
-    return config.to_hf_dict(architecture.name)
+    return config.to_hf_dict(architecture.architecture)
 
 
 def read_draft_config(iteration_dir: str, config_path: Optional[str] = None):
@@ -447,7 +440,7 @@ def load_megatron_draft_into(body, iteration_dir: str) -> None:
     load_sharded_state_dict_into(body, {key: loaded[key] for key in request}, prefix=MODEL_PREFIX)
 
 
-def _registered_architecture(body) -> Optional[DraftArchitecture]:
+def _registered_architecture(body):
     try:
         return architecture_of(body)
     except ValueError:
@@ -475,7 +468,7 @@ def load_megatron_draft(
         config_path: a HF config.json to use instead of `dflash_config.json`.
     """
     architecture, config = read_draft_config(iteration_dir, config_path)
-    body = _build_body(
+    body = build_body_for_checkpoint(
         architecture, config, parallel_config=parallel_config, tp_group=tp_group,
         attention_backend=attention_backend, initialize=True,
     )

@@ -24,12 +24,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from megatron_dflash import architectures, convert, torch_dist, torch_dist_save
+from megatron_dflash import convert, torch_dist, torch_dist_save
 from megatron_dflash.body import DFlashBody, default_parallel_config
 from megatron_dflash.checkpoint import hf_state_dict, load_hf_checkpoint, save_hf_checkpoint
 from megatron_dflash.config import DFlashConfig
 from megatron_dflash.plan import DFlashBatchPlan
 from megatron_dflash.variants.dflash2 import DFlash2Body, DFlash2Config
+from megatron_dflash.variants.registry import get_variant, variant_for_hf_config, variant_of
 
 from builders import tiny_draft_kwargs
 
@@ -294,26 +295,29 @@ class ExtraHeadBody(DFlashBody):
         self.domino_head.register_parameter("gate", torch.nn.Parameter(torch.ones(3, H, dtype=self.fc.weight.dtype)))
 
 
-def test_any_variant_tensors_are_converted(tmp_path, monkeypatch):
-    monkeypatch.setitem(
-        architectures.ARCHITECTURES,
-        "extra_head",
-        architectures.DraftArchitecture("ExtraHeadDraftModel", ExtraHeadConfig, ExtraHeadBody),
-    )
-    body = ExtraHeadBody(ExtraHeadConfig(**config_kwargs()), parallel_config=default_parallel_config(perform_initialization=False))
-    randomize(body, 3)
-    assert architectures.architecture_of(body).name == "ExtraHeadDraftModel"
-    save_hf_checkpoint(body, str(tmp_path / "hf0"), architecture="ExtraHeadDraftModel")
-    assert run_cli("to-megatron", "--load", tmp_path / "hf0", "--output", tmp_path / "meg", "--validate")[0] == 0
-    with torch_dist.single_process_group():
-        stored = torch_dist.megatron_draft_tensors(str(tmp_path / "meg" / "release"))
-    assert {"domino_head.weight_ih", "domino_head.bias_hh", "domino_head.gate"} <= set(stored)
-    assert run_cli("to-hf", "--load", tmp_path / "meg", "--output", tmp_path / "hf1", "--validate")[0] == 0
-    assert file_bytes(tmp_path / "hf1") == file_bytes(tmp_path / "hf0")
+def test_any_variant_tensors_are_converted(tmp_path):
+    from megatron_dflash.variants.registry import Variant, register_variant, unregister_variant
+
+    extra_head = Variant(name="extra_head", title="ExtraHead", config_cls=ExtraHeadConfig, body_cls=ExtraHeadBody,
+                         architecture="ExtraHeadDraftModel", loss=None)
+    register_variant(extra_head)
+    try:
+        body = ExtraHeadBody(ExtraHeadConfig(**config_kwargs()),
+                             parallel_config=default_parallel_config(perform_initialization=False))
+        randomize(body, 3)
+        assert variant_of(body) is extra_head
+        save_hf_checkpoint(body, str(tmp_path / "hf0"))
+        assert run_cli("to-megatron", "--load", tmp_path / "hf0", "--output", tmp_path / "meg", "--validate")[0] == 0
+        with torch_dist.single_process_group():
+            stored = torch_dist.megatron_draft_tensors(str(tmp_path / "meg" / "release"))
+        assert {"domino_head.weight_ih", "domino_head.bias_hh", "domino_head.gate"} <= set(stored)
+        assert run_cli("to-hf", "--load", tmp_path / "meg", "--output", tmp_path / "hf1", "--validate")[0] == 0
+        assert file_bytes(tmp_path / "hf1") == file_bytes(tmp_path / "hf0")
+    finally:
+        unregister_variant("extra_head")
     # An architecture nobody registered is a clear error.
-    monkeypatch.delitem(architectures.ARCHITECTURES, "extra_head")
     status, err = run_cli("to-megatron", "--load", tmp_path / "hf0", "--output", tmp_path / "meg2")
-    assert status == 1 and "ExtraHeadDraftModel" in err and "register_architecture" in err, err
+    assert status == 1 and "ExtraHeadDraftModel" in err and "register_variant" in err, err
 
 
 def _variant_body(variant: str):
@@ -335,11 +339,11 @@ def test_other_variants_round_trip(tmp_path, variant):
     """Domino (its own tensors, `DominoDraftModel`) and JetSpec (`DFlashDraftModel` with
     `is_causal: true`) are recognised from config.json and come back byte-identical."""
     body = _variant_body(variant)
-    entry = architectures.architecture_of(body)
-    assert entry is architectures.ARCHITECTURES[variant]
-    save_hf_checkpoint(body, str(tmp_path / "hf0"), architecture=entry.name)
+    entry = variant_of(body)
+    assert entry is get_variant(variant)
+    save_hf_checkpoint(body, str(tmp_path / "hf0"))
     config = json.loads((tmp_path / "hf0" / "config.json").read_text())
-    assert architectures.architecture_for_config(config) is entry
+    assert variant_for_hf_config(config) is entry
     assert run_cli("to-megatron", "--load", tmp_path / "hf0", "--output", tmp_path / "meg", "--validate")[0] == 0
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -355,12 +359,12 @@ def test_other_variants_round_trip(tmp_path, variant):
         assert any(n.startswith("prefix_gru.") for n in stored) and any(n.startswith("embed_proj.") for n in stored)
         # A Domino file labelled DFlashDraftModel with projector_type "domino" is still Domino.
         config["architectures"] = ["DFlashDraftModel"]
-        assert architectures.architecture_for_config(config) is entry
+        assert variant_for_hf_config(config) is entry
     else:
         # A bidirectional DFlash file stays plain DFlash.
         config.pop("is_causal")
         config["dflash_config"].pop("causal")
-        assert architectures.architecture_for_config(config) is architectures.ARCHITECTURES["dflash"]
+        assert variant_for_hf_config(config) is get_variant("dflash")
 
 
 # ================================================================================== errors

@@ -57,8 +57,8 @@ def build_parser() -> ArgumentParser:
     parser.add_argument(
         "--draft", required=True,
         help="HF draft directory (config.json + model.safetensors), or a megatron torch_dist checkpoint of "
-        "the trainer (its --save directory, newest checkpoint, or one iter_* directory); the variant comes "
-        "from the config.",
+        "the trainer (its --save directory, newest checkpoint, or one iter_* directory); the variant (any "
+        "registered one: DFlash, DFlash 2, Domino, JetSpec, ...) comes from the config.",
     )
     parser.add_argument("--prompts", default=None,
                         help="JSONL file of prompts (input_ids, text/prompt or messages lines; default with "
@@ -244,6 +244,7 @@ def load_draft(path: str, device, dtype, attention_backend: str):
         raise UsageError(f"--draft {path}: no config.json in it; expected a HF draft directory.")
     from megatron_dflash.checkpoint import load_hf_checkpoint  # the variant comes from config.json
     from megatron_dflash.torch_dist import load_megatron_draft, resolve_iteration_dir, single_process_group
+    from megatron_dflash.variants.registry import variant_of
 
     try:
         if megatron:
@@ -254,6 +255,10 @@ def load_draft(path: str, device, dtype, attention_backend: str):
     except (OSError, ValueError, KeyError) as err:  # a broken config or weights file: exit 1, not a usage error
         raise ValueError(f"--draft {path}: cannot load the draft ({type(err).__name__}: "
                          f"{str(err).splitlines()[0] if str(err) else ''}).") from None
+    try:
+        variant_of(body).check_dtype(dtype)
+    except ValueError as err:
+        raise UsageError(f"--dtype: {err}") from None
     return body.to(device=device, dtype=dtype).eval()
 
 

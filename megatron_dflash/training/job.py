@@ -23,17 +23,18 @@ from ..embedded_job.tiny_target import (
     embedded_target_dir,
     matches_recipe,
 )
+from ..variants.registry import Variant
 from .arguments import (
     DRAFT_CONFIG_FLAGS,
     EMBEDDED_SYNTHETIC_HELDOUT_SEED,
     ArgumentError,
     draft_config_overrides,
     resolve_decay_gamma,
+    run_variant,
     validate_args,
     world_size_from_env,
 )
 from .outputs import check_outputs
-from .variants import VariantSpec, get_variant
 
 __all__ = ["Job", "prepare_job", "draft_config_from_target", "load_eval_prompts", "resolve_target_dir"]
 
@@ -51,7 +52,7 @@ class Job:
     tokenizer: Any
     target_config: dict
     draft_config: DFlashConfig
-    variant: VariantSpec
+    variant: Variant
     export_dir: str
     decay_gamma: Optional[float]
     eval_prompts: Optional[list] = None  # token-id lists
@@ -163,7 +164,7 @@ def draft_config_from_target(
     return config_cls(**kwargs)
 
 
-def _config_from_init(args, variant: VariantSpec, target_config: dict) -> DFlashConfig:
+def _config_from_init(args, variant: Variant, target_config: dict) -> DFlashConfig:
     """The config of `--dflash-init-from`, checked against the target and the explicit flags."""
     directory = args.dflash_init_from
     try:
@@ -277,7 +278,7 @@ def prepare_job(
     env = os.environ if env is None else env
     world_size = world_size_from_env(env) if world_size is None else world_size
     validate_args(args, world_size, env, cuda=cuda)
-    variant = get_variant(args.dflash_variant)
+    variant = run_variant(args)
 
     target_dir = resolve_target_dir(args, env, log=log)
     with open(os.path.join(target_dir, "config.json")) as f:
