@@ -361,6 +361,12 @@ ARCHITECTURES: dict[str, DraftArchitecture] = {
         matches=_is_jetspec_config,
     ),
     "dflash": DraftArchitecture(_DFLASH, "megatron_dflash.config:DFlashConfig", "megatron_dflash.body:DFlashBody"),
+    # The Kimi K3 MLA draft family (docs/design.md §16), named as NeMo AutoModel names it.
+    "kimi_k3": DraftArchitecture(
+        "KimiK3DFlashDraftModel",
+        "megatron_dflash.kimi_k3.config:KimiK3DraftConfig",
+        "megatron_dflash.kimi_k3.body:KimiK3Body",
+    ),
 }
 
 
