@@ -361,7 +361,7 @@ ARCHITECTURES: dict[str, DraftArchitecture] = {
         matches=_is_jetspec_config,
     ),
     "dflash": DraftArchitecture(_DFLASH, "megatron_dflash.config:DFlashConfig", "megatron_dflash.body:DFlashBody"),
-    # The Kimi K3 MLA draft family (docs/design.md §16), named as NeMo AutoModel names it.
+    # The Kimi K3 MLA draft family (docs/design.md §16 Kimi K3 draft family), named as NeMo names it.
     "kimi_k3": DraftArchitecture(
         "KimiK3DFlashDraftModel",
         "megatron_dflash.kimi_k3.config:KimiK3DraftConfig",

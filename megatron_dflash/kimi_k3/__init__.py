@@ -1,6 +1,6 @@
 """The Kimi K3 draft family: a dense, NoPE, multi-latent-attention draft for Kimi K3 targets.
 
-Entry points (docs/design.md §16):
+Entry points (docs/design.md §16 Kimi K3 draft family):
 
 * `KimiK3DraftConfig` (`to_hf_dict` / `from_hf_dict`, `from_target_config`): the config and its
   `config.json` as NeMo AutoModel writes `KimiK3DFlashDraftModel`.

@@ -65,6 +65,7 @@ class KimiK3Attention(nn.Module):
         self.layer_idx = layer_idx
         self.tp_group = tp_group
         self.num_heads = config.num_attention_heads // tp
+        self.num_kv_heads = self.num_heads  # one K/V head per query head once the latent is expanded
         self.q_lora_rank = config.q_lora_rank
         self.kv_lora_rank = config.kv_lora_rank
         self.qk_nope_head_dim = config.qk_nope_head_dim

@@ -1,9 +1,10 @@
 """`KimiK3Body`: the Kimi K3 MLA draft's decoder stack, with `DFlashBody`'s interface.
 
-The same contract as the Qwen3-style body (docs/design.md §2, §3): the concatenated target taps
-become one context feature `c = hidden_norm(fc(concat_i tap_i))` shared by every layer, and all
-slots of every block are updated at once, each block seeing the target context strictly before
-its anchor and its own slots (bidirectionally), never another block. The layers are Kimi K3's
+The same contract as the Qwen3-style body (docs/design.md §2 Conventions, §3 Block attention):
+the concatenated target taps become one context feature `c = hidden_norm(fc(concat_i tap_i))`
+shared by every layer, and all slots of every block are updated at once, each block seeing the
+target context strictly before its anchor and its own slots (bidirectionally), never another
+block. The layers are Kimi K3's
 full-attention layers (`layers.KimiK3DecoderLayer`); no rotary is applied, so positions play no
 part. The body returns hidden states; the caller turns them into logits with the target's
 output layer. It owns no embedding and no LM head.

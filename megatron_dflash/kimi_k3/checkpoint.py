@@ -1,8 +1,8 @@
 """HF directories of the Kimi K3 draft: the project's one writer and reader, under K3's name.
 
-The layout is NeMo AutoModel's `KimiK3DFlashDraftModel` (docs/design.md §16): `config.json` as
-`KimiK3DraftConfig.to_hf_dict` writes it, `model.safetensors` with whole tensors under the
-module names (`fc.weight`, `hidden_norm.weight`, `norm.weight`, `layers.N.self_attn.{q_a_proj,
+The layout is NeMo AutoModel's `KimiK3DFlashDraftModel` (docs/design.md §16 Kimi K3 draft
+family): `config.json` as `KimiK3DraftConfig.to_hf_dict` writes it, `model.safetensors` with
+whole tensors under the module names (`fc.weight`, `hidden_norm.weight`, `norm.weight`, `layers.N.self_attn.{q_a_proj,
 q_a_layernorm, q_b_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj, g_proj}.weight`,
 `layers.N.mlp.{gate,up,down}_proj.weight`, `layers.N.{input,post_attention}_layernorm.weight`).
 Saving gathers the tensor-parallel shards and loading slices them (`checkpoint.py`), so a

@@ -1,9 +1,9 @@
 """`KimiK3DraftConfig`: the fields of a Kimi K3 MLA draft, their checks, and its HF `config.json`.
 
-The draft is a small dense stack of Kimi K3's full-attention layers (docs/design.md §16): its
-config is the target's K3 text config (`model_type: kimi_linear`) with the depth shrunk and
-everything the draft does not build switched off, plus the DFlash fields. NeMo AutoModel 0.7.0
-writes it that way for `KimiK3DFlashDraftModel`::
+The draft is a small dense stack of Kimi K3's full-attention layers (docs/design.md §16 Kimi K3
+draft family): its config is the target's K3 text config (`model_type: kimi_linear`) with the
+depth shrunk and everything the draft does not build switched off, plus the DFlash fields. NeMo
+AutoModel 0.7.0 writes it that way for `KimiK3DFlashDraftModel`::
 
     {"architectures": ["KimiK3DFlashDraftModel"], "model_type": "kimi_linear",
      "hidden_size": 7168, "num_attention_heads": 96, "q_lora_rank": 1536, "kv_lora_rank": 512,
@@ -93,7 +93,7 @@ class KimiK3DraftConfig:
     K/V head per query head (`num_key_value_heads == num_attention_heads`). No rotary is
     applied anywhere (`mla_use_nope` must be true). The MLP is SiTU-gated:
     `down(situ(gate(x)) * bounded(up(x)))` with `activation_situ_beta` /
-    `activation_situ_linear_beta` (docs/design.md §16).
+    `activation_situ_linear_beta` (docs/design.md §16 Kimi K3 draft family).
 
     DFlash fields (`block_size`, `mask_token_id`, `target_layer_ids`, `num_target_layers`,
     `input_embedding_scale`, `output_multiplier`, `final_logit_softcapping`) mean what they mean
@@ -186,7 +186,8 @@ class KimiK3DraftConfig:
             )
         if not (0 <= int(self.mask_token_id) < self.vocab_size):
             raise ValueError(
-                f"mask_token_id={self.mask_token_id} is not a row of the target embedding (vocab_size={self.vocab_size})."
+                f"mask_token_id={self.mask_token_id} is not a row of the target embedding "
+                f"(vocab_size={self.vocab_size})."
             )
         self.mask_token_id = int(self.mask_token_id)
         check_target_layer_ids(self.target_layer_ids, self.num_target_layers)
@@ -246,7 +247,10 @@ class KimiK3DraftConfig:
             {
                 "architectures": [architecture],
                 "model_type": KIMI_K3_MODEL_TYPE,
-                "linear_attn_config": {"kda_layers": [], "full_attn_layers": list(range(1, self.num_hidden_layers + 1))},
+                # Every draft layer is a full-attention (MLA) layer, counted from 1 as K3 does.
+                "linear_attn_config": {
+                    "kda_layers": [], "full_attn_layers": list(range(1, self.num_hidden_layers + 1))
+                },
                 "dflash_config": {
                     "block_size": self.block_size,
                     "mask_token_id": self.mask_token_id,
