@@ -18,6 +18,7 @@ from torch import nn
 
 from .attention import BlockVisibility
 from .config import DFlashConfig
+from .kv_cache import DraftKVCache
 from .layers import DFlashDecoderLayer
 from .norm import RMSNorm
 from .parallel import agree_or_raise, check_parallel_layout, tensor_parallel_group
@@ -146,7 +147,12 @@ class DFlashBody(nn.Module):
         return cos_b, sin_b, cos_c, sin_c
 
     def forward(
-        self, target_hidden: torch.Tensor, block_embeddings: torch.Tensor, plan: DFlashBatchPlan
+        self,
+        target_hidden: torch.Tensor,
+        block_embeddings: torch.Tensor,
+        plan: DFlashBatchPlan,
+        kv_cache: Optional[DraftKVCache] = None,
+        attention_backend: Optional[str] = None,
     ) -> torch.Tensor:
         """Draft hidden states for every block slot.
 
@@ -156,6 +162,13 @@ class DFlashBody(nn.Module):
             block_embeddings: `[B, N, W, H]`, the target's input embedding of
                 `[anchor, MASK, ...]` per block (times `input_embedding_scale`).
             plan: the `DFlashBatchPlan` of this batch.
+            kv_cache: decoding: the `DraftKVCache` of the context committed so far. `target_hidden`
+                is then only the context committed since the last forward; sequence indices are
+                positions (context row `j` is cached at `plan.context_position_ids[b, j]`, a block
+                sees the cached positions `[context_start, anchor)`). Each layer writes the new
+                context's keys/values into the cache and attends over the cache
+                (`DFlashBatchPlan.for_decoding` builds such a plan). None: training, the whole context.
+            attention_backend: overrides the body's `attention_backend` for this call.
 
         Returns:
             `[B, N, W, H]` after the final norm; exactly zero at invalid blocks. The slots of a
@@ -170,12 +183,20 @@ class DFlashBody(nn.Module):
         """
         self._validate(target_hidden, block_embeddings, plan)
         plan = plan.to(target_hidden.device)
+        if kv_cache is not None:
+            if kv_cache.num_layers != len(self.layers):
+                raise ValueError(
+                    f"the KV cache holds {kv_cache.num_layers} layers but the draft has {len(self.layers)}; "
+                    "build it with DraftKVCache(draft, ...) for this draft."
+                )
+            kv_cache.prepare(plan)
+        backend = attention_backend or self.attention_backend
         context = self.hidden_norm(self.fc(target_hidden.to(self.fc.weight.dtype)))
         rope = self.rope(plan, target_hidden.device)
         hidden = block_embeddings.to(self.fc.weight.dtype)
         for layer in self.layers:
             causal, window = self.config.layer_attention(layer.self_attn.layer_idx)
             visibility = BlockVisibility.from_plan(plan, causal=causal, sliding_window=window)
-            hidden = layer(hidden, context, rope, visibility, self.attention_backend)
+            hidden = layer(hidden, context, rope, visibility, backend, kv_cache)
         valid = plan.block_valid[:, :, None, None]
         return torch.where(valid, self.norm(hidden), torch.zeros((), dtype=hidden.dtype, device=hidden.device))

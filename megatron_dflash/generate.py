@@ -4,9 +4,10 @@ One decoding cycle per batch:
 
 1. **Draft.** The block `[last token, MASK, ..., MASK]` (`W = block_size` slots, at positions
    `n .. n + W - 1` where `n` is the row's committed length) is embedded with the target's
-   input embedding (times `input_embedding_scale`) and run through the draft layers. Its
-   queries attend to the draft's KV cache of the committed context and to the block's own
-   slots; slots `1..W-1` become draft tokens through the target's LM head (with the draft's
+   input embedding (times `input_embedding_scale`) and run through the draft's own forward
+   (`DFlashBody.forward` with its `DraftKVCache`, the modules training runs). Its queries
+   attend to the cached committed context and to the block's own slots; slots `1..W-1` become
+   draft tokens through the target's LM head (with the draft's
    `output_multiplier` / `final_logit_softcapping`, exactly as in training). DFlash 2 drafts
    walk their candidate selector instead of taking each slot's argmax or sample; a draft with a
    `propose_block` method (Domino) picks its tokens itself from the whole block's hidden states.
@@ -16,10 +17,10 @@ One decoding cycle per batch:
    with probability `min(1, p(x) / q(x))`, on rejection sample from `max(p - q, 0)`), so the
    emitted tokens follow the target's distribution exactly.
 3. **Commit.** The anchor and the accepted tokens become context: their target taps
-   (`hidden_states[i + 1]` for `i` in `target_layer_ids`) give context features
-   `hidden_norm(fc(taps))`, which each draft layer projects with its `k_proj`/`v_proj` (k_norm
-   and RoPE at their positions) into the draft KV cache (a Kimi K3 draft caches its expanded MLA
-   keys and values, which carry no position). The bonus token is the next anchor.
+   (`hidden_states[i + 1]` for `i` in `target_layer_ids`) go to the next draft forward, which
+   turns them into context features `hidden_norm(fc(taps))` and writes each layer's
+   `k_proj`/`v_proj` of them (k_norm and RoPE at their positions) into the draft KV cache before
+   its block attends. The bonus token is the next anchor.
 
 Batches: rows accept different lengths. The target's HF KV cache stays rectangular: every
 cycle appends `W` slots to every row, rejected slots become holes that a 2-D attention mask
@@ -42,21 +43,18 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .attention import BlockVisibility, block_attention
 from .body import DFlashBody
 from .kimi_k3.body import KimiK3Body
+from .kv_cache import DraftKVCache
 from .objectives import OutputHead
-from .rope import apply_rope, rope_cos_sin, rope_inv_freq
+from .plan import DFlashBatchPlan
 from .target import taps_from_hidden_states
 
 __all__ = [
     "SpecDecodeOutput",
-    "DraftKVCache",
     "spec_generate",
-    "draft_block_hidden",
     "sampling_probs",
     "greedy_verify",
     "rejection_verify",
@@ -234,15 +232,7 @@ def rejection_verify(
     return accepted, _sample(residual, generator)
 
 
-# ================================================================================== draft decode path
-
-
-def _rope(config, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 cos/sin `[*positions.shape, D]` of the draft's RoPE (same as `DFlashBody.rope`)."""
-    inv_freq, scale = rope_inv_freq(
-        config.head_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings, positions.device
-    )
-    return rope_cos_sin(positions, inv_freq, scale)
+# ================================================================================== draft
 
 
 def _check_draft(draft: nn.Module) -> None:
@@ -255,173 +245,6 @@ def _check_draft(draft: nn.Module) -> None:
             f"spec_generate runs the draft at tensor-parallel size 1, but it was built with TP="
             f"{draft.tp_group.size()}; load it with checkpoint.load_hf_checkpoint(directory) in a plain process."
         )
-
-
-class DraftKVCache:
-    """The draft's KV cache of committed context, one entry per position.
-
-    Per layer, `keys`/`values` `[B, capacity, Hkv, D]`: entry `t` of a row holds its layer's
-    `k_norm`+RoPE'd `k_proj` and its `v_proj` of the context feature of position `t` (for a Kimi K3
-    draft, its expanded MLA keys and values, `KimiK3Body.context_key_values`). Entries
-    at or past a row's committed length are scratch (masked by the block visibility and
-    overwritten later), which lets every row write a rectangular `[B, W]` slab per cycle.
-    """
-
-    def __init__(self, draft: DFlashBody, batch_size: int, capacity: int, device=None, dtype=None):
-        _check_draft(draft)
-        attn = draft.layers[0].self_attn
-        device = device if device is not None else draft.fc.weight.device
-        dtype = dtype if dtype is not None else draft.fc.weight.dtype
-        shape = (batch_size, capacity, attn.num_kv_heads, attn.head_dim)
-        self.draft = draft
-        self.capacity = capacity
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in draft.layers]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in draft.layers]
-
-    @property
-    def batch_size(self) -> int:
-        return self.keys[0].shape[0]
-
-    def write(self, taps: torch.Tensor, start: torch.Tensor) -> None:
-        """Write the context of positions `start[b] + j`, `j < S`, from `taps [B, S, taps*H]`.
-
-        `start [B]` int64. Positions must stay below `capacity`.
-        """
-        draft = self.draft
-        B, S, _ = taps.shape
-        positions = start[:, None] + torch.arange(S, device=start.device)  # [B, S]
-        needed = int(positions.max()) + 1
-        if needed > self.capacity:
-            self.grow(max(needed, 2 * self.capacity))
-        index = positions[:, :, None, None]
-        for i, (k, v) in enumerate(_context_key_values(draft, taps, positions)):
-            expand = index.expand(-1, -1, k.shape[2], k.shape[3])
-            self.keys[i].scatter_(1, expand, k.to(self.keys[i].dtype))
-            self.values[i].scatter_(1, expand, v.to(self.values[i].dtype))
-
-    def grow(self, capacity: int) -> None:
-        """Room for positions `< capacity` (the entries so far are kept). `write` grows the cache by
-        doubling, so its size follows what is generated, not what `max_new_tokens` allows."""
-        if capacity <= self.capacity:
-            return
-        def grown(t: torch.Tensor) -> torch.Tensor:
-            out = t.new_zeros((t.shape[0], capacity) + tuple(t.shape[2:]))
-            out[:, : self.capacity] = t
-            return out
-
-        self.keys = [grown(k) for k in self.keys]
-        self.values = [grown(v) for v in self.values]
-        self.capacity = capacity
-
-    def select_rows(self, rows: torch.Tensor) -> None:
-        """Keep only `rows` (int64 indices) of the batch."""
-        self.keys = [k.index_select(0, rows) for k in self.keys]
-        self.values = [v.index_select(0, rows) for v in self.values]
-
-
-def _context_key_values(draft, taps: torch.Tensor, positions: torch.Tensor):
-    """Per layer `(keys, values)` `[B, S, Hkv, D]` of the context at `positions [B, S]`, from `taps`."""
-    if isinstance(draft, KimiK3Body):  # NoPE: the body computes them, positions play no part
-        return draft.context_key_values(taps)
-    B, S, _ = taps.shape
-    context = draft.hidden_norm(draft.fc(taps.to(draft.fc.weight.dtype)))  # [B, S, H]
-    cos, sin = _rope(draft.config, positions)
-    out = []
-    for layer in draft.layers:
-        attn = layer.self_attn
-        k = _linear(attn.k_proj, context).view(B, S, attn.num_kv_heads, attn.head_dim)
-        k = apply_rope(attn.k_norm(k), cos, sin)
-        v = _linear(attn.v_proj, context).view(B, S, attn.num_kv_heads, attn.head_dim)
-        out.append((k, v))
-    return out
-
-
-def _linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """A TP=1 megatron Column/RowParallelLinear (or nn.Linear) applied as a plain linear map.
-
-    At TP=1 their weights are the full `[out, in]` matrices; decoding needs nothing of
-    megatron's machinery around them.
-    """
-    return F.linear(x, layer.weight, getattr(layer, "bias", None))
-
-
-def _mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """SwiGLU of a `DFlashMLP`: `down(silu(gate(x)) * up(x))`."""
-    return _linear(mlp.down_proj, F.silu(_linear(mlp.gate_proj, x)) * _linear(mlp.up_proj, x))
-
-
-def _block_attention_step(attn, x, keys, values, cos, sin, visibility, backend):
-    """One layer's attention for `x [B, 1, W, H]` over cached context + own block."""
-    B, N, W, _ = x.shape
-    D = attn.head_dim
-    q = _linear(attn.q_proj, x).view(B, N, W, attn.num_heads, D)
-    q = apply_rope(attn.q_norm(q), cos, sin)
-    k = _linear(attn.k_proj, x).view(B, N, W, attn.num_kv_heads, D)
-    k = apply_rope(attn.k_norm(k), cos, sin)
-    v = _linear(attn.v_proj, x).view(B, N, W, attn.num_kv_heads, D)
-    out = block_attention(q, keys, values, k, v, visibility, scale=D**-0.5, backend=backend)
-    return _linear(attn.o_proj, out.reshape(B, N, W, attn.num_heads * D))
-
-
-def _around(conv, sublayer, x):
-    if conv is None:
-        return sublayer(x)
-    x, coefficients = conv.prepare(x)
-    return conv.finish(sublayer(x), coefficients)
-
-
-def draft_block_hidden(
-    draft: DFlashBody,
-    cache: DraftKVCache,
-    block_embeddings: torch.Tensor,
-    anchors: torch.Tensor,
-    *,
-    attention_backend: str = "chunked",
-) -> torch.Tensor:
-    """Draft hidden states of one block per row, from the cached context.
-
-    Args:
-        draft: the draft body (TP=1); its layers' submodules are used directly.
-        cache: the committed context (`DraftKVCache`); a row sees its positions `< anchors[b]`.
-        block_embeddings: `[B, W, H]` embedded `[anchor token, MASK, ...]`.
-        anchors: `[B]` int64, position of slot 0 = the row's committed length.
-        attention_backend: `block_attention` backend ("chunked" is exact and shape-agnostic).
-    Returns:
-        `[B, W, H]` after the final norm, equal to `DFlashBody.forward` for a block at `anchors`.
-    """
-    config = draft.config
-    B, W, _ = block_embeddings.shape
-    anchors = anchors.to(torch.int64)
-    # Only the longest committed prefix of the batch can be visible.
-    length = max(int(anchors.max()), 1)
-    hidden = block_embeddings.to(draft.fc.weight.dtype)[:, None]  # [B, 1, W, H]
-    if isinstance(draft, KimiK3Body):  # its own layers, over the cached context (bidirectional in-block)
-        visibility = BlockVisibility(
-            anchor_positions=anchors[:, None],
-            context_start=torch.zeros_like(anchors)[:, None],
-            block_valid=torch.ones(B, 1, dtype=torch.bool, device=anchors.device),
-        )
-        cached = [(k[:, :length], v[:, :length]) for k, v in zip(cache.keys, cache.values)]
-        return draft.blocks_from_cache(hidden, cached, visibility, attention_backend)[:, 0]
-    positions = anchors[:, None] + torch.arange(W, device=anchors.device)  # [B, W]
-    cos, sin = _rope(config, positions[:, None, :])  # [B, 1, W, D]
-    for i, layer in enumerate(draft.layers):
-        causal, window = config.layer_attention(i)
-        visibility = BlockVisibility(
-            anchor_positions=anchors[:, None],
-            context_start=torch.zeros_like(anchors)[:, None],
-            block_valid=torch.ones(B, 1, dtype=torch.bool, device=anchors.device),
-            causal=causal,
-            sliding_window=window,
-        )
-        keys, values = cache.keys[i][:, :length], cache.values[i][:, :length]
-        attention = lambda x, layer=layer, keys=keys, values=values, visibility=visibility: _block_attention_step(  # noqa: E731
-            layer.self_attn, x, keys, values, cos, sin, visibility, attention_backend
-        )
-        hidden = hidden + _around(layer.attention_conv, attention, layer.input_layernorm(hidden))
-        mlp = lambda x, layer=layer: _mlp(layer.mlp, x)  # noqa: E731
-        hidden = hidden + _around(layer.mlp_conv, mlp, layer.post_attention_layernorm(hidden))
-    return draft.norm(hidden)[:, 0]
 
 
 # ================================================================================== target helpers
@@ -801,13 +624,17 @@ def _decode(
     last_logits = out.logits[:, -1].float()
     first = _sample(target_dist(last_logits), generator) if sampling else last_logits.argmax(dim=-1)
 
-    # Draft context of the prompt, written at index = position (undo the left padding).
-    # sized for the first cycles only; `write` grows it (doubling) as tokens are committed
+    # The draft's KV cache, sized for the first cycles only; a forward that writes past its end
+    # grows it (doubling), so it follows what is committed.
     draft_cache = DraftKVCache(draft, B, S + W + min(max_new_tokens, 4 * W))
+    # Context committed but not yet seen by the draft: the next draft forward writes it into the
+    # cache (at positions `new_start[b] + j`) before its block attends over the cache. First the
+    # prompt, at index = position (the left padding undone; the clamped tail of a short row is
+    # scratch past its committed length).
     taps = taps_of(out.hidden_states)  # [B, S, taps*H]
     gather = (columns + offsets[:, None]).clamp(max=S - 1)  # position t of row b sits in column t + offset
-    taps = taps.gather(1, gather[:, :, None].expand(-1, -1, taps.shape[-1]))
-    draft_cache.write(taps, torch.zeros(B, dtype=torch.int64, device=device))
+    new_context = taps.gather(1, gather[:, :, None].expand(-1, -1, taps.shape[-1]))
+    new_start = torch.zeros(B, dtype=torch.int64, device=device)
     del out, taps
 
     committed = lengths.clone()  # [B] committed length = position of the next block's slot 0
@@ -834,6 +661,7 @@ def _decode(
             cache.batch_select_indices(index)
             draft_cache.select_rows(index)
             valid, committed, last = valid[index], committed[index], last[index]
+            new_context, new_start = new_context[index], new_start[index]
             row_ids = [row_ids[i] for i in keep]
             active = [True] * len(keep)
         B = len(row_ids)
@@ -846,7 +674,10 @@ def _decode(
             embedded = embedded[0]
         if scale != 1.0:
             embedded = embedded * scale
-        hidden = draft_block_hidden(draft, draft_cache, embedded, committed, attention_backend=attention_backend)
+        plan = DFlashBatchPlan.for_decoding(
+            committed, new_start[:, None] + torch.arange(new_context.shape[1], device=device), block_size=W
+        )
+        hidden = draft(new_context, embedded[:, None], plan, draft_cache, attention_backend)[:, 0]  # [B, W, H]
         stats["draft"] += 1
         draft_probs = None
         if propose is not None:
@@ -892,8 +723,9 @@ def _decode(
         else:
             accepted, bonus = greedy_verify(block[:, 1:], target_logits)
 
-        # ---- commit: anchor + accepted become context; the bonus is the next anchor ----
-        draft_cache.write(taps_of(out.hidden_states), committed)
+        # ---- commit: anchor + accepted become context (all W verified slots go to the draft's
+        # next forward; those past the accepted ones are scratch); the bonus is the next anchor ----
+        new_context, new_start = taps_of(out.hidden_states), committed
         del out
         new_slots = arange_w[None, :] <= accepted[:, None]  # [B, W]
         valid = torch.cat([valid, new_slots], dim=1)

@@ -25,6 +25,7 @@ from torch import nn
 
 from .attention import BlockVisibility, block_attention
 from .config import DFlashConfig
+from .kv_cache import DraftKVCache
 from .norm import RMSNorm
 from .parallel import reduce_grad_over_group
 from .rope import apply_rope
@@ -114,7 +115,10 @@ class DFlashAttention(nn.Module):
     """Queries from the block slots; keys/values from the context feature and the block.
 
     Context keys use the same `k_proj`/`v_proj` as block keys (as in the published
-    drafters); q/k get a per-head RMSNorm, then RoPE at their own positions.
+    drafters); q/k get a per-head RMSNorm, then RoPE at their own positions. Decoding passes a
+    `DraftKVCache`: the context keys/values computed here are those of the newly committed
+    context only, written into the cache, and the blocks attend over the cache (docs/design.md
+    §3 Block attention).
     """
 
     def __init__(self, config: DFlashConfig, layer_idx: int, parallel_config: ModelParallelConfig, tp_group):
@@ -142,10 +146,14 @@ class DFlashAttention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
         visibility: BlockVisibility,
         attention_backend: str = "auto",
+        kv_cache: Optional[DraftKVCache] = None,
     ) -> torch.Tensor:
         """`hidden [B, N, W, H]`, `context [B, S, H]` -> `[B, N, W, H]`.
 
         `rope` = (cos_block, sin_block `[B, N, W, D]`, cos_context, sin_context `[B, S, D]`).
+        Without `kv_cache` the blocks attend over the keys/values of `context` (training). With a
+        prepared `kv_cache` (decoding), `context` is the context committed since the last forward:
+        its keys/values are written into the cache and the blocks attend over the cache.
         """
         B, N, W, _ = hidden.shape
         S = context.shape[1]
@@ -162,6 +170,8 @@ class DFlashAttention(nn.Module):
         k_ctx = self.k_proj(context)[0].view(B, S, self.num_kv_heads, D)
         k_ctx = apply_rope(self.k_norm(k_ctx, k_norm_w), cos_ctx, sin_ctx)
         v_ctx = self.v_proj(context)[0].view(B, S, self.num_kv_heads, D)
+        if kv_cache is not None:
+            k_ctx, v_ctx = kv_cache.update(self.layer_idx, k_ctx, v_ctx)
 
         out = block_attention(
             q, k_ctx, v_ctx, k_blk, v_blk, visibility, scale=D**-0.5, backend=attention_backend
@@ -202,11 +212,19 @@ class DFlashDecoderLayer(nn.Module):
         self.attention_conv: Optional[nn.Module] = None
         self.mlp_conv: Optional[nn.Module] = None
 
-    def forward(self, hidden, context, rope, visibility: BlockVisibility, attention_backend: str = "auto"):
-        """`hidden [B, N, W, H]`, `context [B, S, H]` -> `[B, N, W, H]`."""
+    def forward(
+        self,
+        hidden,
+        context,
+        rope,
+        visibility: BlockVisibility,
+        attention_backend: str = "auto",
+        kv_cache: Optional[DraftKVCache] = None,
+    ):
+        """`hidden [B, N, W, H]`, `context [B, S, H]` -> `[B, N, W, H]`; `kv_cache` as in `DFlashAttention`."""
         hidden = hidden + _around(
             self.attention_conv,
-            lambda x: self.self_attn(x, context, rope, visibility, attention_backend),
+            lambda x: self.self_attn(x, context, rope, visibility, attention_backend, kv_cache),
             self.input_layernorm(hidden),
         )
         return hidden + _around(self.mlp_conv, self.mlp, self.post_attention_layernorm(hidden))

@@ -457,6 +457,35 @@ class DFlashBatchPlan:
             block_size=block_size,
         )
 
+    @classmethod
+    def for_decoding(
+        cls, anchors: torch.Tensor, context_positions: torch.Tensor, *, block_size: int
+    ) -> "DFlashBatchPlan":
+        """The plan of one decoding forward with a `DraftKVCache`: one block per row, nothing supervised.
+
+        Sequence indices are positions (the cache holds position ``t`` at entry ``t``): the block of row
+        ``b`` sits at positions ``anchors[b] + k`` and sees the cached positions ``< anchors[b]``. No
+        checks and no host sync; the decoder keeps the values consistent.
+
+        Args:
+            anchors: [B] int64, position of each row's slot 0 (its committed length).
+            context_positions: [B, S] int64, positions of the context committed since the last forward,
+                which the forward writes into the cache.
+            block_size: W.
+        """
+        B = anchors.shape[0]
+        device = anchors.device
+        anchors = anchors.to(torch.int64)[:, None]  # [B, 1]
+        return cls(
+            anchor_positions=anchors,
+            block_valid=torch.ones(B, 1, dtype=torch.bool, device=device),
+            context_start=torch.zeros_like(anchors),
+            position_ids=anchors[:, :, None] + torch.arange(block_size, dtype=torch.int64, device=device),
+            context_position_ids=context_positions,
+            loss_mask=torch.zeros(B, 1, block_size, dtype=torch.bool, device=device),
+            block_size=block_size,
+        )
+
     def to(self, device: Union[str, torch.device], non_blocking: bool = False) -> "DFlashBatchPlan":
         """A copy of the plan with every tensor on ``device``."""
         changes = {

@@ -159,6 +159,31 @@ def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 # --------------------------------------------------------------------------------------
 
 
+def _reference_and_tp_bodies(cfg: DFlashConfig, backend: str, rank: int, world_size: int):
+    """A TP=1 body (this rank's own copy) and the TP=N body holding this rank's shards of its weights."""
+    torch.manual_seed(1234)
+    reference = DFlashBody(cfg, default_parallel_config(), tp_group=SingleRankGroup(), attention_backend=backend)
+    # Non-trivial norm weights, so that a norm applied to the wrong slice shows up.
+    gen = torch.Generator().manual_seed(99)
+    with torch.no_grad():
+        for p in reference.parameters():
+            if p.dim() == 1:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+    body = DFlashBody(cfg, default_parallel_config(), attention_backend=backend)
+    assert body.tp_group.size() == world_size
+    full = dict(reference.named_parameters())
+    names = [n for n, _ in body.named_parameters()]
+    assert names == list(full), (names, list(full))
+    with torch.no_grad():
+        for name, p in body.named_parameters():
+            dim = _shard_dim(name)
+            if dim is not None:  # megatron's own bookkeeping agrees with the layout
+                assert getattr(p, "tensor_model_parallel", False), name
+                assert p.partition_dim == dim, (name, p.partition_dim)
+            p.copy_(_shard(full[name], dim, rank, world_size))
+    return reference, body
+
+
 def _on_ranks_parity(rank: int, world_size: int, case_names) -> dict:
     """For each case: {check: relative error} of TP=N against TP=1 with the same weights."""
     from megatron.core import parallel_state
@@ -169,26 +194,8 @@ def _on_ranks_parity(rank: int, world_size: int, case_names) -> dict:
         config_name, plan_name, backend = CASES[case_name]
         cfg, plan = _config(config_name), _plan(plan_name)
 
-        torch.manual_seed(1234)
-        reference = DFlashBody(cfg, default_parallel_config(), tp_group=SingleRankGroup(), attention_backend=backend)
-        # Non-trivial norm weights, so that a norm applied to the wrong slice shows up.
-        gen = torch.Generator().manual_seed(99)
-        with torch.no_grad():
-            for p in reference.parameters():
-                if p.dim() == 1:
-                    p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
-        body = DFlashBody(cfg, default_parallel_config(), attention_backend=backend)
-        assert body.tp_group.size() == world_size
+        reference, body = _reference_and_tp_bodies(cfg, backend, rank, world_size)
         full = dict(reference.named_parameters())
-        names = [n for n, _ in body.named_parameters()]
-        assert names == list(full), (names, list(full))
-        with torch.no_grad():
-            for name, p in body.named_parameters():
-                dim = _shard_dim(name)
-                if dim is not None:  # megatron's own bookkeeping agrees with the layout
-                    assert getattr(p, "tensor_model_parallel", False), name
-                    assert p.partition_dim == dim, (name, p.partition_dim)
-                p.copy_(_shard(full[name], dim, rank, world_size))
 
         th, be, probe = _inputs(cfg, plan, seed=7)
         results = {}
@@ -218,6 +225,35 @@ def _on_ranks_parity(rank: int, world_size: int, case_names) -> dict:
             and all(bool(p.grad.abs().max() > 0) for p in reference.parameters()),
         }
     return report
+
+
+def _on_ranks_decoding(rank: int, world_size: int, config_name: str) -> dict:
+    """Decoding forwards with a KV cache at TP=N (each rank caching its own KV heads) against TP=1.
+
+    Three forwards, as `spec_generate` makes them: the prompt, then a verified slab per cycle written at
+    each row's own position while the rows advance by different amounts (the cache starts too small).
+    """
+    from megatron_dflash.kv_cache import DraftKVCache
+
+    cfg = _config(config_name)
+    reference, body = _reference_and_tp_bodies(cfg, "chunked", rank, world_size)
+    B, W, H = 2, cfg.block_size, cfg.hidden_size
+    gen = torch.Generator().manual_seed(5)
+    caches = {"ref": DraftKVCache(reference, B, 4), "tp": DraftKVCache(body, B, 4)}
+    starts, anchors = torch.zeros(B, dtype=torch.int64), torch.tensor([9, 12])
+    errors, shapes = [], {}
+    with torch.no_grad():
+        for step, length in enumerate((12, W, W)):
+            new_context = torch.randn(B, length, cfg.num_taps * H, generator=gen)
+            blocks = torch.randn(B, 1, W, H, generator=gen)
+            plan = DFlashBatchPlan.for_decoding(anchors, starts[:, None] + torch.arange(length), block_size=W)
+            outs = {label: model(new_context, blocks, plan, kv_cache=caches[label])
+                    for label, model in (("ref", reference), ("tp", body))}
+            errors.append(_relative_error(outs["tp"], outs["ref"]))
+            starts, anchors = anchors, anchors + torch.tensor([1 + step, W - step])
+    for label, cache in caches.items():
+        shapes[label] = tuple(cache.keys[0].shape)
+    return {"errors": errors, "shapes": shapes}
 
 
 def _on_ranks_init(rank: int, world_size: int, config_name: str, seed: int) -> dict:
@@ -330,6 +366,16 @@ def test_tp_matches_tp1_outputs_and_every_gradient(tp_pool, world_size):
                 if not err <= RTOL:
                     failures.append(f"rank {rank} {case_name}: {check} relative error {err:.3g}")
     assert not failures, "TP={} differs from TP=1:\n".format(world_size) + "\n".join(failures)
+
+
+def test_decoding_with_a_kv_cache_matches_tp1(tp_pool):
+    """The draft's decoding forward (KV cache of the rank-local KV heads) at TP=2 equals TP=1."""
+    reports = tp_pool(2).run(_on_ranks_decoding, "gqa_documents")
+    for rank, report in enumerate(reports):
+        assert all(err <= RTOL for err in report["errors"]), (rank, report["errors"])
+        heads = _config("gqa_documents").num_key_value_heads
+        assert report["shapes"]["ref"][2] == heads and report["shapes"]["tp"][2] == heads // 2
+        assert report["shapes"]["tp"][1] >= 12 + 2 * 4  # grown past the prompt and two slabs
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)

@@ -2,9 +2,9 @@
 
 The checks that matter:
 
-* the draft's cached decode path gives the same block hidden states as `DFlashBody.forward`
-  with a plan from explicit anchors (an independent oracle), per-row lengths and sliding
-  window layers included;
+* the draft forward with a KV cache (decoding: the context written in pieces) gives the same
+  block hidden states as the forward over the whole context with a plan from explicit anchors
+  (training's path), per-row lengths, cache growth and sliding window layers included;
 * greedy speculative decoding emits exactly the target's own greedy tokens (HF `generate`),
   for DFlash and DFlash 2 drafts, batch 1 and batch 3 with prompts of different lengths,
   whatever the acceptance pattern (none, partial, full);
@@ -34,13 +34,12 @@ from megatron_dflash import generate
 from megatron_dflash.body import DFlashBody
 from megatron_dflash.config import DFlashConfig
 from megatron_dflash.generate import (
-    DraftKVCache,
-    draft_block_hidden,
     greedy_verify,
     rejection_verify,
     sampling_probs,
     spec_generate,
 )
+from megatron_dflash.kv_cache import DraftKVCache
 from megatron_dflash.plan import DFlashBatchPlan
 from megatron_dflash.variants.dflash2 import DFlash2Body, DFlash2Config
 
@@ -204,7 +203,7 @@ def check_statistics(out, block_size: int, max_new_tokens: int) -> None:
 
 @pytest.mark.parametrize("dflash2", [False, True], ids=["dflash", "dflash2"])
 def test_cached_block_hidden_matches_body_forward(dflash2):
-    """Cached context K/V + one block == `DFlashBody.forward` with a plan from the same anchors."""
+    """Forwards with a KV cache, the context written in pieces == one forward over the whole context."""
     vocab, W, S = 40, 4, 16
     body = make_draft(
         vocab, dflash2=dflash2, block_size=W,
@@ -216,20 +215,67 @@ def test_cached_block_hidden_matches_body_forward(dflash2):
     blocks = torch.randn(B, W, HIDDEN)
     anchors = torch.tensor([5, 9, 12])
 
-    cache = DraftKVCache(body, B, capacity=S + W)
-    # Written in pieces with per-row starts, as decoding does; then junk past each anchor,
-    # which must stay invisible.
-    cache.write(taps[:, :6], torch.zeros(B, dtype=torch.int64))
+    cache = DraftKVCache(body, B, capacity=4)  # too small: the forwards grow it
+
+    def forward(context, starts, block_anchors):
+        """One decoding forward: write `context` at `starts[b] + j`, draft a block at `block_anchors`."""
+        positions = starts[:, None] + torch.arange(context.shape[1])
+        plan = DFlashBatchPlan.for_decoding(block_anchors, positions, block_size=W)
+        with torch.no_grad():
+            return body(context, blocks[:, None], plan, kv_cache=cache, attention_backend="chunked")[:, 0]
+
+    # Written in pieces with per-row starts, as decoding does; then junk at and past each anchor
+    # (written by the forward that drafts there), which must stay invisible.
+    zeros = torch.zeros(B, dtype=torch.int64)
+    forward(taps[:, :6], zeros, zeros + 6)
     starts = torch.tensor([4, 5, 6])
     piece = torch.stack([taps[b, int(s) : int(s) + 8] for b, s in enumerate(starts)])
-    cache.write(piece, starts)
-    cache.write(torch.randn(B, W, len(TAPS) * HIDDEN) * 10, anchors)
-    ours = draft_block_hidden(body, cache, blocks, anchors, attention_backend="chunked")
+    forward(piece, starts, starts + 8)
+    ours = forward(torch.randn(B, W, len(TAPS) * HIDDEN) * 10, anchors, anchors)
+    assert cache.capacity >= int(anchors.max()) + W
 
     plan = DFlashBatchPlan.from_anchors(anchors[:, None], block_size=W, seq_length=S)
     with torch.no_grad():
         reference = body(taps, blocks[:, None], plan)[:, 0]
     torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)
+
+
+def test_kv_cache_rows_growth_and_misuse():
+    """Growth keeps every entry, `select_rows` keeps the chosen rows in order, and a cache that does
+    not fit the forward (another batch, another draft, no `prepare`) is refused with a clear error."""
+    W = 4
+    body = make_draft(40, block_size=W)
+    cache = DraftKVCache(body, 3, capacity=2)
+    torch.manual_seed(0)
+    taps = torch.randn(3, 5, len(TAPS) * HIDDEN)
+    blocks = torch.randn(3, 1, W, HIDDEN)
+    with torch.no_grad():
+        plan = DFlashBatchPlan.for_decoding(torch.full((3,), 5), torch.arange(5).expand(3, 5), block_size=W)
+        body(taps, blocks, plan, kv_cache=cache)
+        assert cache.capacity == 5 and cache.num_layers == 2
+        written = [k.clone() for k in cache.keys]
+        cache.grow(11)
+        assert cache.capacity == 11 and all(torch.equal(k[:, :5], w) for k, w in zip(cache.keys, written))
+        assert all(not k[:, 5:].any() for k in cache.keys)
+        cache.select_rows(torch.tensor([2, 0]))
+        assert cache.batch_size == 2 and torch.equal(cache.keys[1][:, :5], written[1][[2, 0]])
+        # the kept rows decode exactly as when decoded alone
+        alone = DraftKVCache(body, 1, capacity=8)
+        one = DFlashBatchPlan.for_decoding(torch.tensor([5]), torch.arange(5)[None], block_size=W)
+        body(taps[2:], blocks[2:], one, kv_cache=alone)
+        empty = DFlashBatchPlan.for_decoding(torch.tensor([5, 5]), torch.zeros(2, 0, dtype=torch.int64), block_size=W)
+        kept = body(taps[[2, 0], :0], blocks[[2, 0]], empty, kv_cache=cache)
+        none_new = DFlashBatchPlan.for_decoding(torch.tensor([5]), torch.zeros(1, 0, dtype=torch.int64), block_size=W)
+        again = body(taps[2:, :0], blocks[2:], none_new, kv_cache=alone)
+        assert torch.equal(kept[:1], again)
+
+        with pytest.raises(ValueError, match="select_rows"):
+            body(taps, blocks, plan, kv_cache=cache)
+        other = make_draft(40, block_size=W, num_hidden_layers=1)
+        with pytest.raises(ValueError, match="KV cache holds 2 layers"):
+            other(taps, blocks, plan, kv_cache=DraftKVCache(body, 3, 8))
+    with pytest.raises(RuntimeError, match="before prepare"):
+        DraftKVCache(body, 3, 8).update(0, torch.zeros(3, 5, 2, 16), torch.zeros(3, 5, 2, 16))
 
 
 # ================================================================================== greedy
@@ -569,10 +615,10 @@ def test_sampling_test_has_power():
         hidden = target(torch.tensor([prompt]), output_hidden_states=True).hidden_states
         taps = torch.cat([hidden[i + 1] for i in TAPS], dim=-1)
         cache = DraftKVCache(draft, 1, 16)
-        cache.write(taps, torch.zeros(1, dtype=torch.int64))
         first = int(p.argmax())
         block = torch.tensor([[first, vocab - 1, vocab - 1]])
-        h = draft_block_hidden(draft, cache, target.get_input_embeddings()(block), torch.tensor([len(prompt)]))
+        plan = DFlashBatchPlan.for_decoding(torch.tensor([len(prompt)]), torch.arange(len(prompt))[None], block_size=3)
+        h = draft(taps, target.get_input_embeddings()(block)[:, None], plan, kv_cache=cache)[:, 0]
         q = torch.softmax(target.lm_head(h[0, 1]), dim=-1)
         ids = torch.tensor([prompt + [first]])
         p2 = torch.softmax(target(ids).logits[0, -1], dim=-1)

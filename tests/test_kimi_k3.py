@@ -282,9 +282,9 @@ def decode_draft(seed: int = 1) -> KimiK3Body:
 
 
 def test_cached_block_hidden_matches_body_forward():
-    """The decoder's cache of committed context (written in pieces, with junk past each anchor)
-    plus one block gives what the training forward gives for a block at the same anchor."""
-    from megatron_dflash.generate import DraftKVCache, draft_block_hidden
+    """Forwards with the decoder's KV cache, the context written in pieces with per-row starts and junk
+    at and past each anchor, give what one training forward over the whole context gives."""
+    from megatron_dflash.kv_cache import DraftKVCache
     from megatron_dflash.plan import DFlashBatchPlan
 
     body = decode_draft()
@@ -293,14 +293,21 @@ def test_cached_block_hidden_matches_body_forward():
     taps = torch.randn(B, S, body.config.num_taps * 64, generator=gen)
     blocks = torch.randn(B, W, 64, generator=gen)
     anchors = torch.tensor([5, 9, 12])
-    cache = DraftKVCache(body, B, capacity=S + W)
+    cache = DraftKVCache(body, B, capacity=4)  # too small: the forwards grow it
+
+    def forward(context, starts, block_anchors):
+        positions = starts[:, None] + torch.arange(context.shape[1])
+        plan = DFlashBatchPlan.for_decoding(block_anchors, positions, block_size=W)
+        with torch.no_grad():
+            return body(context, blocks[:, None], plan, kv_cache=cache, attention_backend="chunked")[:, 0]
+
+    zeros = torch.zeros(B, dtype=torch.int64)
+    forward(taps[:, :6], zeros, zeros + 6)
+    starts = torch.tensor([4, 5, 6])
+    forward(torch.stack([taps[b, int(s) : int(s) + 8] for b, s in enumerate(starts)]), starts, starts + 8)
+    ours = forward(torch.randn(B, W, taps.shape[-1], generator=gen) * 10, anchors, anchors)
+    plan = DFlashBatchPlan.from_anchors(anchors[:, None], block_size=W, seq_length=S)
     with torch.no_grad():
-        cache.write(taps[:, :6], torch.zeros(B, dtype=torch.int64))
-        starts = torch.tensor([4, 5, 6])
-        cache.write(torch.stack([taps[b, int(s) : int(s) + 8] for b, s in enumerate(starts)]), starts)
-        cache.write(torch.randn(B, W, taps.shape[-1], generator=gen) * 10, anchors)
-        ours = draft_block_hidden(body, cache, blocks, anchors, attention_backend="chunked")
-        plan = DFlashBatchPlan.from_anchors(anchors[:, None], block_size=W, seq_length=S)
         reference = body(taps, blocks[:, None], plan)[:, 0]
     torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)
 

@@ -35,6 +35,7 @@ from megatron.core.model_parallel_config import ModelParallelConfig
 from torch import nn
 
 from ..attention import BlockVisibility, block_attention
+from ..kv_cache import DraftKVCache
 from ..layers import column_parallel, row_parallel
 from ..norm import RMSNorm
 from ..parallel import reduce_grad_over_group
@@ -119,12 +120,6 @@ class KimiK3Attention(nn.Module):
         key = torch.cat([key_nope, shared], dim=-1)
         return _pad_head_dim(key, self.head_dim), _pad_head_dim(value, self.head_dim)
 
-    def context_key_value(self, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`context [B, S, H]` (the body's shared context feature) -> (keys, values) `[B, S, Hl, D]`.
-
-        What a decoder caches per committed position (`context_kv` of `forward`)."""
-        return self.key_value(context)
-
     # ------------------------------------------------------------------ forward
     def forward(
         self,
@@ -132,22 +127,19 @@ class KimiK3Attention(nn.Module):
         context: Optional[torch.Tensor],
         visibility: BlockVisibility,
         attention_backend: str = "auto",
-        context_kv: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+        kv_cache: Optional[DraftKVCache] = None,
     ) -> torch.Tensor:
-        """`hidden [B, N, W, H]` -> `[B, N, W, H]`.
+        """`hidden [B, N, W, H]`, `context [B, S, H]` -> `[B, N, W, H]`.
 
-        Args:
-            context: the shared context feature `[B, S, H]`; ignored when `context_kv` is given.
-            visibility: which context positions and slots each block sees.
-            context_kv: precomputed `context_key_value(context)` (a decoder's cache of the
-                committed context, `[B, S, Hl, D]` each), instead of `context`.
+        Without `kv_cache` the blocks attend over the keys/values of `context` (training). With a
+        prepared `kv_cache` (decoding), `context` is the context committed since the last forward:
+        its keys/values (`[B, S, Hl, D]`, expanded and padded; no position enters them) are written
+        into the cache and the blocks attend over the cache, as in `layers.DFlashAttention`.
         """
         B, N, W, _ = hidden.shape
-        if context_kv is None:
-            if context is None:
-                raise ValueError("KimiK3Attention needs the context feature or its cached keys/values.")
-            context_kv = self.context_key_value(context)
-        context_key, context_value = context_kv
+        context_key, context_value = self.key_value(context)
+        if kv_cache is not None:
+            context_key, context_value = kv_cache.update(self.layer_idx, context_key, context_value)
         query = self.query(hidden)
         block_key, block_value = self.key_value(hidden)
         out = block_attention(

@@ -12,7 +12,7 @@ output layer. It owns no embedding and no LM head.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 from megatron.core.model_parallel_config import ModelParallelConfig
@@ -20,15 +20,12 @@ from torch import nn
 
 from ..attention import BlockVisibility
 from ..body import check_body_inputs, default_parallel_config
+from ..kv_cache import DraftKVCache
 from ..norm import RMSNorm
 from ..parallel import check_parallel_layout, tensor_parallel_group
 from ..plan import DFlashBatchPlan
 from .config import KimiK3DraftConfig
 from .layers import KimiK3DecoderLayer
-
-# One `(keys, values)` pair per layer, each `[B, S, Hl, D]` (`KimiK3Attention.context_key_value`).
-ContextKV = Sequence[tuple[torch.Tensor, torch.Tensor]]
-
 
 class KimiK3Body(nn.Module):
     """Kimi K3 MLA draft body: `forward(target_hidden, block_embeddings, plan) -> hidden states`.
@@ -87,47 +84,13 @@ class KimiK3Body(nn.Module):
         """`target_hidden [B, S, taps * H]` -> the shared context feature `[B, S, H]`."""
         return self.hidden_norm(self.fc(target_hidden.to(self.fc.weight.dtype)))
 
-    def context_key_values(self, target_hidden: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Every layer's context keys and values of `target_hidden [B, S, taps * H]`:
-        `[(keys, values) [B, S, Hl, D]]`, one pair per layer.
-
-        Without rotary they depend on each position's taps only, so a decoder computes them once
-        per committed position and caches them (`blocks_from_cache`)."""
-        context = self.context_feature(target_hidden)
-        return [layer.self_attn.context_key_value(context) for layer in self.layers]
-
-    def blocks_from_cache(
-        self,
-        block_embeddings: torch.Tensor,
-        context_kv: ContextKV,
-        visibility: BlockVisibility,
-        attention_backend: Optional[str] = None,
-    ) -> torch.Tensor:
-        """The layers and the final norm over cached context keys/values.
-
-        Args:
-            block_embeddings: `[B, N, W, H]`.
-            context_kv: per layer `(keys, values)` `[B, S, Hl, D]` (`context_key_values`).
-            visibility: which cached positions and slots each block sees (in-block direction
-                is the config's, i.e. bidirectional).
-            attention_backend: `block_attention` backend; the body's own when None.
-
-        Returns:
-            `[B, N, W, H]` after the final norm (not zeroed at invalid blocks).
-        """
-        if len(context_kv) != len(self.layers):
-            raise ValueError(f"context_kv has {len(context_kv)} layers, the draft {len(self.layers)}.")
-        backend = attention_backend or self.attention_backend
-        hidden = block_embeddings.to(self.fc.weight.dtype)
-        for layer, kv in zip(self.layers, context_kv):
-            hidden = layer(hidden, None, visibility, backend, context_kv=kv)
-        return self.norm(hidden)
-
     def forward(
         self,
         target_hidden: torch.Tensor,
         block_embeddings: torch.Tensor,
         plan: DFlashBatchPlan,
+        kv_cache: Optional[DraftKVCache] = None,
+        attention_backend: Optional[str] = None,
         position_ids: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Draft hidden states for every block slot.
@@ -138,6 +101,9 @@ class KimiK3Body(nn.Module):
             block_embeddings: `[B, N, W, H]`, the target's input embedding of
                 `[anchor, MASK, ...]` per block (times `input_embedding_scale`).
             plan: the `DFlashBatchPlan` of this batch.
+            kv_cache: decoding: the `DraftKVCache` of the context committed so far, exactly as in
+                `DFlashBody.forward` (`target_hidden` is then only the newly committed context).
+            attention_backend: overrides the body's `attention_backend` for this call.
             position_ids: accepted for call compatibility and ignored: the draft has no rotary
                 embedding (the plan's positions are not used either).
 
@@ -148,11 +114,19 @@ class KimiK3Body(nn.Module):
         del position_ids
         check_body_inputs(self.config, self.tp_group, target_hidden, block_embeddings, plan)
         plan = plan.to(target_hidden.device)
+        if kv_cache is not None:
+            if kv_cache.num_layers != len(self.layers):
+                raise ValueError(
+                    f"the KV cache holds {kv_cache.num_layers} layers but the draft has {len(self.layers)}; "
+                    "build it with DraftKVCache(draft, ...) for this draft."
+                )
+            kv_cache.prepare(plan)
+        backend = attention_backend or self.attention_backend
         context = self.context_feature(target_hidden)
         hidden = block_embeddings.to(self.fc.weight.dtype)
         for i, layer in enumerate(self.layers):
             causal, window = self.config.layer_attention(i)
             visibility = BlockVisibility.from_plan(plan, causal=causal, sliding_window=window)
-            hidden = layer(hidden, context, visibility, self.attention_backend)
+            hidden = layer(hidden, context, visibility, backend, kv_cache)
         valid = plan.block_valid[:, :, None, None]
         return torch.where(valid, self.norm(hidden), torch.zeros((), dtype=hidden.dtype, device=hidden.device))

@@ -14,6 +14,7 @@ from megatron.core.model_parallel_config import ModelParallelConfig
 from torch import nn
 
 from ..attention import BlockVisibility
+from ..kv_cache import DraftKVCache
 from ..layers import column_parallel, row_parallel
 from ..norm import RMSNorm
 from .attention import KimiK3Attention
@@ -56,13 +57,13 @@ class KimiK3DecoderLayer(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
-        context: Optional[torch.Tensor],
+        context: torch.Tensor,
         visibility: BlockVisibility,
         attention_backend: str = "auto",
-        context_kv: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+        kv_cache: Optional[DraftKVCache] = None,
     ) -> torch.Tensor:
-        """`hidden [B, N, W, H]`, `context [B, S, H]` (or this layer's cached `context_kv`) -> `[B, N, W, H]`."""
+        """`hidden [B, N, W, H]`, `context [B, S, H]` -> `[B, N, W, H]`; `kv_cache` as in `KimiK3Attention`."""
         hidden = hidden + self.self_attn(
-            self.input_layernorm(hidden), context, visibility, attention_backend, context_kv
+            self.input_layernorm(hidden), context, visibility, attention_backend, kv_cache
         )
         return hidden + self.mlp(self.post_attention_layernorm(hidden))

@@ -914,7 +914,7 @@ def domino_propose(
 
     Args:
         hidden: ``[B, W, H]`` the block's draft hidden states, **all** slots
-            (`generate.draft_block_hidden`): with ``shift_label`` slots ``0..W-2`` propose, otherwise
+            (`DFlashBody.forward` with a KV cache): with ``shift_label`` slots ``0..W-2`` propose, otherwise
             ``1..W-1``.
         anchor_ids: ``[B]`` the block's slot-0 token (the last committed one).
         domino: the `DominoHead`.

@@ -5,8 +5,8 @@ Two changes to plain DFlash (docs/design.md §12 Variants, §3 Block attention):
 * **Causal in-block attention.** Slot ``k`` of a block sees the target context strictly before the
   anchor and the slots ``0..k`` of its own block, never a later slot, on every layer. The direction is
   decided by `DFlashConfig.layer_attention` (the one resolver of training masks and decoding), so a
-  `JetSpecConfig` (``causal=True``) makes `DFlashBody` and `generate.draft_block_hidden` causal with no
-  other change. The exported ``config.json`` says so twice: ``is_causal: true`` (what the reference
+  `JetSpecConfig` (``causal=True``) makes `DFlashBody` causal in training and decoding (one forward) with
+  no other change. The exported ``config.json`` says so twice: ``is_causal: true`` (what the reference
   modeling code reads) and ``dflash_config.causal: true``.
 * **Forward KL to the target.** Slot ``k`` of a block at ``p`` is distilled from the target's own
   next-token distribution for position ``p + k``, i.e. the teacher logits computed from the target's
