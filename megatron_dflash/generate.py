@@ -48,6 +48,7 @@ from torch import nn
 
 from .body import DFlashBody
 from .head import OutputHead
+from .kimi_k3.body import KimiK3Body
 from .kv_cache import DraftKVCache
 from .plan import DFlashBatchPlan
 from .target import taps_from_hidden_states
@@ -237,8 +238,10 @@ def rejection_verify(
 
 
 def _check_draft(draft: nn.Module) -> None:
-    if not isinstance(draft, DFlashBody):
-        raise ValueError(f"draft must be a DFlashBody (or DFlash2Body), got {type(draft).__name__}.")
+    if not isinstance(draft, (DFlashBody, KimiK3Body)):
+        raise ValueError(
+            f"draft must be a DFlashBody (or DFlash2Body) or a KimiK3Body, got {type(draft).__name__}."
+        )
     if draft.tp_group.size() != 1:
         raise ValueError(
             f"spec_generate runs the draft at tensor-parallel size 1, but it was built with TP="

@@ -47,6 +47,8 @@ from .dflash2 import (
 )
 from .domino import DOMINO_ARCHITECTURE, DominoBody, DominoConfig, domino_lambda, domino_loss, is_domino_hf_config
 from .jetspec import JetSpecConfig, jetspec_loss
+from ..kimi_k3.body import KimiK3Body
+from ..kimi_k3.config import KIMI_K3_DRAFT_ARCHITECTURE, KimiK3DraftConfig
 
 __all__ = [
     "Variant",
@@ -380,6 +382,12 @@ for _variant in (
         name="domino", title="Domino", config_cls=DominoConfig, body_cls=DominoBody,
         architecture=DOMINO_ARCHITECTURE, hf_match=is_domino_hf_config, loss=_domino_loss,
         proposer=_propose_block,
+    ),
+    # The Kimi K3 MLA draft family (docs/design.md §16 Kimi K3 draft family): another body, trained with
+    # the DFlash objective; the target family (`families.py`) picks it for Kimi K3 targets.
+    Variant(
+        name="kimi_k3", title="DFlash (Kimi K3 MLA draft)", config_cls=KimiK3DraftConfig, body_cls=KimiK3Body,
+        architecture=KIMI_K3_DRAFT_ARCHITECTURE, loss=_dflash_loss,
     ),
 ):
     register_variant(_variant)
