@@ -36,6 +36,7 @@ __all__ = [
     "target_architecture",
     "resolve_target_family",
     "supported_architectures",
+    "draft_family_of",
     "qwen3_draft_config",
     "kimi_k3_draft_fields",
 ]
@@ -227,6 +228,9 @@ class TargetFamily:
             with whatever extra loading arguments the family needs.
         default_taps: ``(num_target_layers, num_draft_layers) -> target_layer_ids``.
         notes: what a user of this family should know (shown by errors and docs).
+        loader_by_architecture: loaders for the architectures that need their own (e.g. no causal-LM auto class).
+        draft_architectures: the ``config.json`` architecture names of this family's exported drafts, when they
+            are the family's own (the Qwen3-style drafts are named by the variant that wrote them).
     """
 
     name: str
@@ -243,6 +247,7 @@ class TargetFamily:
     default_taps: Callable = default_target_layer_ids
     notes: str = ""
     loader_by_architecture: Mapping = field(default_factory=dict)
+    draft_architectures: tuple = ()
 
     def loader(self, architecture: Optional[str]) -> Callable:
         """The single-process loader for ``architecture`` (some wrappers need their own auto class)."""
@@ -328,6 +333,7 @@ KIMI_K3 = TargetFamily(
     load_hf_target=_load_kimi_k3,
     packed_sequences=False,
     kv_cache_decoding=False,
+    draft_architectures=("KimiK3DFlashDraftModel",),
     notes="K3 targets run on NeMo AutoModel's K3 model code (pip install --no-deps nemo-automodel==0.7.0); "
           "its KDA layers need flash-linear-attention (CUDA).",
 )
@@ -340,6 +346,14 @@ _BY_MODEL_TYPE = {mt: family for family in TARGET_FAMILIES.values() for mt in fa
 
 def supported_architectures() -> list[str]:
     return sorted(_BY_ARCHITECTURE)
+
+
+def draft_family_of(architecture: str) -> Optional[TargetFamily]:
+    """The family whose own draft architecture ``architecture`` is (None: not a family-specific draft name)."""
+    for family in TARGET_FAMILIES.values():
+        if architecture in family.draft_architectures:
+            return family
+    return None
 
 
 def resolve_target_family(config: Mapping) -> TargetFamily:

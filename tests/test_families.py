@@ -261,3 +261,17 @@ def test_the_evaluation_tool_refuses_a_target_it_cannot_decode_with(tiny_kimi_k3
 
     with pytest.raises(UsageError, match="kimi_k3 targets do not provide"):
         load_target(tiny_kimi_k3, torch.device("cpu"), torch.float32)
+
+
+def test_a_k3_draft_without_the_k3_draft_model_is_refused_by_name(tmp_path):
+    """Converter and evaluation tool load drafts through `load_hf_checkpoint`: a K3 draft is named as such."""
+    from megatron_dflash.checkpoint import load_hf_checkpoint
+    from megatron_dflash.convert import ARCHITECTURES
+
+    data = {"architectures": ["KimiK3DFlashDraftModel"], "hidden_size": 64}
+    if any(entry.accepts(data) for entry in ARCHITECTURES.values()):
+        pytest.skip("this installation has the Kimi K3 draft model")
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="holds a kimi_k3 draft .KimiK3DFlashDraftModel., and this installation has "
+                                         "no kimi_k3 draft model"):
+        load_hf_checkpoint(str(tmp_path))
