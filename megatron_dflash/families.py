@@ -254,8 +254,8 @@ class TargetFamily:
         return self.loader_by_architecture.get(architecture, self.load_hf_target)
 
     def check_run(self, *, variant: str, target_backend: str = "hf", attention_backend: str = "auto",
-                  pack_sequences: bool = False) -> None:
-        """Refuse, before anything is built, a run this family's draft cannot do.
+                  pack_sequences: bool = False, text_config: Optional[Mapping] = None) -> None:
+        """Refuse, before anything is built, a run this family's draft (or this target, ``text_config``) cannot do.
 
         Raises:
             TargetFamilyError: naming the family, the refused choice and the supported ones.
@@ -278,6 +278,13 @@ class TargetFamily:
             raise TargetFamilyError(
                 f"--pack-sequences: {self.name} targets are not run with per-document masks here; drop "
                 "--pack-sequences (each row is then one document)."
+            )
+        recurrent = sorted({t for t in (text_config or {}).get("layer_types") or () if t == "linear_attention"})
+        if pack_sequences and recurrent:
+            # A per-document attention mask does not reach a recurrent layer's state: documents would leak.
+            raise TargetFamilyError(
+                "--pack-sequences: this target has linear-attention layers (layer_types), whose recurrent state "
+                "would carry one document into the next; drop --pack-sequences."
             )
 
     def draft_config(self, target_config: Mapping, *, variant_config_cls: type, **kwargs: Any):

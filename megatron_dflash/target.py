@@ -365,11 +365,13 @@ def _hf_config_dict(hf_config: Any) -> dict:
 
 def hf_target_spec(hf_config: Any) -> HFTargetSpec:
     """Read and check a Qwen3/Llama/Qwen3-MoE/DeepSeek-V3 config; what the converter cannot reproduce is refused."""
-    cfg = _hf_config_dict(hf_config)
+    outer = _hf_config_dict(hf_config)
+    cfg = resolve_text_config(outer)  # a multimodal wrapper's text decoder
     model_type = cfg.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
+        wrapper = f" (the text config of a {outer.get('model_type')!r} checkpoint)" if cfg is not outer else ""
         raise ValueError(
-            f"megatron target: model_type={model_type!r} is not supported; supported families: "
+            f"megatron target: model_type={model_type!r}{wrapper} is not supported; supported families: "
             f"{list(SUPPORTED_MODEL_TYPES)} (use HFTarget for other models)."
         )
     act = cfg.get("hidden_act", "silu")

@@ -161,6 +161,15 @@ def test_runs_the_k3_family_cannot_do_are_refused_before_training(tmp_path, argv
         _job(tmp_path, target, *argv)
 
 
+def test_packing_a_target_with_linear_attention_layers_is_refused(tmp_path):
+    # Qwen3.5's gated-delta-net layers keep a recurrent state that a per-document mask does not reset.
+    target = _target_dir(tmp_path, "Qwen3_5ForConditionalGeneration", CONFIGS["Qwen3_5ForConditionalGeneration"]())
+    with pytest.raises(ArgumentError, match="linear-attention layers .layer_types.*drop --pack-sequences"):
+        _job(tmp_path, target, "--pack-sequences")
+    assert _job(tmp_path, _target_dir(tmp_path, "Qwen3ForCausalLM", CONFIGS["Qwen3ForCausalLM"]()),
+                "--pack-sequences").args.pack_sequences
+
+
 def test_unknown_architectures_are_refused_with_the_supported_ones(tmp_path):
     target = _target_dir(tmp_path, "GPT2LMHeadModel", dict(TEXT, model_type="gpt2"))
     with pytest.raises(ArgumentError) as err:

@@ -266,13 +266,14 @@ def prepare_job(
     target_dir = resolve_target_dir(args, env, log=log)
     with open(os.path.join(target_dir, "config.json")) as f:
         target_config = json.load(f)
+    text_config = resolve_text_config(target_config)
     try:
         family = resolve_target_family(target_config)
         family.check_run(variant=args.dflash_variant, target_backend=args.target_backend,
-                         attention_backend=args.dflash_attention_backend, pack_sequences=args.pack_sequences)
+                         attention_backend=args.dflash_attention_backend, pack_sequences=args.pack_sequences,
+                         text_config=text_config)
     except TargetFamilyError as err:
         raise ArgumentError(f"--target={target_dir}: {err}") from None
-    text_config = resolve_text_config(target_config)
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
         if key not in text_config:
             raise ArgumentError(f"--target={target_dir}: config.json has no {key!r}; not a decoder LLM config.")
