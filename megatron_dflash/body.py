@@ -36,6 +36,47 @@ def default_parallel_config(**overrides) -> ModelParallelConfig:
     return ModelParallelConfig(**kwargs)
 
 
+def body_input_error(cfg, target_hidden, block_embeddings, plan) -> Optional[str]:
+    """Why a draft body of config `cfg` cannot take these inputs (None when it can).
+
+    Shared by every draft family: `cfg` needs `hidden_size`, `block_size`, `num_taps` and
+    `target_layer_ids`."""
+    if not isinstance(plan, DFlashBatchPlan):
+        return f"plan must be a DFlashBatchPlan, got {type(plan).__name__}"
+    if target_hidden.dim() != 3:
+        return f"target_hidden must be [batch, seq, taps*hidden], got shape {tuple(target_hidden.shape)}"
+    if block_embeddings.dim() != 4:
+        return (
+            "block_embeddings must be [batch, blocks, block_size, hidden], got shape "
+            f"{tuple(block_embeddings.shape)}"
+        )
+    B, S, F = target_hidden.shape
+    if F != cfg.num_taps * cfg.hidden_size:
+        return (
+            f"target_hidden has {F} features but the draft expects {cfg.num_taps} taps x "
+            f"{cfg.hidden_size} = {cfg.num_taps * cfg.hidden_size} (target_layer_ids="
+            f"{cfg.target_layer_ids})"
+        )
+    expected = (B, plan.num_blocks, cfg.block_size, cfg.hidden_size)
+    if tuple(block_embeddings.shape) != expected:
+        return f"block_embeddings has shape {tuple(block_embeddings.shape)}, expected {expected} from the plan and config"
+    if plan.block_size != cfg.block_size:
+        return f"plan.block_size={plan.block_size} but config.block_size={cfg.block_size}"
+    if tuple(plan.anchor_positions.shape[:1]) != (B,) or plan.seq_length != S:
+        return (
+            f"plan is for batch {plan.batch_size} x seq {plan.seq_length} but target_hidden is "
+            f"[{B}, {S}, ...]"
+        )
+    return None
+
+
+def check_body_inputs(cfg, tp_group, target_hidden, block_embeddings, plan) -> None:
+    """Raise the same `ValueError` on every rank of `tp_group` if any rank's inputs are bad."""
+    error = body_input_error(cfg, target_hidden, block_embeddings, plan)
+    signature = [target_hidden.dim(), *target_hidden.shape, block_embeddings.dim(), *block_embeddings.shape]
+    agree_or_raise(error, signature, tp_group, target_hidden.device)
+
+
 class DFlashBody(nn.Module):
     """DFlash draft body: `forward(target_hidden, block_embeddings, plan) -> hidden states`.
 
@@ -77,40 +118,8 @@ class DFlashBody(nn.Module):
         self.norm = RMSNorm(H, config.rms_norm_eps, dtype=dtype)
 
     # ------------------------------------------------------------------ validation
-    def _input_error(self, target_hidden, block_embeddings, plan) -> Optional[str]:
-        cfg = self.config
-        if not isinstance(plan, DFlashBatchPlan):
-            return f"plan must be a DFlashBatchPlan, got {type(plan).__name__}"
-        if target_hidden.dim() != 3:
-            return f"target_hidden must be [batch, seq, taps*hidden], got shape {tuple(target_hidden.shape)}"
-        if block_embeddings.dim() != 4:
-            return (
-                "block_embeddings must be [batch, blocks, block_size, hidden], got shape "
-                f"{tuple(block_embeddings.shape)}"
-            )
-        B, S, F = target_hidden.shape
-        if F != cfg.num_taps * cfg.hidden_size:
-            return (
-                f"target_hidden has {F} features but the draft expects {cfg.num_taps} taps x "
-                f"{cfg.hidden_size} = {cfg.num_taps * cfg.hidden_size} (target_layer_ids="
-                f"{cfg.target_layer_ids})"
-            )
-        expected = (B, plan.num_blocks, cfg.block_size, cfg.hidden_size)
-        if tuple(block_embeddings.shape) != expected:
-            return f"block_embeddings has shape {tuple(block_embeddings.shape)}, expected {expected} from the plan and config"
-        if plan.block_size != cfg.block_size:
-            return f"plan.block_size={plan.block_size} but config.block_size={cfg.block_size}"
-        if tuple(plan.anchor_positions.shape[:1]) != (B,) or plan.seq_length != S:
-            return (
-                f"plan is for batch {plan.batch_size} x seq {plan.seq_length} but target_hidden is "
-                f"[{B}, {S}, ...]"
-            )
-        return None
-
     def _validate(self, target_hidden, block_embeddings, plan) -> None:
-        error = self._input_error(target_hidden, block_embeddings, plan)
-        signature = [target_hidden.dim(), *target_hidden.shape, block_embeddings.dim(), *block_embeddings.shape]
-        agree_or_raise(error, signature, self.tp_group, target_hidden.device)
+        check_body_inputs(self.config, self.tp_group, target_hidden, block_embeddings, plan)
 
     # ------------------------------------------------------------------ checkpointing
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None) -> dict:

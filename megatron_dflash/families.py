@@ -1,4 +1,4 @@
-"""Target families: which draft a target gets, built how, trained with what (docs/design.md §16 Target families).
+"""Target families: which draft a target gets, built how, trained with what (docs/design.md §17 Target families).
 
 A *target family* groups the target architectures one draft family serves. The registry is keyed by the
 architecture names a HF ``config.json`` declares (``architectures[0]``); each entry says
@@ -23,6 +23,7 @@ named but not registered is refused with the list of supported ones.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
 
@@ -36,9 +37,9 @@ __all__ = [
     "target_architecture",
     "resolve_target_family",
     "supported_architectures",
-    "draft_family_of",
     "qwen3_draft_config",
-    "kimi_k3_draft_fields",
+    "kimi_k3_draft_config",
+    "DraftModel",
 ]
 
 ALL_VARIANTS = ("dflash", "dflash2", "domino", "jetspec")
@@ -118,65 +119,17 @@ def qwen3_draft_config(
     return config_cls(**kwargs)
 
 
-# The K3 text-config fields a dense MLA draft keeps from its target: the attention it reproduces (MLA with a
-# low-rank query and a compressed KV latent, output gate), its SiTU MLP and norm, and the vocabulary whose
-# embedding and head it borrows. Everything the draft does not build (KDA layers, experts, MTP, attention
-# residuals) stays with the target.
-KIMI_K3_DRAFT_FIELDS = (
-    "hidden_size",
-    "intermediate_size",
-    "num_attention_heads",
-    "q_lora_rank",
-    "kv_lora_rank",
-    "qk_nope_head_dim",
-    "qk_rope_head_dim",
-    "v_head_dim",
-    "mla_use_output_gate",
-    "hidden_act",
-    "activation_situ_beta",
-    "activation_situ_linear_beta",
-    "rms_norm_eps",
-    "vocab_size",
-    "max_position_embeddings",
-)
-
-
-def kimi_k3_draft_fields(text_config: Mapping) -> dict:
-    """The fields of a Kimi K3 MLA draft taken from a K3 text config (``model_type: kimi_linear``).
-
-    K3 attention is NoPE (``mla_use_nope``): no rotary anywhere, so no RoPE field is carried. One K/V head per
-    query head (``num_key_value_heads == num_attention_heads``) is required by the draft's attention.
+def kimi_k3_draft_config(text_config: Mapping, *, config_cls: type, num_layers: int, **kwargs: Any):
+    """A Kimi K3 MLA draft of a K3 text config (``model_type: kimi_linear``): the draft family's own derivation
+    (`kimi_k3.KimiK3DraftConfig.from_target_config`: MLA sizes, SiTU, hidden size, vocabulary; NoPE, so no RoPE).
 
     Raises:
-        TargetFamilyError: if a field is missing, RoPE is in use, or K/V heads are grouped.
+        TargetFamilyError: for a field the K3 draft does not have (a Qwen3-style `--dflash-*` flag).
     """
-    cfg = dict(text_config)
-    missing = [k for k in ("hidden_size", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim",
-                           "qk_rope_head_dim", "v_head_dim", "vocab_size", "num_hidden_layers") if cfg.get(k) is None]
-    if missing:
-        raise TargetFamilyError(f"Kimi K3 target config has no {missing}: not a K3 multi-latent-attention text config.")
-    if cfg.get("mla_use_nope", True) is not True:
-        raise TargetFamilyError("Kimi K3 target has mla_use_nope=false: the K3 draft is NoPE (no rotary) like K3 "
-                                "itself, so it cannot follow a rotary MLA target.")
-    kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
-    if int(kv_heads) != int(cfg["num_attention_heads"]):
-        raise TargetFamilyError(f"Kimi K3 target has num_key_value_heads={kv_heads} != num_attention_heads="
-                                f"{cfg['num_attention_heads']}; K3's MLA has one K/V head per query head.")
-    out = {k: cfg[k] for k in KIMI_K3_DRAFT_FIELDS if k in cfg}
-    out["num_target_layers"] = int(cfg["num_hidden_layers"])
-    out["extra_hf_fields"] = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
-                              if cfg.get(k) is not None}
-    return out
-
-
-def _kimi_k3_draft_config(text_config: Mapping, *, config_cls: Optional[type], **kwargs: Any):
-    if config_cls is None:
-        raise TargetFamilyError(
-            "the kimi_k3 draft family is not part of this installation (no Kimi K3 draft model); its targets load "
-            "and can be tapped, but a K3 draft cannot be trained yet."
-        )
-    num_layers = kwargs.pop("num_layers")
-    return config_cls(**kimi_k3_draft_fields(text_config), num_hidden_layers=num_layers, **kwargs)
+    try:
+        return config_cls.from_target_config(text_config, num_hidden_layers=num_layers, **kwargs)
+    except TypeError as err:  # an override naming a field of the Qwen3-style draft only
+        raise TargetFamilyError(f"the kimi_k3 draft does not take that setting ({err}); drop the flag.") from None
 
 
 # ------------------------------------------------------------------------------------------ target loading
@@ -203,6 +156,32 @@ def _load_kimi_k3(directory: str, dtype):
     return load_kimi_k3_target(directory, dtype=dtype)
 
 
+@dataclass(frozen=True)
+class DraftModel:
+    """A draft family's own model, where it is not the variant's (the Qwen3-style body): its config class, body
+    (``build_body(config, parallel_config, attention_backend)``) and HF directory writer / reader."""
+
+    config_cls: type
+    build_body: Callable
+    save_hf: Callable
+    load_hf: Callable
+
+
+def _kimi_k3_draft() -> DraftModel:
+    from .kimi_k3 import KimiK3Body, KimiK3DraftConfig, load_kimi_k3_checkpoint, save_kimi_k3_checkpoint
+
+    def build_body(config, parallel_config, attention_backend):
+        return KimiK3Body(config, parallel_config=parallel_config, attention_backend=attention_backend)
+
+    def save_hf(body, directory, dtype=None, overwrite=False):
+        save_kimi_k3_checkpoint(body, directory, dtype=dtype, overwrite=overwrite)
+
+    def load_hf(directory, tp_group=None, attention_backend="auto"):
+        return load_kimi_k3_checkpoint(directory, tp_group=tp_group, attention_backend=attention_backend)
+
+    return DraftModel(KimiK3DraftConfig, build_body, save_hf, load_hf)
+
+
 # ------------------------------------------------------------------------------------------ the registry
 
 
@@ -216,8 +195,8 @@ class TargetFamily:
         model_types: ``model_type`` values that identify the family when ``architectures`` is absent.
         build_draft_config: ``(text_config, *, config_cls, num_layers, block_size, mask_token_id,
             target_layer_ids, **overrides) -> config``: the draft config from the target's text config.
-        draft_config_cls: the draft's config class when the family owns it (None: the variant's class, which
-            is how the Qwen3-style variants differ); a callable so optional modules import lazily.
+        draft_model: the family's own draft model (config class, body, HF writer / reader) when it is not the
+            variant's (None: the Qwen3-style body each variant builds); a callable, so its modules import lazily.
         variants: the `--dflash-variant` names the draft family implements.
         attention_backends: the `--dflash-attention-backend` values its draft can run.
         target_backends: the `--target-backend` values that can run its targets.
@@ -229,8 +208,6 @@ class TargetFamily:
         default_taps: ``(num_target_layers, num_draft_layers) -> target_layer_ids``.
         notes: what a user of this family should know (shown by errors and docs).
         loader_by_architecture: loaders for the architectures that need their own (e.g. no causal-LM auto class).
-        draft_architectures: the ``config.json`` architecture names of this family's exported drafts, when they
-            are the family's own (the Qwen3-style drafts are named by the variant that wrote them).
     """
 
     name: str
@@ -241,13 +218,12 @@ class TargetFamily:
     attention_backends: tuple
     target_backends: tuple
     load_hf_target: Callable
-    draft_config_cls: Optional[Callable[[], Optional[type]]] = None
+    draft_model: Optional[Callable[[], DraftModel]] = None
     packed_sequences: bool = True
     kv_cache_decoding: bool = True
     default_taps: Callable = default_target_layer_ids
     notes: str = ""
     loader_by_architecture: Mapping = field(default_factory=dict)
-    draft_architectures: tuple = ()
 
     def loader(self, architecture: Optional[str]) -> Callable:
         """The single-process loader for ``architecture`` (some wrappers need their own auto class)."""
@@ -289,12 +265,17 @@ class TargetFamily:
 
     def draft_config(self, target_config: Mapping, *, variant_config_cls: type, **kwargs: Any):
         """The draft config for ``target_config`` (a full ``config.json`` dict; its text config is used)."""
-        cls = self.draft_config_cls() if self.draft_config_cls is not None else variant_config_cls
+        cls = self.draft_model().config_cls if self.draft_model is not None else variant_config_cls
         return self.build_draft_config(resolve_text_config(target_config), config_cls=cls, **kwargs)
 
-
-def _no_kimi_k3_draft() -> Optional[type]:
-    return None
+    def adapt_variant(self, variant):
+        """``variant`` (a `training.variants.VariantSpec`) building, saving and loading this family's draft."""
+        if self.draft_model is None:
+            return variant
+        model = self.draft_model()
+        return dataclasses.replace(variant, config_cls=model.config_cls, build_body=model.build_body,
+                                   save_hf=model.save_hf, load_hf=model.load_hf,
+                                   config_from_pretrained=model.config_cls.from_pretrained)
 
 
 QWEN3 = TargetFamily(
@@ -332,15 +313,14 @@ KIMI_K3 = TargetFamily(
     name="kimi_k3",
     architectures=("KimiK3ForCausalLM", "KimiK3ForConditionalGeneration"),
     model_types=("kimi_k3", "kimi_linear"),
-    build_draft_config=_kimi_k3_draft_config,
-    draft_config_cls=_no_kimi_k3_draft,
+    build_draft_config=kimi_k3_draft_config,
+    draft_model=_kimi_k3_draft,
     variants=("dflash",),
     attention_backends=ALL_ATTENTION_BACKENDS,
     target_backends=("hf",),
     load_hf_target=_load_kimi_k3,
     packed_sequences=False,
     kv_cache_decoding=False,
-    draft_architectures=("KimiK3DFlashDraftModel",),
     notes="K3 targets run on NeMo AutoModel's K3 model code (pip install --no-deps nemo-automodel==0.7.0); "
           "its KDA layers need flash-linear-attention (CUDA).",
 )
@@ -353,14 +333,6 @@ _BY_MODEL_TYPE = {mt: family for family in TARGET_FAMILIES.values() for mt in fa
 
 def supported_architectures() -> list[str]:
     return sorted(_BY_ARCHITECTURE)
-
-
-def draft_family_of(architecture: str) -> Optional[TargetFamily]:
-    """The family whose own draft architecture ``architecture`` is (None: not a family-specific draft name)."""
-    for family in TARGET_FAMILIES.values():
-        if architecture in family.draft_architectures:
-            return family
-    return None
 
 
 def resolve_target_family(config: Mapping) -> TargetFamily:

@@ -18,7 +18,8 @@ One decoding cycle per batch:
 3. **Commit.** The anchor and the accepted tokens become context: their target taps
    (`hidden_states[i + 1]` for `i` in `target_layer_ids`) give context features
    `hidden_norm(fc(taps))`, which each draft layer projects with its `k_proj`/`v_proj` (k_norm
-   and RoPE at their positions) into the draft KV cache. The bonus token is the next anchor.
+   and RoPE at their positions) into the draft KV cache (a Kimi K3 draft caches its expanded MLA
+   keys and values, which carry no position). The bonus token is the next anchor.
 
 Batches: rows accept different lengths. The target's HF KV cache stays rectangular: every
 cycle appends `W` slots to every row, rejected slots become holes that a 2-D attention mask
@@ -46,6 +47,7 @@ from torch import nn
 
 from .attention import BlockVisibility, block_attention
 from .body import DFlashBody
+from .kimi_k3.body import KimiK3Body
 from .objectives import OutputHead
 from .rope import apply_rope, rope_cos_sin, rope_inv_freq
 from .families import resolve_text_config
@@ -245,8 +247,10 @@ def _rope(config, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _check_draft(draft: nn.Module) -> None:
-    if not isinstance(draft, DFlashBody):
-        raise ValueError(f"draft must be a DFlashBody (or DFlash2Body), got {type(draft).__name__}.")
+    if not isinstance(draft, (DFlashBody, KimiK3Body)):
+        raise ValueError(
+            f"draft must be a DFlashBody (or DFlash2Body) or a KimiK3Body, got {type(draft).__name__}."
+        )
     if draft.tp_group.size() != 1:
         raise ValueError(
             f"spec_generate runs the draft at tensor-parallel size 1, but it was built with TP="
@@ -258,7 +262,8 @@ class DraftKVCache:
     """The draft's KV cache of committed context, one entry per position.
 
     Per layer, `keys`/`values` `[B, capacity, Hkv, D]`: entry `t` of a row holds its layer's
-    `k_norm`+RoPE'd `k_proj` and its `v_proj` of the context feature of position `t`. Entries
+    `k_norm`+RoPE'd `k_proj` and its `v_proj` of the context feature of position `t` (for a Kimi K3
+    draft, its expanded MLA keys and values, `KimiK3Body.context_key_values`). Entries
     at or past a row's committed length are scratch (masked by the block visibility and
     overwritten later), which lets every row write a rectangular `[B, W]` slab per cycle.
     """
@@ -289,15 +294,9 @@ class DraftKVCache:
         needed = int(positions.max()) + 1
         if needed > self.capacity:
             self.grow(max(needed, 2 * self.capacity))
-        context = draft.hidden_norm(draft.fc(taps.to(draft.fc.weight.dtype)))  # [B, S, H]
-        cos, sin = _rope(draft.config, positions)
         index = positions[:, :, None, None]
-        for i, layer in enumerate(draft.layers):
-            attn = layer.self_attn
-            k = _linear(attn.k_proj, context).view(B, S, attn.num_kv_heads, attn.head_dim)
-            k = apply_rope(attn.k_norm(k), cos, sin)
-            v = _linear(attn.v_proj, context).view(B, S, attn.num_kv_heads, attn.head_dim)
-            expand = index.expand(-1, -1, attn.num_kv_heads, attn.head_dim)
+        for i, (k, v) in enumerate(_context_key_values(draft, taps, positions)):
+            expand = index.expand(-1, -1, k.shape[2], k.shape[3])
             self.keys[i].scatter_(1, expand, k.to(self.keys[i].dtype))
             self.values[i].scatter_(1, expand, v.to(self.values[i].dtype))
 
@@ -319,6 +318,23 @@ class DraftKVCache:
         """Keep only `rows` (int64 indices) of the batch."""
         self.keys = [k.index_select(0, rows) for k in self.keys]
         self.values = [v.index_select(0, rows) for v in self.values]
+
+
+def _context_key_values(draft, taps: torch.Tensor, positions: torch.Tensor):
+    """Per layer `(keys, values)` `[B, S, Hkv, D]` of the context at `positions [B, S]`, from `taps`."""
+    if isinstance(draft, KimiK3Body):  # NoPE: the body computes them, positions play no part
+        return draft.context_key_values(taps)
+    B, S, _ = taps.shape
+    context = draft.hidden_norm(draft.fc(taps.to(draft.fc.weight.dtype)))  # [B, S, H]
+    cos, sin = _rope(draft.config, positions)
+    out = []
+    for layer in draft.layers:
+        attn = layer.self_attn
+        k = _linear(attn.k_proj, context).view(B, S, attn.num_kv_heads, attn.head_dim)
+        k = apply_rope(attn.k_norm(k), cos, sin)
+        v = _linear(attn.v_proj, context).view(B, S, attn.num_kv_heads, attn.head_dim)
+        out.append((k, v))
+    return out
 
 
 def _linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -377,11 +393,19 @@ def draft_block_hidden(
     config = draft.config
     B, W, _ = block_embeddings.shape
     anchors = anchors.to(torch.int64)
-    positions = anchors[:, None] + torch.arange(W, device=anchors.device)  # [B, W]
-    cos, sin = _rope(config, positions[:, None, :])  # [B, 1, W, D]
     # Only the longest committed prefix of the batch can be visible.
     length = max(int(anchors.max()), 1)
     hidden = block_embeddings.to(draft.fc.weight.dtype)[:, None]  # [B, 1, W, H]
+    if isinstance(draft, KimiK3Body):  # its own layers, over the cached context (bidirectional in-block)
+        visibility = BlockVisibility(
+            anchor_positions=anchors[:, None],
+            context_start=torch.zeros_like(anchors)[:, None],
+            block_valid=torch.ones(B, 1, dtype=torch.bool, device=anchors.device),
+        )
+        cached = [(k[:, :length], v[:, :length]) for k, v in zip(cache.keys, cache.values)]
+        return draft.blocks_from_cache(hidden, cached, visibility)[:, 0]
+    positions = anchors[:, None] + torch.arange(W, device=anchors.device)  # [B, W]
+    cos, sin = _rope(config, positions[:, None, :])  # [B, 1, W, D]
     for i, layer in enumerate(draft.layers):
         causal, window = config.layer_attention(i)
         visibility = BlockVisibility(

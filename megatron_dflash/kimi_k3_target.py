@@ -1,4 +1,4 @@
-"""Kimi K3 targets in one process, on NeMo AutoModel's K3 model code (docs/design.md §16 Target families).
+"""Kimi K3 targets in one process, on NeMo AutoModel's K3 model code (docs/design.md §17 Target families).
 
 transformers has no Kimi K3 model; NeMo AutoModel (``nemo-automodel``, an optional dependency) does:
 ``KimiK3ForCausalLM``, a hybrid of KDA linear-attention and gated multi-latent-attention (MLA, NoPE) layers with

@@ -15,7 +15,6 @@ import torch
 from megatron_dflash.config import default_target_layer_ids
 from megatron_dflash.families import (
     TARGET_FAMILIES,
-    kimi_k3_draft_fields,
     resolve_target_family,
     resolve_text_config,
     supported_architectures,
@@ -87,8 +86,8 @@ CONFIGS = {
 }
 
 
-def _target_dir(tmp_path, architecture: str, config: dict) -> str:
-    directory = tmp_path / architecture
+def _target_dir(tmp_path, architecture: str, config: dict, name: str = "") -> str:
+    directory = tmp_path / (name or architecture)
     directory.mkdir()
     config = dict(config, architectures=[architecture])
     (directory / "config.json").write_text(json.dumps(config))
@@ -132,21 +131,25 @@ def test_qwen3_family_targets_resolve_to_a_draft_of_their_text_config(tmp_path, 
 
 @pytest.mark.parametrize("architecture", ["KimiK3ForCausalLM", "KimiK3ForConditionalGeneration"])
 def test_kimi_k3_targets_resolve_to_the_k3_draft_family(tmp_path, architecture):
+    from megatron_dflash.kimi_k3 import KimiK3Body, KimiK3DraftConfig
+
     config = CONFIGS[architecture]()
-    family = resolve_target_family(dict(config, architectures=[architecture]))
-    assert family.name == "kimi_k3" and family.variants == ("dflash",)
-    fields = kimi_k3_draft_fields(resolve_text_config(config))
+    job = _job(tmp_path, _target_dir(tmp_path, architecture, config))
+    assert job.target_family.name == "kimi_k3" and job.target_family.variants == ("dflash",)
+    draft = job.draft_config
+    assert isinstance(draft, KimiK3DraftConfig)
     # The MLA shapes of the target's text config (NoPE: no RoPE fields), its depth and vocabulary.
-    assert {k: fields[k] for k in ("hidden_size", "num_attention_heads", "q_lora_rank", "kv_lora_rank",
-                                   "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "vocab_size",
-                                   "num_target_layers")} == dict(
+    assert {k: getattr(draft, k) for k in ("hidden_size", "num_attention_heads", "q_lora_rank", "kv_lora_rank",
+                                           "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "vocab_size",
+                                           "num_target_layers", "num_hidden_layers")} == dict(
         hidden_size=64, num_attention_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
-        qk_rope_head_dim=8, v_head_dim=16, vocab_size=VOCAB, num_target_layers=8)
-    assert not any("rope_theta" in k or "rope_scaling" in k for k in fields)
-    # Through pretrain_dflash.py's resolution: the family is found, and without the K3 draft model in this
-    # installation the run stops before anything is built, saying so.
-    with pytest.raises(ArgumentError, match="kimi_k3 draft family is not part of this installation"):
-        _job(tmp_path, _target_dir(tmp_path, architecture, config))
+        qk_rope_head_dim=8, v_head_dim=16, vocab_size=VOCAB, num_target_layers=8, num_hidden_layers=2)
+    assert draft.target_layer_ids == default_target_layer_ids(8, 2)
+    # The job's variant builds the family's draft body.
+    assert isinstance(job.variant.build_body(draft, None, "chunked"), KimiK3Body)
+    # A flag of the Qwen3-style draft only is refused before anything is built.
+    with pytest.raises(ArgumentError, match="the kimi_k3 draft does not take that setting.*head_dim"):
+        _job(tmp_path, _target_dir(tmp_path, architecture, config, name="again"), "--dflash-head-dim", "32")
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -156,6 +159,7 @@ def test_kimi_k3_targets_resolve_to_the_k3_draft_family(tmp_path, architecture):
     (["--pack-sequences"], "drop --pack-sequences"),
 ])
 def test_runs_the_k3_family_cannot_do_are_refused_before_training(tmp_path, argv, message):
+    pytest.importorskip("nemo_automodel.components.models.kimi_k3.config")
     target = _target_dir(tmp_path, "KimiK3ForConditionalGeneration", CONFIGS["KimiK3ForConditionalGeneration"]())
     with pytest.raises(ArgumentError, match=message):
         _job(tmp_path, target, *argv)
@@ -272,15 +276,47 @@ def test_the_evaluation_tool_refuses_a_target_it_cannot_decode_with(tiny_kimi_k3
         load_target(tiny_kimi_k3, torch.device("cpu"), torch.float32)
 
 
-def test_a_k3_draft_without_the_k3_draft_model_is_refused_by_name(tmp_path):
-    """Converter and evaluation tool load drafts through `load_hf_checkpoint`: a K3 draft is named as such."""
-    from megatron_dflash.checkpoint import load_hf_checkpoint
-    from megatron_dflash.convert import ARCHITECTURES
+def test_a_kimi_k3_draft_trains_on_the_tiny_k3_target_exports_and_reloads_as_nemo_reads_it(tiny_kimi_k3, tmp_path):
+    """pretrain_dflash.py's training path on the K3 target's taps: a few iterations, the HF export, reloaded here
+    and by NeMo AutoModel's `KimiK3DFlashDraftModel`, which compute the same block hidden states."""
+    from safetensors.torch import load_file
 
-    data = {"architectures": ["KimiK3DFlashDraftModel"], "hidden_size": 64}
-    if any(entry.accepts(data) for entry in ARCHITECTURES.values()):
-        pytest.skip("this installation has the Kimi K3 draft model")
-    (tmp_path / "config.json").write_text(json.dumps(data))
-    with pytest.raises(ValueError, match="holds a kimi_k3 draft .KimiK3DFlashDraftModel., and this installation has "
-                                         "no kimi_k3 draft model"):
-        load_hf_checkpoint(str(tmp_path))
+    from megatron_dflash.checkpoint import load_hf_checkpoint
+    from megatron_dflash.kimi_k3 import KimiK3Body
+    from megatron_dflash.plan import DFlashBatchPlan
+    from megatron_dflash.training.loop import run
+    from test_interop import ANCHORS, SEQ, nemo, training_forward
+
+    draft_module = nemo("draft_kimi_k3")
+    export = tmp_path / "hf"
+    result = run(["--target", tiny_kimi_k3, "--data-format", "synthetic", "--dflash-num-layers", "2",
+                  "--dflash-block-size", "4", "--seq-length", "48", "--dflash-anchors-per-sample", "4",
+                  "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "4", "--lr", "2e-3",
+                  "--synthetic-train-samples", "16", "--synthetic-valid-samples", "4", "--eval-iters", "1",
+                  "--no-progress-bar", "--run-dir", str(tmp_path / "run"), "--dflash-export", str(export)],
+                 world_size=1)
+    assert result.iterations == 4 and all(torch.isfinite(torch.tensor(result.losses)))
+    assert result.final_acceptance is None  # decoding needs a target KV cache (docs/design.md §17 Target families)
+    with open(export / "config.json") as f:
+        exported = json.load(f)
+    assert exported["architectures"] == ["KimiK3DFlashDraftModel"] and exported["num_target_layers"] == 6
+
+    body = load_hf_checkpoint(str(export), attention_backend="chunked").eval()
+    assert isinstance(body, KimiK3Body)
+    from nemo_automodel.components.models.kimi_k3.config import KimiK3TextConfig
+
+    ref = draft_module.KimiK3DFlashDraftModel(KimiK3TextConfig(**exported)).float().eval()
+    missing, unexpected = ref.load_state_dict(load_file(str(export / "model.safetensors")), strict=True)
+    assert not missing and not unexpected
+
+    target = HFTarget(_load(tiny_kimi_k3), body.config.target_layer_ids)
+    ids = torch.randint(0, VOCAB, (ANCHORS.shape[0], SEQ), generator=torch.Generator().manual_seed(5))
+    taps = target(ids).taps
+    plan = DFlashBatchPlan.from_anchors(ANCHORS, block_size=4, seq_length=SEQ)
+    blocks = target.embedding(torch.where(torch.arange(4) == 0, ids.gather(1, ANCHORS)[..., None],
+                                            body.config.mask_token_id))  # [anchor, MASK, ...] per block
+    with torch.no_grad():
+        ours = body(taps, blocks, plan)
+        expected = training_forward(ref, taps, blocks, plan, causal=False)
+    assert expected.abs().max() > 0.1
+    torch.testing.assert_close(ours, expected, rtol=0, atol=1e-5)

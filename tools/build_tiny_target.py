@@ -81,7 +81,7 @@ def main(argv=None) -> int:
     parser.add_argument("--family", choices=("qwen3", "kimi_k3"), default="qwen3",
                         help="qwen3: the shipped (trained) tiny target; kimi_k3: a randomly initialised tiny Kimi K3 "
                         "target in the released checkpoint layout with the shipped tokenizer, for trying the K3 "
-                        "path (needs nemo-automodel; docs/design.md §16 Target families).")
+                        "path (needs nemo-automodel; docs/design.md §17 Target families).")
     parser.add_argument("--seed", type=int, default=0, help="weight seed of the kimi_k3 target.")
     args = parser.parse_args(argv)
     if os.path.exists(args.output):

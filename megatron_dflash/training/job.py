@@ -274,6 +274,11 @@ def prepare_job(
                          text_config=text_config)
     except TargetFamilyError as err:
         raise ArgumentError(f"--target={target_dir}: {err}") from None
+    try:
+        variant = family.adapt_variant(variant)  # a family with its own draft model builds, saves and loads it
+    except ImportError as err:
+        raise ArgumentError(f"--target={target_dir}: the {family.name} draft is not available in this installation "
+                            f"({err}).") from None
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
         if key not in text_config:
             raise ArgumentError(f"--target={target_dir}: config.json has no {key!r}; not a decoder LLM config.")
