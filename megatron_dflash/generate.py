@@ -403,7 +403,7 @@ def draft_block_hidden(
             block_valid=torch.ones(B, 1, dtype=torch.bool, device=anchors.device),
         )
         cached = [(k[:, :length], v[:, :length]) for k, v in zip(cache.keys, cache.values)]
-        return draft.blocks_from_cache(hidden, cached, visibility)[:, 0]
+        return draft.blocks_from_cache(hidden, cached, visibility, attention_backend)[:, 0]
     positions = anchors[:, None] + torch.arange(W, device=anchors.device)  # [B, W]
     cos, sin = _rope(config, positions[:, None, :])  # [B, 1, W, D]
     for i, layer in enumerate(draft.layers):

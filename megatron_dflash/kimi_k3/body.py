@@ -97,7 +97,11 @@ class KimiK3Body(nn.Module):
         return [layer.self_attn.context_key_value(context) for layer in self.layers]
 
     def blocks_from_cache(
-        self, block_embeddings: torch.Tensor, context_kv: ContextKV, visibility: BlockVisibility
+        self,
+        block_embeddings: torch.Tensor,
+        context_kv: ContextKV,
+        visibility: BlockVisibility,
+        attention_backend: Optional[str] = None,
     ) -> torch.Tensor:
         """The layers and the final norm over cached context keys/values.
 
@@ -106,15 +110,17 @@ class KimiK3Body(nn.Module):
             context_kv: per layer `(keys, values)` `[B, S, Hl, D]` (`context_key_values`).
             visibility: which cached positions and slots each block sees (in-block direction
                 is the config's, i.e. bidirectional).
+            attention_backend: `block_attention` backend; the body's own when None.
 
         Returns:
             `[B, N, W, H]` after the final norm (not zeroed at invalid blocks).
         """
         if len(context_kv) != len(self.layers):
             raise ValueError(f"context_kv has {len(context_kv)} layers, the draft {len(self.layers)}.")
+        backend = attention_backend or self.attention_backend
         hidden = block_embeddings.to(self.fc.weight.dtype)
         for layer, kv in zip(self.layers, context_kv):
-            hidden = layer(hidden, None, visibility, self.attention_backend, context_kv=kv)
+            hidden = layer(hidden, None, visibility, backend, context_kv=kv)
         return self.norm(hidden)
 
     def forward(

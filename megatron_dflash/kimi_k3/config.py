@@ -247,6 +247,8 @@ class KimiK3DraftConfig:
             {
                 "architectures": [architecture],
                 "model_type": KIMI_K3_MODEL_TYPE,
+                # K3's nominal head dim (hidden / heads), which MLA does not use; NeMo writes it.
+                "head_dim": self.hidden_size // self.num_attention_heads,
                 # Every draft layer is a full-attention (MLA) layer, counted from 1 as K3 does.
                 "linear_attn_config": {
                     "kda_layers": [], "full_attn_layers": list(range(1, self.num_hidden_layers + 1))
