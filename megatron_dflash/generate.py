@@ -51,6 +51,7 @@ from .head import OutputHead
 from .kimi_k3.body import KimiK3Body
 from .kv_cache import DraftKVCache
 from .plan import DFlashBatchPlan
+from .families import resolve_text_config
 from .target import taps_from_hidden_states
 from .variants.registry import variant_of
 
@@ -273,11 +274,13 @@ def _make_target_cache(target: nn.Module):
     except TypeError:  # older transformers: no config argument
         cache = DynamicCache()
     layers = getattr(cache, "layers", None) or []
-    if any(getattr(layer, "is_sliding", False) for layer in layers) or _target_has_sliding_window(target.config):
+    if any(getattr(layer, "is_sliding", False) for layer in layers) or _target_has_sliding_window(
+            resolve_text_config(target.config)):
         raise ValueError(
-            "spec_generate does not support targets with sliding-window attention layers: the rectangular "
-            "KV cache keeps rejected slots as masked holes, which would shrink a window counted in cache slots. "
-            "Use a target without sliding-window layers."
+            "spec_generate does not support targets with sliding-window or linear-attention layers (layer_types "
+            "other than full_attention): the rectangular KV cache keeps rejected slots as masked holes, which "
+            "would shrink a window counted in cache slots, and a recurrent state cannot drop rejected tokens. "
+            "Use a target whose layers are all full attention."
         )
     return cache
 
@@ -405,7 +408,8 @@ def _check_prompts(prompts: list, target: nn.Module, draft: DFlashBody) -> None:
                 f"prompt {b} has token id {low if low < 0 else high}, outside the target's vocabulary [0, {rows}); "
                 "tokenise with the target's tokenizer."
             )
-    limit = min(int(getattr(target.config, "max_position_embeddings", None) or draft.config.max_position_embeddings),
+    limit = min(int(getattr(resolve_text_config(target.config), "max_position_embeddings", None)
+                    or draft.config.max_position_embeddings),
                 int(draft.config.max_position_embeddings))
     longest = max(range(len(prompts)), key=lambda b: len(prompts[b]))
     if len(prompts[longest]) >= limit:
@@ -417,7 +421,7 @@ def _check_prompts(prompts: list, target: nn.Module, draft: DFlashBody) -> None:
 
 def _check_pair(target: nn.Module, draft: DFlashBody) -> None:
     cfg = draft.config
-    tcfg = target.config
+    tcfg = resolve_text_config(target.config)  # the text decoder's config of a multimodal wrapper
     layers = getattr(tcfg, "num_hidden_layers", None)
     if layers is not None and layers != cfg.num_target_layers:
         raise ValueError(
@@ -529,7 +533,7 @@ def spec_generate(
         raise ValueError(f"prompts {empty} are empty; every prompt needs at least one token.")
     _check_prompts(prompts, target, draft)
     if pad_token_id is None:
-        pad_token_id = _default_pad(target.config)
+        pad_token_id = _default_pad(resolve_text_config(target.config))
     stop_set = _stop_set(stop_token_ids)
     if temperature < GREEDY_BELOW_TEMPERATURE:
         # softmax(logits / T) over- or underflows for tiny T; its limit is the argmax (the reference's rule)

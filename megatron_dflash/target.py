@@ -8,7 +8,8 @@ subtracts the offset; `hf_hidden_state_index` states it for code that reads HF
 
 Two targets share one contract:
 
-* `HFTarget` wraps a transformers causal LM (Qwen3, Llama) in a single process:
+* `HFTarget` wraps a causal LM in a single process (transformers' Qwen3, Qwen3-MoE, Qwen3.5, Qwen3-VL, Llama;
+  NeMo AutoModel's Kimi K3, see `kimi_k3_target`; `families` says how each is loaded):
   ``forward(input_ids [B, S]) -> TargetOutput(taps [B, S, taps * H], final_hidden [B, S, H], logits)``,
   taps concatenated in ``target_layer_ids`` order.
 * `MegatronTarget` wraps a megatron-core `GPTModel` (one pipeline stage of it; tensor, expert and sequence
@@ -49,6 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import DFlashConfig, check_target_layer_ids, read_rope_parameters
+from .families import resolve_text_config
 from .head import OutputHead
 from .target_weights import convert_with_plan, fused_qkv_weight, megatron_weight_plan, safetensors_files, stream_with_plan
 
@@ -118,6 +120,24 @@ def _layer_output(output: Any) -> torch.Tensor:
     return output[0] if isinstance(output, (tuple, list)) else output
 
 
+def _decoder_layers(decoder: Any) -> Optional[list]:
+    """The decoder layers in order: a ``ModuleList``, or a ``ModuleDict`` keyed ``"0".."N-1"`` (Kimi K3)."""
+    layers = getattr(decoder, "layers", None)
+    if isinstance(layers, nn.ModuleList):
+        return list(layers)
+    if isinstance(layers, nn.ModuleDict) and set(layers.keys()) == {str(i) for i in range(len(layers))}:
+        return [layers[str(i)] for i in range(len(layers))]
+    return None
+
+
+def _is_transformers_model(module: Any) -> bool:
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return False
+    return isinstance(module, PreTrainedModel)
+
+
 @dataclass
 class TargetOutput:
     """What a single-process target gives the draft.
@@ -169,10 +189,12 @@ class _FrozenTarget(nn.Module):
 
 
 class HFTarget(_FrozenTarget):
-    """A frozen transformers causal LM (Qwen3, Llama) that returns DFlash taps.
+    """A frozen causal LM (Qwen3, Llama, multimodal wrappers' text decoder, Kimi K3) that returns DFlash taps.
 
     Args:
-        model: a ``*ForCausalLM`` whose base model (``model.get_decoder()``) has ``.layers``.
+        model: a causal LM whose decoder (``model.get_decoder()``, else ``model.model``) has ``.layers`` (a
+            ``ModuleList``, or a ``ModuleDict`` keyed by layer index) and returns the final-norm hidden states
+            (``.last_hidden_state`` or a tensor); sizes are read from its text config (`resolve_text_config`).
         target_layer_ids: 0-based decoder layers to tap; the last layer and duplicates are refused.
         output_multiplier, final_logit_softcapping: the output transform of `output_head` (the draft's
             ``dflash_config``); see `from_config`.
@@ -190,13 +212,16 @@ class HFTarget(_FrozenTarget):
         self._freeze(model)
         self.model = model
         decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
-        layers = getattr(decoder, "layers", None)
-        if not isinstance(layers, nn.ModuleList):
+        layers = _decoder_layers(decoder)
+        if layers is None:
             raise ValueError(
-                f"HFTarget: {type(model).__name__} has no decoder layer list (expected model.get_decoder().layers, "
-                "as in Qwen3/Llama causal LMs)."
+                f"HFTarget: {type(model).__name__} has no decoder layer list (expected model.get_decoder().layers or "
+                "model.model.layers, as in Qwen3/Llama/Kimi K3 causal LMs)."
             )
         self._decoder = decoder
+        # transformers decoders take (and must be told) use_cache / return_dict; other decoders (NeMo AutoModel's
+        # Kimi K3) take neither and return the final hidden states as a tensor.
+        self._decoder_kwargs = {"use_cache": False, "return_dict": True} if _is_transformers_model(decoder) else {}
         self.num_layers = len(layers)
         ids = list(target_layer_ids)
         check_target_layer_ids(ids, self.num_layers)
@@ -214,7 +239,7 @@ class HFTarget(_FrozenTarget):
     @classmethod
     def from_config(cls, model: nn.Module, config: DFlashConfig) -> "HFTarget":
         """The target of the draft ``config``: its tapped layers and output transform; sizes must agree."""
-        hf = model.config
+        hf = resolve_text_config(model.config)  # the text decoder's config of a multimodal wrapper
         mismatches = []
         num_layers = getattr(hf, "num_hidden_layers", None)
         if num_layers != config.num_target_layers:
@@ -256,14 +281,13 @@ class HFTarget(_FrozenTarget):
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 position_ids=position_ids,
-                use_cache=False,
-                return_dict=True,
+                **self._decoder_kwargs,
             )
             captured = self._captured
         finally:
             self._captured = None
         taps = torch.cat([captured[i] for i in self.target_layer_ids], dim=-1)
-        final_hidden = out.last_hidden_state
+        final_hidden = out if isinstance(out, torch.Tensor) else out.last_hidden_state
         logits = self.output_head.local_logits(final_hidden) if return_logits else None
         return TargetOutput(taps=taps, final_hidden=final_hidden, logits=logits)
 
@@ -341,11 +365,13 @@ def _hf_config_dict(hf_config: Any) -> dict:
 
 def hf_target_spec(hf_config: Any) -> HFTargetSpec:
     """Read and check a Qwen3/Llama/Qwen3-MoE/DeepSeek-V3 config; what the converter cannot reproduce is refused."""
-    cfg = _hf_config_dict(hf_config)
+    outer = _hf_config_dict(hf_config)
+    cfg = resolve_text_config(outer)  # a multimodal wrapper's text decoder
     model_type = cfg.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
+        wrapper = f" (the text config of a {outer.get('model_type')!r} checkpoint)" if cfg is not outer else ""
         raise ValueError(
-            f"megatron target: model_type={model_type!r} is not supported; supported families: "
+            f"megatron target: model_type={model_type!r}{wrapper} is not supported; supported families: "
             f"{list(SUPPORTED_MODEL_TYPES)} (use HFTarget for other models)."
         )
     act = cfg.get("hidden_act", "silu")

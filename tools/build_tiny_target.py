@@ -3,6 +3,7 @@
 
     python tools/build_tiny_target.py --output rebuilt-target          # full build (minutes on a CPU)
     python tools/build_tiny_target.py --output rebuilt-target --install # then replace the shipped copy
+    python tools/build_tiny_target.py --output tiny-k3 --family kimi_k3 # a random tiny Kimi K3 target
 
 The shipped directory (`megatron_dflash/assets/tiny_target`) is exactly what this script writes:
 `train_tiny_target(TinyTargetRecipe())` (weights, tokenizer, chat template, `recipe.json`,
@@ -15,6 +16,7 @@ rebuild with `--install`.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import sys
@@ -54,15 +56,38 @@ def compare(built: str, shipped: str) -> tuple[bool, str]:
     return False, f"differs from the shipped target: largest difference {worst[0]:.3e} in {worst[1]}"
 
 
+def _build_kimi_k3(args) -> int:
+    if args.install:
+        usage_error(PROG, "--install replaces the shipped Qwen3 target; it does not apply to --family kimi_k3.")
+    from megatron_dflash.kimi_k3_target import KIMI_K3_INSTALL_HINT, build_tiny_kimi_k3_target, kimi_k3_available
+    from megatron_dflash.training.tiny_target import SHIPPED_TARGET_DIR
+
+    if not kimi_k3_available():
+        usage_error(PROG, f"--family kimi_k3 builds on NeMo AutoModel's K3 model code: {KIMI_K3_INSTALL_HINT}.")
+    start = time.time()
+    with open(os.path.join(SHIPPED_TARGET_DIR, "config.json")) as f:
+        vocab = int(json.load(f)["vocab_size"])
+    build_tiny_kimi_k3_target(args.output, tokenizer_dir=SHIPPED_TARGET_DIR, vocab_size=vocab, seed=args.seed)
+    print(f"built a random tiny Kimi K3 target in {args.output} in {time.time() - start:.0f}s")
+    return 0
+
+
 def main(argv=None) -> int:
     quiet_dependency_warnings()
     parser = ArgumentParser(prog=PROG, description="Rebuild the shipped tiny target of the embedded job.")
     parser.add_argument("--output", required=True, help="directory to write (must not exist).")
     parser.add_argument("--install", action="store_true",
                         help="replace the shipped copy in megatron_dflash/assets/tiny_target with the result.")
+    parser.add_argument("--family", choices=("qwen3", "kimi_k3"), default="qwen3",
+                        help="qwen3: the shipped (trained) tiny target; kimi_k3: a randomly initialised tiny Kimi K3 "
+                        "target in the released checkpoint layout with the shipped tokenizer, for trying the K3 "
+                        "path (needs nemo-automodel; docs/design.md §17 Target families).")
+    parser.add_argument("--seed", type=int, default=0, help="weight seed of the kimi_k3 target.")
     args = parser.parse_args(argv)
     if os.path.exists(args.output):
         usage_error(PROG, f"--output {args.output} exists; choose a new directory.")
+    if args.family == "kimi_k3":
+        return _build_kimi_k3(args)
 
     from megatron_dflash.atomic import atomic_directory
     from megatron_dflash.embedded_job.tiny_target import SHIPPED_TARGET_DIR, TinyTargetRecipe, train_tiny_target

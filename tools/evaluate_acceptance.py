@@ -227,13 +227,21 @@ def read_prompts(path: str, limit: Optional[int], tokenizer: _Tokenizer) -> tupl
 
 
 def load_target(path: str, device, dtype):
-    from transformers import AutoModelForCausalLM
+    """The target causal LM, loaded as its family says (`megatron_dflash.families`); refused when speculative
+    decoding cannot drive it (it needs a KV cache of the target)."""
+    from transformers import PretrainedConfig
 
+    from megatron_dflash.families import TargetFamilyError, resolve_target_family, target_architecture
+
+    config, _ = PretrainedConfig.get_config_dict(path)  # a local directory or a hub id
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    except TypeError:  # transformers < 4.56 spells it torch_dtype
-        model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=dtype)
-    return model.to(device).eval()
+        family = resolve_target_family(config)
+    except TargetFamilyError as err:
+        raise UsageError(f"--target {path}: {err}") from None
+    if not family.kv_cache_decoding:
+        raise UsageError(f"--target {path}: speculative decoding keeps a KV cache of the target, which "
+                         f"{family.name} targets do not provide here; acceptance cannot be measured on it yet.")
+    return family.loader(target_architecture(config))(path, dtype).to(device).eval()
 
 
 def load_draft(path: str, device, dtype, attention_backend: str):

@@ -14,7 +14,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from ..config import DFlashConfig, read_rope_parameters
+from ..config import DFlashConfig
+from ..families import TargetFamily, TargetFamilyError, resolve_target_family, resolve_text_config
 from ..embedded_job.synthetic_corpus import conversations
 from ..embedded_job.tiny_target import (
     SHIPPED_TARGET_DIR,
@@ -50,7 +51,7 @@ class Job:
     target_dir: str
     tokenizer_dir: str
     tokenizer: Any
-    target_config: dict
+    target_config: dict  # the target's config.json as written (a multimodal wrapper keeps its text_config inside)
     draft_config: DFlashConfig
     variant: Variant
     export_dir: str
@@ -62,6 +63,12 @@ class Job:
     init_from: Optional[str] = None
     run_dir: str = "runs"
     embedded_target: bool = False  # the tiny target of the default job (no --target)
+    target_family: Optional[TargetFamily] = None  # how the target is loaded and which drafts it can have
+
+    @property
+    def target_text_config(self) -> dict:
+        """The target's decoder-stack config (`families.resolve_text_config`)."""
+        return resolve_text_config(self.target_config)
 
     @property
     def tp(self) -> int:
@@ -136,32 +143,12 @@ def draft_config_from_target(
     target_layer_ids: Optional[list[int]],
     **overrides: Any,
 ) -> DFlashConfig:
-    """A draft with the target's attention/MLP shapes, RoPE and vocabulary (the published recipe)."""
-    hf = dict(target_config)
-    heads = int(hf["num_attention_heads"])
-    hidden = int(hf["hidden_size"])
-    theta, scaling = read_rope_parameters(dict(hf))
-    extra = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if hf.get(k) is not None}
-    kwargs = dict(
-        hidden_size=hidden,
-        intermediate_size=int(hf["intermediate_size"]),
-        num_hidden_layers=num_layers,
-        num_attention_heads=heads,
-        num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
-        head_dim=int(hf.get("head_dim") or hidden // heads),
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        max_position_embeddings=int(hf.get("max_position_embeddings", 40960)),
-        vocab_size=int(hf["vocab_size"]),
-        block_size=block_size,
-        mask_token_id=mask_token_id,
-        target_layer_ids=target_layer_ids,
-        num_target_layers=int(hf["num_hidden_layers"]),
-        extra_hf_fields=extra,
-    )
-    kwargs.update(overrides)
-    return config_cls(**kwargs)
+    """The draft config for a target ``config.json`` dict, derived by its family (`families.resolve_target_family`)
+    from its text config; ``config_cls`` is the variant's config class (a family with its own draft overrides it)."""
+    family = resolve_target_family(target_config)
+    return family.draft_config(target_config, variant_config_cls=config_cls, num_layers=num_layers,
+                               block_size=block_size, mask_token_id=mask_token_id,
+                               target_layer_ids=target_layer_ids, **overrides)
 
 
 def _config_from_init(args, variant: Variant, target_config: dict) -> DFlashConfig:
@@ -172,9 +159,10 @@ def _config_from_init(args, variant: Variant, target_config: dict) -> DFlashConf
     except (ValueError, FileNotFoundError) as err:
         raise ArgumentError(f"--dflash-init-from={directory}: {err}") from None
     mismatches = []
-    for name, value in (("num_target_layers", target_config["num_hidden_layers"]),
-                        ("hidden_size", target_config["hidden_size"]),
-                        ("vocab_size", target_config["vocab_size"])):
+    text = resolve_text_config(target_config)
+    for name, value in (("num_target_layers", text["num_hidden_layers"]),
+                        ("hidden_size", text["hidden_size"]),
+                        ("vocab_size", text["vocab_size"])):
         if getattr(config, name) != int(value):
             mismatches.append(f"{name}={getattr(config, name)} but the target's is {value}")
     explicit = [("--dflash-block-size", args.dflash_block_size, config.block_size),
@@ -283,8 +271,21 @@ def prepare_job(
     target_dir = resolve_target_dir(args, env, log=log)
     with open(os.path.join(target_dir, "config.json")) as f:
         target_config = json.load(f)
+    text_config = resolve_text_config(target_config)
+    try:
+        family = resolve_target_family(target_config)
+        family.check_run(variant=args.dflash_variant, target_backend=args.target_backend,
+                         attention_backend=args.dflash_attention_backend, pack_sequences=args.pack_sequences,
+                         text_config=text_config)
+    except TargetFamilyError as err:
+        raise ArgumentError(f"--target={target_dir}: {err}") from None
+    try:
+        variant = family.adapt_variant(variant)  # a family with its own draft model builds, saves and loads it
+    except ImportError as err:
+        raise ArgumentError(f"--target={target_dir}: the {family.name} draft is not available in this installation "
+                            f"({err}).") from None
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
-        if key not in target_config:
+        if key not in text_config:
             raise ArgumentError(f"--target={target_dir}: config.json has no {key!r}; not a decoder LLM config.")
     if args.target_backend == "megatron":
         from ..target import hf_target_spec, megatron_target_config
@@ -310,7 +311,7 @@ def prepare_job(
             raise ArgumentError(f"--target-backend megatron: {err}") from None
     tokenizer_dir = args.tokenizer or target_dir
     tokenizer = _load_tokenizer(tokenizer_dir)
-    vocab = int(target_config["vocab_size"])
+    vocab = int(text_config["vocab_size"])
     if len(tokenizer) > vocab:
         raise ArgumentError(
             f"the tokenizer in {tokenizer_dir} has {len(tokenizer)} tokens but the target's vocabulary has {vocab} "
@@ -325,9 +326,9 @@ def prepare_job(
         if args.dflash_init_from is not None:
             config = _config_from_init(args, variant, target_config)
         else:
-            config = draft_config_from_target(
+            config = family.draft_config(
                 target_config,
-                config_cls=variant.config_cls,
+                variant_config_cls=variant.config_cls,
                 num_layers=args.dflash_num_layers,
                 block_size=args.dflash_block_size,
                 mask_token_id=mask,
@@ -399,6 +400,10 @@ def prepare_job(
         skip = ("the target runs as a megatron model (--target-backend megatron); measure acceptance with "
                 f"tools/evaluate_acceptance.py --target {target_dir} --draft {export_dir}")
         eval_prompts = None
+    if eval_prompts is not None and not family.kv_cache_decoding:
+        skip = (f"speculative decoding keeps a KV cache of the target, which {family.name} targets do not provide "
+                "here")
+        eval_prompts = None
     if eval_prompts is not None:
         _check_prompt_ids(eval_prompts, vocab, source)
     if args.target_backend == "megatron" and not _megatron_can_run(args.use_cuda):
@@ -406,7 +411,7 @@ def prepare_job(
             "--target-backend megatron needs CUDA (megatron-core's GPTModel runs on GPUs); on this machine use "
             "--target-backend hf (TP=PP=1)."
         )
-    stop = _token_ids(getattr(tokenizer, "eos_token_id", None)) or _token_ids(target_config.get("eos_token_id"))
+    stop = _token_ids(getattr(tokenizer, "eos_token_id", None)) or _token_ids(text_config.get("eos_token_id"))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stop[0] if stop else 0)
     return Job(
         args=args,
@@ -426,4 +431,5 @@ def prepare_job(
         init_from=args.dflash_init_from,
         run_dir=run_dir,
         embedded_target=args.target is None,
+        target_family=family,
     )

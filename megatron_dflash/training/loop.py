@@ -161,7 +161,7 @@ class _Target:
         self.is_draft = True
         self.need_final_hidden = bool(job.variant.needs_final_hidden) or job.args.dflash_soft_target != "none"
         if self.backend == "hf":
-            self.hf_model = _load_hf_model(job.target_dir, dtype).to(device)
+            self.hf_model = _load_hf_model(job, dtype).to(device)
             self.module = HFTarget.from_config(self.hf_model, job.draft_config)
         else:
             self.module = MegatronTarget.from_pretrained(job.target_dir, config=job.draft_config, params_dtype=dtype,
@@ -219,13 +219,12 @@ def _packed_allowed(document_ids: torch.Tensor) -> torch.Tensor:
     return (causal[None] & same)[:, None]
 
 
-def _load_hf_model(directory: str, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM
+def _load_hf_model(job: Job, dtype: torch.dtype):
+    """The target causal LM in one process, loaded as its family says (`families.TargetFamily.loader`)."""
+    from ..families import resolve_target_family, target_architecture
 
-    try:
-        model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
-    except TypeError:  # transformers < 4.56
-        model = AutoModelForCausalLM.from_pretrained(directory, torch_dtype=dtype)
+    family = job.target_family or resolve_target_family(job.target_config)
+    model = family.loader(target_architecture(job.target_config))(job.target_dir, dtype)
     model.eval()
     return model
 
@@ -269,7 +268,7 @@ def _check_data(job: Job, train_ds, collate, log=print) -> None:
     args = job.args
     if args.data_format == "indexed":
         for path in [args.train_path] + ([args.valid_data] if args.valid_data else []):
-            check_indexed_token_range(path, int(job.target_config["vocab_size"]))
+            check_indexed_token_range(path, int(job.target_text_config["vocab_size"]))
     check_something_to_learn(train_ds, collate, block_size=job.draft_config.block_size,
                              use_documents=args.pack_sequences, seed=args.seed,
                              what=f"the training data ({args.train_path or 'synthetic'})", log=log)
@@ -825,7 +824,7 @@ def train(job: Job, *, hooks: Optional[dict] = None, env=None) -> TrainResult:
         if job.eval_prompts is not None and rank == 0:
             exported = load_hf_checkpoint(job.export_dir, tp_group=SingleRankGroup(),
                                           attention_backend="chunked").to(ctx.device)
-            hf_model = target.hf_model if target.hf_model is not None else _load_hf_model(job.target_dir, dtype)
+            hf_model = target.hf_model if target.hf_model is not None else _load_hf_model(job, dtype)
             final = acceptance_length(hf_model.to(ctx.device), exported, job.eval_prompts, job)
             result.final_acceptance = final
             result.acceptance.append((iteration, final))

@@ -172,7 +172,9 @@ class MegatronEngine(Engine):
             ffn_hidden_size=draft_config.intermediate_size,
             num_attention_heads=draft_config.num_attention_heads,
             num_query_groups=draft_config.num_key_value_heads,
-            kv_channels=draft_config.head_dim,
+            # Read by megatron's DDP / optimizer only, never by the draft's layers; a draft family without one
+            # head width (Kimi K3's MLA) leaves the default.
+            kv_channels=getattr(draft_config, "head_dim", None),
             tensor_model_parallel_size=args.tensor_model_parallel_size,
             # The draft lives on one pipeline stage: its DDP / optimizer never talk to other stages.
             pipeline_model_parallel_size=1,
