@@ -40,7 +40,9 @@ __all__ = [
     "kimi_k3_draft_config",
 ]
 
-ALL_VARIANTS = ("dflash", "dflash2", "domino", "jetspec")
+# `variants` of a family whose draft is the Qwen3-style body: every variant registered on that body (the
+# built-in DFlash, DFlash 2, Domino and JetSpec, and any `register_variant` adds), not another family's own.
+ANY_QWEN3_STYLE_VARIANT = None
 ALL_ATTENTION_BACKENDS = ("auto", "chunked", "flex", "dense")
 
 
@@ -169,7 +171,8 @@ class TargetFamily:
             target_layer_ids, **overrides) -> config``: the draft config from the target's text config.
         draft_variant: the registered variant (`variants.registry`, by name) of the family's own draft body when
             it is not the requested variant's Qwen3-style body (None); it trains with the requested objective.
-        variants: the `--dflash-variant` names the draft family implements.
+        variants: the `--dflash-variant` names the draft family implements; None (`ANY_QWEN3_STYLE_VARIANT`): every
+            variant registered on the Qwen3-style body, not another family's own draft.
         attention_backends: the `--dflash-attention-backend` values its draft can run.
         target_backends: the `--target-backend` values that can run its targets.
         packed_sequences: whether `--pack-sequences` (per-document masks and positions) works with its targets.
@@ -186,7 +189,7 @@ class TargetFamily:
     architectures: tuple
     model_types: tuple
     build_draft_config: Callable
-    variants: tuple
+    variants: Optional[tuple]
     attention_backends: tuple
     target_backends: tuple
     load_hf_target: Callable
@@ -201,6 +204,12 @@ class TargetFamily:
         """The single-process loader for ``architecture`` (some wrappers need their own auto class)."""
         return self.loader_by_architecture.get(architecture, self.load_hf_target)
 
+    def supports_variant(self, variant: str) -> bool:
+        """Whether ``--dflash-variant variant`` trains this family's draft (see `variants`)."""
+        if self.variants is not None:
+            return variant in self.variants
+        return variant not in {f.draft_variant for f in TARGET_FAMILIES.values() if f.draft_variant}
+
     def check_run(self, *, variant: str, target_backend: str = "hf", attention_backend: str = "auto",
                   pack_sequences: bool = False, text_config: Optional[Mapping] = None) -> None:
         """Refuse, before anything is built, a run this family's draft (or this target, ``text_config``) cannot do.
@@ -208,10 +217,11 @@ class TargetFamily:
         Raises:
             TargetFamilyError: naming the family, the refused choice and the supported ones.
         """
-        if variant not in self.variants:
+        if not self.supports_variant(variant):
+            supported = list(self.variants) if self.variants is not None else "every variant of the Qwen3-style draft"
             raise TargetFamilyError(
                 f"--dflash-variant {variant}: the {self.name} draft family has no {variant} draft; it supports "
-                f"{list(self.variants)}. Train one of those for this target."
+                f"{supported}. Train one of those for this target."
             )
         if target_backend not in self.target_backends:
             raise TargetFamilyError(
@@ -271,7 +281,7 @@ QWEN3 = TargetFamily(
     model_types=("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_vl",
                  "qwen3_vl_moe", "llama", "mistral", "qwen2", "deepseek_v3"),
     build_draft_config=qwen3_draft_config,
-    variants=ALL_VARIANTS,
+    variants=ANY_QWEN3_STYLE_VARIANT,
     attention_backends=ALL_ATTENTION_BACKENDS,
     target_backends=("hf", "megatron"),
     load_hf_target=_load_with("AutoModelForCausalLM"),

@@ -22,7 +22,7 @@ from megatron_dflash.families import (
 from megatron_dflash.target import HFTarget
 from megatron_dflash.training.arguments import ArgumentError, parse_args
 from megatron_dflash.training.job import prepare_job
-from megatron_dflash.training.tiny_target import SHIPPED_TARGET_DIR
+from megatron_dflash.embedded_job.tiny_target import SHIPPED_TARGET_DIR
 
 VOCAB = 320  # the shipped tiny tokenizer's
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -146,7 +146,7 @@ def test_kimi_k3_targets_resolve_to_the_k3_draft_family(tmp_path, architecture):
         qk_rope_head_dim=8, v_head_dim=16, vocab_size=VOCAB, num_target_layers=8, num_hidden_layers=2)
     assert draft.target_layer_ids == default_target_layer_ids(8, 2)
     # The job's variant builds the family's draft body.
-    assert isinstance(job.variant.build_body(draft, None, "chunked"), KimiK3Body)
+    assert isinstance(job.variant.build_body(draft, attention_backend="chunked"), KimiK3Body)
     # A flag of the Qwen3-style draft only is refused before anything is built.
     with pytest.raises(ArgumentError, match="the kimi_k3 draft does not take that setting.*head_dim"):
         _job(tmp_path, _target_dir(tmp_path, architecture, config, name="again"), "--dflash-head-dim", "32")

@@ -60,7 +60,7 @@ def _build_kimi_k3(args) -> int:
     if args.install:
         usage_error(PROG, "--install replaces the shipped Qwen3 target; it does not apply to --family kimi_k3.")
     from megatron_dflash.kimi_k3_target import KIMI_K3_INSTALL_HINT, build_tiny_kimi_k3_target, kimi_k3_available
-    from megatron_dflash.training.tiny_target import SHIPPED_TARGET_DIR
+    from megatron_dflash.embedded_job.tiny_target import SHIPPED_TARGET_DIR
 
     if not kimi_k3_available():
         usage_error(PROG, f"--family kimi_k3 builds on NeMo AutoModel's K3 model code: {KIMI_K3_INSTALL_HINT}.")
