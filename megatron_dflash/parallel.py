@@ -13,7 +13,6 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
 
 _SIGNATURE_SLOTS = 32
@@ -115,18 +114,35 @@ def agree_or_raise(local_error: Optional[str], signature: Sequence[int], group, 
     )
 
 
+class _ReduceGradOverGroup(torch.autograd.Function):
+    """Identity forward; all-reduce (sum) of the gradient over ``group`` in backward."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
 def reduce_grad_over_group(tensor: torch.Tensor, group) -> torch.Tensor:
     """`tensor` unchanged, but its gradient is summed over `group` in backward.
 
     For a replicated tensor that each rank uses only for its own shard of the work (the
-    per-head q/k norms under TP, hidden states entering a vocab-parallel head): each rank's
-    gradient is a partial sum, the true gradient is the sum over ranks. This is megatron's
-    `copy_to_tensor_model_parallel_region`; a one-rank group (the `SingleRankGroup` stand-in of a
-    process without `torch.distributed`, which megatron's mappings cannot take) is the identity.
+    per-head q/k norms under TP, the Kimi K3 draft's head-shared key slice, hidden states
+    entering a vocab-parallel head): each rank's gradient is a partial sum, the true gradient is
+    the sum over ranks. This is what megatron's `copy_to_tensor_model_parallel_region` means to
+    do, but megatron-core 0.16 all-reduces `grad.contiguous()` and returns the original: a
+    non-contiguous gradient (an expanded, head-shared tensor's) comes back unreduced. Here the
+    reduced tensor is the one returned. A one-rank group is the identity.
     """
     if not is_distributed_group(group):
         return tensor
-    return copy_to_tensor_model_parallel_region(tensor, group=group)
+    return _ReduceGradOverGroup.apply(tensor, group)
 
 
 class _AllGatherLastDim(torch.autograd.Function):
