@@ -220,8 +220,9 @@ def _draft_config(args):
     sys.path.insert(0, str(ROOT))
     from megatron_dflash.config import DFlashConfig
 
+    # rope_theta of the transformers Qwen3Config both targets are built from (NeMo's draft inherits it).
     return DFlashConfig(
-        hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=1,
+        hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=1, rope_theta=10_000.0,
         num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
         block_size=args.block_size, mask_token_id=args.vocab - 1, vocab_size=args.vocab,
         num_target_layers=args.target_layers, target_layer_ids=TARGET_LAYER_IDS,
