@@ -260,6 +260,7 @@ def _copy_layer_weights(theirs, ours) -> None:
 def build_ours_layer(args, seq: int):
     import torch
 
+    sys.path.insert(0, str(ROOT))
     from megatron_dflash.attention import BlockVisibility
     from megatron_dflash.body import DFlashBody
 
@@ -283,6 +284,7 @@ def build_nemo_layer(args, seq: int):
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
     _import_nemo()
+    sys.path.insert(0, str(ROOT))
     from nemo_automodel.components.attention.dflash_mask import create_dflash_sdpa_mask
     from nemo_automodel.components.speculative.dflash.draft_qwen3 import (
         Qwen3DFlashDecoderLayer,
