@@ -379,7 +379,7 @@ def main(argv=None) -> int:
             rows.append(_guarded("train_step", lambda: check_train_step(cache_dir=cache)))
         if "te_layer_spec" in wanted:
             def tiny_target():
-                from megatron_dflash.training.tiny_target import ensure_tiny_target
+                from megatron_dflash.embedded_job.tiny_target import ensure_tiny_target
 
                 return ensure_tiny_target(cache, log=lambda *a: None)
 

@@ -138,7 +138,7 @@ def get_batch(data_iterator: Optional[Iterator], vp_stage=None, *, settings: DFl
 
 def _demo() -> None:
     from megatron_dflash.data import Collator, MicroBatchIterator, SyntheticChatDataset
-    from megatron_dflash.training.synthetic_corpus import build_tokenizer
+    from megatron_dflash.embedded_job.synthetic_corpus import build_tokenizer
 
     tokenizer = build_tokenizer()
     dataset = SyntheticChatDataset(seed=0, count=64, tokenizer=tokenizer, seq_length=96)

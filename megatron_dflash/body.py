@@ -19,11 +19,12 @@ from torch import nn
 from .attention import BlockVisibility
 from .config import DFlashConfig
 from .kv_cache import DraftKVCache
-from .layers import DFlashDecoderLayer
+from .layers import DFlashDecoderLayer, DFlashLayerSubmodules
 from .norm import RMSNorm
 from .parallel import agree_or_raise, check_parallel_layout, tensor_parallel_group
 from .plan import DFlashBatchPlan
 from .rope import rope_cos_sin, rope_inv_freq
+from .sharding import sharded_state_dict
 
 
 def default_parallel_config(**overrides) -> ModelParallelConfig:
@@ -49,6 +50,8 @@ class DFlashBody(nn.Module):
             initialised, a single rank otherwise.
         attention_backend: "auto" (FlexAttention on CUDA, exact chunked kernel elsewhere),
             "chunked", "flex" or "dense" (the reference, for tests).
+        layer_submodules: the optional sublayers every decoder layer builds
+            (`layers.DFlashLayerSubmodules`; none by default). Variants pass theirs here.
     """
 
     def __init__(
@@ -57,6 +60,7 @@ class DFlashBody(nn.Module):
         parallel_config: Optional[ModelParallelConfig] = None,
         tp_group=None,
         attention_backend: str = "auto",
+        layer_submodules: DFlashLayerSubmodules = DFlashLayerSubmodules(),
     ):
         super().__init__()
         parallel_config = parallel_config or default_parallel_config()
@@ -72,7 +76,7 @@ class DFlashBody(nn.Module):
         nn.init.normal_(self.fc.weight, mean=0.0, std=config.initializer_range)
         self.hidden_norm = RMSNorm(H, config.rms_norm_eps, dtype=dtype)
         self.layers = nn.ModuleList(
-            DFlashDecoderLayer(config, i, parallel_config, self.tp_group)
+            DFlashDecoderLayer(config, i, parallel_config, self.tp_group, layer_submodules)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(H, config.rms_norm_eps, dtype=dtype)
@@ -118,12 +122,10 @@ class DFlashBody(nn.Module):
         """Megatron `dist_checkpointing` view of the weights, keyed by the HF names.
 
         Load the result of `dist_checkpointing.load` with
-        `checkpoint.load_sharded_state_dict_into(body, loaded, prefix)`.
+        `sharding.load_sharded_state_dict_into(body, loaded, prefix)`.
         """
         if sharded_offsets:
             raise ValueError("DFlashBody is not a pipeline-sharded module: sharded_offsets must be empty.")
-        from .checkpoint import sharded_state_dict  # checkpoint.py builds bodies: import lazily
-
         return sharded_state_dict(self, prefix)
 
     # ------------------------------------------------------------------ forward

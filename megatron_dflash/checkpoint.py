@@ -1,19 +1,16 @@
-"""HF checkpoints of the draft body (the published drafters' layout) and megatron sharded state.
+"""HF checkpoints of the draft body: the published drafters' layout.
 
-Two formats:
+A HF draft is a directory with `config.json` and `model.safetensors` that the reference modeling
+code and the serving runtimes load as is (docs/design.md §11 HF export format). Tensor names are
+the body's own state-dict names, which are the published ones: no `model.` prefix, no embedding,
+no LM head, no megatron `_extra_state`. Weights are stored whole; under tensor parallelism they
+are gathered on save and sliced on load (`sharding.py`), so a file written at one TP size loads
+at any other.
 
-* **HF** (`save_hf_checkpoint` / `load_hf_checkpoint`): a directory with `config.json` and
-  `model.safetensors` that the reference modeling code and the serving runtimes load as is
-  (docs/design.md §11 HF export format). Tensor names are the body's own state-dict names, which are the published
-  ones: no `model.` prefix, no embedding, no LM head, no megatron `_extra_state`. Weights are
-  stored whole; under tensor parallelism they are gathered on save and sliced on load, so a
-  file written at one TP size loads at any other.
-* **megatron `dist_checkpointing`** (`sharded_state_dict`): the same names as keys, each rank
-  describing its shard, so a `torch_dist` checkpoint written at TP=a loads at TP=b.
-
-Which parameters are split, and along which dimension, is read from the attributes megatron
-puts on its parallel weights (`tensor_model_parallel`, `partition_dim`); every other parameter
-is replicated over the TP group.
+Which variant a directory holds, and which architecture name and dtypes a body's variant has,
+is the variant registry's to say (`variants.registry`); this module reads and writes the files.
+The megatron `dist_checkpointing` view of a body (`sharded_state_dict`) lives in `sharding.py`
+and is re-exported here.
 """
 
 from __future__ import annotations
@@ -21,15 +18,26 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Mapping, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from .atomic import atomic_directory
-from .body import DFlashBody, default_parallel_config
-from .config import DFLASH_ARCHITECTURE, DFlashConfig
+from .atomic import atomic_directory, check_destination
+from .body import default_parallel_config
+from .config import DFlashConfig
 from .parallel import is_distributed_group
+from .sharding import (
+    check_tensor_shapes,
+    data_parallel_rank,
+    hf_state_dict,
+    load_hf_state_dict_into,
+    load_sharded_state_dict_into,
+    local_tensors,
+    sharded_state_dict,
+)
+from .variants.registry import read_hf_config, variant_of
 
 __all__ = [
     "SAFETENSORS_NAME",
@@ -37,153 +45,25 @@ __all__ = [
     "save_hf_checkpoint",
     "load_hf_checkpoint",
     "load_hf_state_dict_into",
+    "read_safetensors",
+    "check_tensor_shapes",
     "sharded_state_dict",
     "load_sharded_state_dict_into",
 ]
+
+_local_tensors = local_tensors  # the name the conversion code imports
 
 SAFETENSORS_NAME = "model.safetensors"
 SAFETENSORS_INDEX_NAME = "model.safetensors.index.json"
 CONFIG_NAME = "config.json"
 
 
-# ---------------------------------------------------------------------------------- internals
-
-
-def _local_tensors(body: DFlashBody) -> dict[str, torch.Tensor]:
-    """The body's rank-local parameters and buffers under the module names, without megatron's
-    `_extra_state` entries (FP8 metadata, never part of a published checkpoint)."""
-    out = {}
-    for name, value in body.state_dict(keep_vars=True).items():
-        if name.endswith("_extra_state") or not isinstance(value, torch.Tensor):
-            continue
-        out[name] = value
-    return out
-
-
-def _partition_dims(body: DFlashBody) -> dict[str, Optional[int]]:
-    """Module name -> the dimension the tensor is split along over the TP group (None when
-    replicated).
-
-    Read from megatron's `tensor_model_parallel` / `partition_dim` attributes. Megatron only
-    sets them while initialising a weight, so a layer built with
-    `perform_initialization=False` has none: for the weights (and column-parallel biases) of
-    megatron's parallel linears the split is then taken from the layer type, which is what
-    the attributes would have said. Without that, a TP > 1 export would silently write one
-    rank's slice as the whole tensor.
-    """
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-
-    implied: dict[str, int] = {}
-    for module_name, module in body.named_modules():
-        prefix = module_name + "." if module_name else ""
-        if isinstance(module, ColumnParallelLinear):
-            implied[prefix + "weight"] = 0
-            implied[prefix + "bias"] = 0
-        elif isinstance(module, RowParallelLinear):
-            implied[prefix + "weight"] = 1  # its bias is replicated
-
-    dims: dict[str, Optional[int]] = {}
-    for name, tensor in _local_tensors(body).items():
-        if hasattr(tensor, "tensor_model_parallel"):
-            dim = int(tensor.partition_dim) if tensor.tensor_model_parallel else None
-        else:
-            dim = implied.get(name)
-        stride = getattr(tensor, "partition_stride", 1)
-        if dim is not None and stride != 1:
-            raise ValueError(
-                f"{name} is split with partition_stride={stride}; only contiguous (stride 1) "
-                "tensor-parallel splits can be exported."
-            )
-        dims[name] = dim
-    return dims
-
-
-def _tp_size_rank(body: DFlashBody) -> tuple[int, int]:
-    group = body.tp_group
-    return group.size(), group.rank()
-
-
-def _gather(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
-    """Concatenate the shards of `tensor` held by every rank of `group` along `dim`."""
-    local = tensor.detach().contiguous()
-    parts = [torch.empty_like(local) for _ in range(group.size())]
-    dist.all_gather(parts, local, group=group)
-    return torch.cat(parts, dim=dim)
-
-
-def _data_parallel_rank() -> int:
-    """This rank's data-parallel index when megatron's parallel state is set up, else 0."""
-    from megatron.core import parallel_state
-
-    if dist.is_available() and dist.is_initialized() and parallel_state.model_parallel_is_initialized():
-        return parallel_state.get_data_parallel_rank(with_context_parallel=True)
-    return 0
-
-
-def _full_shapes(body: DFlashBody) -> dict[str, tuple[tuple[int, ...], Optional[int]]]:
-    """Published name -> (full shape, partition dim or None) for every exported tensor."""
-    tp, _ = _tp_size_rank(body)
-    dims = _partition_dims(body)
-    out = {}
-    for name, tensor in _local_tensors(body).items():
-        dim = dims[name]
-        shape = list(tensor.shape)
-        if dim is not None:
-            shape[dim] *= tp
-        out[name] = (tuple(shape), dim)
-    return out
-
-
 # ---------------------------------------------------------------------------------- HF export
 
 
-def hf_state_dict(body: DFlashBody) -> dict[str, torch.Tensor]:
-    """Full weights of `body` under the published names.
-
-    Under TP > 1 this is a collective: every rank of `body.tp_group` must call it. Split
-    weights are all-gathered (column-parallel along dim 0, row-parallel along dim 1, as marked
-    by megatron); replicated ones are taken from the local rank.
-
-    Returns:
-        `{name: tensor}` of detached tensors on the parameters' device, in the body's own
-        order, e.g. `fc.weight [H, taps*H]`, `layers.0.self_attn.q_proj.weight [Hq*D, H]`.
-    """
-    group = body.tp_group
-    distributed = is_distributed_group(group)
-    dims = _partition_dims(body)
-    out = {}
-    for name, tensor in _local_tensors(body).items():
-        dim = dims[name]
-        if dim is not None and distributed:
-            full = _gather(tensor, dim, group)
-        else:
-            full = tensor.detach().clone()
-        out[name] = full
-    return out
-
-
-def _is_writer(body: DFlashBody) -> bool:
+def _is_writer(body: nn.Module) -> bool:
     """One rank writes a HF checkpoint: TP rank 0 of data-parallel replica 0."""
-    _, tp_rank = _tp_size_rank(body)
-    return tp_rank == 0 and _data_parallel_rank() == 0
-
-
-def _check_target_directory(directory: str, overwrite: bool) -> None:
-    if os.path.exists(directory) and not os.path.isdir(directory):
-        raise FileExistsError(f"{directory} exists and is not a directory; choose another path.")
-    if os.path.isdir(directory) and os.listdir(directory) and not overwrite:
-        raise FileExistsError(
-            f"{directory} exists and is not empty; pass overwrite=True to replace it or choose "
-            "an empty or new directory."
-        )
-
-
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    return body.tp_group.rank() == 0 and data_parallel_rank() == 0
 
 
 def _write_directory(
@@ -198,12 +78,10 @@ def _write_directory(
     from safetensors.torch import save_file
 
     directory = os.path.abspath(directory)
-    _check_target_directory(directory, overwrite)
+    check_destination(directory, replace=overwrite, replace_flag="overwrite=True")
     with atomic_directory(directory, replace=overwrite) as tmp:
         config.save_pretrained(tmp, architecture=architecture)
         save_file(tensors, os.path.join(tmp, SAFETENSORS_NAME), metadata={"format": "pt"})
-        for name in (CONFIG_NAME, SAFETENSORS_NAME):
-            _fsync(os.path.join(tmp, name))
 
 
 def _agree_on_success(ok: bool, group, device, directory: str) -> None:
@@ -220,11 +98,11 @@ def _agree_on_success(ok: bool, group, device, directory: str) -> None:
 
 
 def save_hf_checkpoint(
-    body: DFlashBody,
+    body: nn.Module,
     directory: str,
     *,
     dtype: Optional[torch.dtype] = None,
-    architecture: str = DFLASH_ARCHITECTURE,
+    architecture: Optional[str] = None,
     overwrite: bool = False,
 ) -> None:
     """Write `body` as a published-format HF draft: `config.json` + `model.safetensors`.
@@ -240,9 +118,18 @@ def save_hf_checkpoint(
         directory: target directory; must be missing or empty unless `overwrite=True`.
         dtype: cast floating-point weights to this dtype (e.g. `torch.bfloat16` for serving);
             None keeps the parameters' dtype. Recorded as `torch_dtype`/`dtype` in config.json.
-        architecture: `architectures[0]` of config.json.
+        architecture: `architectures[0]` of config.json; default: the architecture of the body's
+            registered variant (`variants.registry.variant_of`).
         overwrite: replace a non-empty existing directory.
+
+    Raises:
+        ValueError: the body's variant does not run in `dtype` (DFlash 2 in float16), or the
+            body is not of a registered variant and no `architecture` is given.
     """
+    if architecture is None:
+        variant = variant_of(body)
+        variant.check_dtype(dtype)
+        architecture = variant.architecture
     tensors = hf_state_dict(body)
     device = next(iter(tensors.values())).device
     writer = _is_writer(body)
@@ -310,12 +197,12 @@ def load_hf_checkpoint(
     parallel_config=None,
     tp_group=None,
     attention_backend: str = "auto",
-) -> DFlashBody:
+) -> nn.Module:
     """Build the draft body of a HF draft directory and load its weights.
 
-    The variant is the one `config.json` names (`convert.architecture_for_config`): DFlash,
-    DFlash 2, Domino or JetSpec, in the layout of any published writer (`config.py`), e.g. a
-    NeMo AutoModel `Qwen3DFlash2DraftModel` loads as a `DFlash2Body`.
+    The variant is the one the registry reads from `config.json` (`variants.registry`): DFlash,
+    DFlash 2, Domino, JetSpec or a registered one, in the layout of any published writer
+    (`config.py`), e.g. a NeMo AutoModel `Qwen3DFlash2DraftModel` loads as a `DFlash2Body`.
 
     Every rank reads the file and keeps its own shard, so the TP size may differ from the
     one the checkpoint was trained with. With `parallel_config=None` the body is built by
@@ -326,174 +213,12 @@ def load_hf_checkpoint(
         FileNotFoundError: no config.json / safetensors in `directory`.
         ValueError: the weights do not match the config (names listed).
     """
-    from .convert import _config_from_dict, _read_json  # the variant registry builds on this module
-
-    path = os.path.join(directory, CONFIG_NAME)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path} does not exist: not a HF draft directory.")
-    variant, config = _config_from_dict(_read_json(path), path)
-    if parallel_config is None:
-        # Initialised although every weight is overwritten: megatron only marks its split
-        # weights (`tensor_model_parallel`, which its optimizer and grad-norm code read) while
-        # initialising them.
-        parallel_config = default_parallel_config()
-    body = variant.body_cls()(
-        config, parallel_config=parallel_config, tp_group=tp_group, attention_backend=attention_backend
+    variant, config = read_hf_config(os.path.join(directory, CONFIG_NAME))
+    # Initialised although every weight is overwritten: megatron only marks its split weights
+    # (`tensor_model_parallel`, which its optimizer and grad-norm code read) while initialising them.
+    body = variant.build_body(
+        config, parallel_config=parallel_config or default_parallel_config(), tp_group=tp_group,
+        attention_backend=attention_backend,
     )
     load_hf_state_dict_into(body, read_safetensors(directory))
     return body
-
-
-def _describe(shape) -> str:
-    return "[" + ", ".join(str(int(s)) for s in shape) + "]"
-
-
-def _mismatch_hints(body: DFlashBody, state_dict: Mapping[str, torch.Tensor], unexpected: list[str]) -> list[str]:
-    """Say which config field disagrees with the weights when that can be told."""
-    cfg = body.config
-    H = cfg.hidden_size
-    hints = []
-    fc = state_dict.get("fc.weight")
-    if fc is not None and fc.dim() == 2:
-        if fc.shape[0] != H:
-            hints.append(f"fc.weight has {fc.shape[0]} rows but config hidden_size={H}")
-        elif fc.shape[1] != cfg.num_taps * H:
-            if fc.shape[1] % H == 0:
-                hints.append(
-                    f"fc.weight {_describe(fc.shape)} concatenates {fc.shape[1] // H} target layers but "
-                    f"config target_layer_ids={cfg.target_layer_ids} has {cfg.num_taps}"
-                )
-            else:
-                hints.append(
-                    f"fc.weight {_describe(fc.shape)} is not [hidden_size={H}, taps*hidden_size]"
-                )
-    layer_ids = {int(k.split(".")[1]) for k in state_dict if k.startswith("layers.") and k.split(".")[1].isdigit()}
-    if layer_ids and max(layer_ids) + 1 != cfg.num_hidden_layers:
-        hints.append(
-            f"the weights have {max(layer_ids) + 1} layers but config num_hidden_layers={cfg.num_hidden_layers}"
-        )
-    if any(k.startswith("model.") for k in unexpected):
-        hints.append("the checkpoint names carry a 'model.' prefix; published drafters have none, strip it")
-    if any("embed_tokens" in k or k.startswith("lm_head") for k in unexpected):
-        hints.append(
-            "the checkpoint holds an embedding or LM head; the draft has none (it uses the "
-            "target's), drop those tensors"
-        )
-    return hints
-
-
-def check_tensor_shapes(body: DFlashBody, given: Mapping[str, tuple], what: str, extra_hints=()) -> None:
-    """Raise `ValueError` naming missing, unexpected and mis-shaped tensors of `given`
-    (`{name: full shape}`) against `body`, with a hint when the config is the likely cause.
-
-    `extra_hints` (callables of the unexpected names returning a hint or None) let callers
-    add what they know, e.g. that the tensors belong to another variant.
-    """
-    expected = {name: shape for name, (shape, _) in _full_shapes(body).items()}
-    missing = sorted(set(expected) - set(given))
-    unexpected = sorted(set(given) - set(expected))
-    mis_shaped = [
-        f"{name}: checkpoint {_describe(given[name])} vs model {_describe(shape)}"
-        for name, shape in expected.items()
-        if name in given and tuple(given[name]) != tuple(shape)
-    ]
-    if not (missing or unexpected or mis_shaped):
-        return
-    parts = []
-    if missing:
-        parts.append(f"missing tensors {missing}")
-    if unexpected:
-        parts.append(f"unexpected tensors {unexpected}")
-    if mis_shaped:
-        parts.append("shape mismatches: " + "; ".join(mis_shaped))
-    shapes_only = {name: torch.empty(shape, device="meta") for name, shape in given.items()}
-    hints = _mismatch_hints(body, shapes_only, unexpected)
-    hints += [h for h in (extra(unexpected) for extra in extra_hints) if h]
-    message = f"{what} does not match the draft config: " + "; ".join(parts) + "."
-    if hints:
-        message += " Likely cause: " + "; ".join(hints) + "."
-    raise ValueError(message)
-
-
-def load_hf_state_dict_into(body: DFlashBody, state_dict: Mapping[str, torch.Tensor]) -> None:
-    """Copy full (unsharded) weights under the published names into `body`, each rank
-    taking its own shard. Values are cast to the parameters' dtype.
-
-    Raises:
-        ValueError: listing missing, unexpected and mis-shaped tensors, with a hint when the
-            config and the weights disagree (hidden size, number of taps, number of layers).
-            Nothing is copied unless every tensor matches.
-    """
-    tp, rank = _tp_size_rank(body)
-    expected = _full_shapes(body)
-    given = dict(state_dict)
-    check_tensor_shapes(body, {name: tuple(t.shape) for name, t in given.items()}, "the checkpoint")
-    for bad in (name for name, t in given.items() if not t.is_floating_point()):
-        raise ValueError(f"{bad} has dtype {given[bad].dtype}; draft weights must be floating point.")
-    local = _local_tensors(body)
-    with torch.no_grad():
-        for name, param in local.items():
-            full = given[name]
-            dim = expected[name][1]
-            if dim is not None and tp > 1:
-                full = full.chunk(tp, dim=dim)[rank]
-            param.copy_(full.to(device=param.device, dtype=param.dtype))
-
-
-# ---------------------------------------------------------------------------------- megatron
-
-
-def sharded_state_dict(body: DFlashBody, prefix: str = "") -> dict:
-    """Megatron `dist_checkpointing` description of `body` keyed by `prefix` + published names.
-
-    Split weights are `ShardedTensor`s with this rank's offset along their partition dim;
-    replicated ones are whole tensors whose replica id is non-zero on every TP (and
-    data-parallel) rank but the first, so each tensor is written once. Because offsets are
-    stated in the full tensor, a checkpoint written at one TP size loads at another.
-
-    Load with `megatron.core.dist_checkpointing.load(sharded_state_dict(body), dir)` and then
-    `load_sharded_state_dict_into(body, loaded)`.
-    """
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
-    tp, tp_rank = _tp_size_rank(body)
-    dp_rank = _data_parallel_rank()
-    dims = _partition_dims(body)
-    out = {}
-    for name, tensor in _local_tensors(body).items():
-        key = prefix + name
-        dim = dims[name]
-        if dim is not None:
-            sharded = ShardedTensor.from_rank_offsets(
-                key, tensor, (dim, tp_rank, tp), replica_id=(0, 0, dp_rank)
-            )
-        else:
-            sharded = ShardedTensor.from_rank_offsets(key, tensor, replica_id=(0, tp_rank, dp_rank))
-        out[key] = sharded
-    return out
-
-
-def load_sharded_state_dict_into(body: DFlashBody, state_dict: Mapping[str, torch.Tensor], prefix: str = "") -> None:
-    """Copy the local shards returned by `dist_checkpointing.load` into `body`.
-
-    Raises:
-        ValueError: on missing, unexpected or mis-shaped entries (names listed).
-    """
-    local = {prefix + name: t for name, t in _local_tensors(body).items()}
-    missing = sorted(set(local) - set(state_dict))
-    unexpected = sorted(set(state_dict) - set(local))
-    mis_shaped = [
-        f"{k}: loaded {_describe(state_dict[k].shape)} vs model {_describe(v.shape)}"
-        for k, v in local.items()
-        if k in state_dict and tuple(state_dict[k].shape) != tuple(v.shape)
-    ]
-    if missing or unexpected or mis_shaped:
-        raise ValueError(
-            "the loaded sharded state does not match the body: "
-            f"missing {missing}, unexpected {unexpected}, shape mismatches {mis_shaped}."
-        )
-    with torch.no_grad():
-        for key, param in local.items():
-            value = state_dict[key]
-            if value is not param:
-                param.copy_(value.to(device=param.device, dtype=param.dtype))

@@ -26,9 +26,10 @@ reader looks in one place only:
 We write `block_size` both at the top level and in `dflash_config`, `is_causal` at the top level
 and `dflash_config.causal` whenever the direction is fixed, and the architecture names of the
 z-lab and SpecForge entries (NeMo loads by class and does not read the name). We read all of the
-above: `architecture_name` maps NeMo's names onto ours, `resolve_causal` says which direction
-flag wins. RoPE is read either as `rope_theta`/`rope_scaling` (transformers 4) or as
-`rope_parameters` (transformers 5) and written as the former.
+above: the variant registry (`variants.registry`) maps every writer's architecture name onto a
+variant, `resolve_causal` says which direction flag wins. RoPE is read either as
+`rope_theta`/`rope_scaling` (transformers 4) or as `rope_parameters` (transformers 5) and written
+as the former.
 
 SpecForge runs a causal (JetSpec) drafter bidirectionally: serve those with the z-lab reference
 or vLLM (which reads `dflash_config.causal`).
@@ -44,11 +45,6 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 DFLASH_ARCHITECTURE = "DFlashDraftModel"
-# NeMo AutoModel names its drafters after its Qwen3 classes; they are the same drafts.
-ARCHITECTURE_ALIASES = {
-    "Qwen3DFlashDraftModel": DFLASH_ARCHITECTURE,
-    "Qwen3DFlash2DraftModel": "DFlash2DraftModel",
-}
 LAYER_TYPES = ("full_attention", "sliding_attention")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -60,16 +56,6 @@ _DFLASH_CONFIG_KEYS = (
     "output_multiplier",
     "final_logit_softcapping",
 )
-
-
-def architecture_name(data: dict[str, Any]) -> str:
-    """`architectures[0]` of a `config.json` dict under our name (`DFlashDraftModel` when absent).
-
-    NeMo AutoModel's `Qwen3DFlashDraftModel` / `Qwen3DFlash2DraftModel` are read as
-    `DFlashDraftModel` / `DFlash2DraftModel`: the same tensors and fields.
-    """
-    name = (data.get("architectures") or [DFLASH_ARCHITECTURE])[0]
-    return ARCHITECTURE_ALIASES.get(name, name)
 
 
 def resolve_causal(data: dict[str, Any]) -> Optional[bool]:

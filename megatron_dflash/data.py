@@ -37,6 +37,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 import numpy as np
 import torch
 
+from .embedded_job.synthetic_corpus import conversations
 from .hashing import M32 as _M32
 from .hashing import absorb, mix32
 from .plan import DFlashBatchPlan, build_dflash_batch_plan
@@ -472,7 +473,7 @@ class IndexedDataset(torch.utils.data.Dataset):
 
 
 class SyntheticChatDataset(torch.utils.data.Dataset):
-    """``count`` chats of ``training.synthetic_corpus.conversations(seed, count)``.
+    """``count`` chats of ``embedded_job.synthetic_corpus.conversations(seed, count)``.
 
     Use a different seed for a held-out split (IDs include the seed, so splits never share IDs).
     Sample ID: ``stable_sample_id("synthetic-chat", seed, index)``.
@@ -481,8 +482,6 @@ class SyntheticChatDataset(torch.utils.data.Dataset):
     kind = "synthetic-chat"
 
     def __init__(self, seed: int, count: int, tokenizer, seq_length: int, *, assistant_mask: str = "auto"):
-        from .training.synthetic_corpus import conversations
-
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise ValueError(f"SyntheticChatDataset: count must be an int >= 1, got {count!r}.")
         self.seed = int(seed)

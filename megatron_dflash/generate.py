@@ -9,8 +9,9 @@ One decoding cycle per batch:
    attend to the cached committed context and to the block's own slots; slots `1..W-1` become
    draft tokens through the target's LM head (with the draft's
    `output_multiplier` / `final_logit_softcapping`, exactly as in training). DFlash 2 drafts
-   walk their candidate selector instead of taking each slot's argmax or sample; a draft with a
-   `propose_block` method (Domino) picks its tokens itself from the whole block's hidden states.
+   walk their candidate selector instead of taking each slot's argmax or sample, Domino drafts
+   their GRU head: a variant with a proposer (`variants.registry`, its `propose_block`) picks its
+   tokens itself from the whole block's hidden states.
 2. **Verify.** The target runs once over the `W` block tokens. Greedy: the longest prefix of
    draft tokens equal to the target's argmax is accepted, plus the target's own token at the
    first mismatch (the bonus). Sampling: lossless rejection sampling (accept draft token `x`
@@ -50,6 +51,7 @@ from .head import OutputHead
 from .kv_cache import DraftKVCache
 from .plan import DFlashBatchPlan
 from .target import taps_from_hidden_states
+from .variants.registry import variant_of
 
 __all__ = [
     "SpecDecodeOutput",
@@ -589,10 +591,11 @@ def _decode(
     embedding = target.get_input_embeddings()
     head_layer = target.get_output_embeddings()
     head = OutputHead.from_config(head_layer, cfg)
-    selector = getattr(draft, "candidate_selector", None)
-    # Variant hook: `propose_block(hidden [B, W, H], anchor_ids [B], head, embedding, temperature,
-    # generator) -> (tokens [B, W-1], draft_probs [B, W-1, V] or None)`; see `_propose`.
-    propose = getattr(draft, "propose_block", None)
+    # The variant's proposer (DFlash 2's selector walk, Domino's `propose_block`): `propose(hidden
+    # [B, W, H], anchor_ids [B], head, embedding, temperature, generator) -> (tokens [B, W-1],
+    # draft_probs [B, W-1, V] or None)`, see `_propose`; None: each slot proposes its own token.
+    propose = variant_of(draft).propose_fn(draft)
+
     def taps_of(hidden_states) -> torch.Tensor:
         return taps_from_hidden_states(hidden_states, cfg.target_layer_ids)
 
@@ -686,18 +689,7 @@ def _decode(
             # The head's full width (columns past the draft's vocab_size are -inf), so draft and
             # target distributions share one index space.
             draft_logits = head.local_logits(hidden[:, 1:].to(head_layer.weight.dtype))  # [B, T, V]
-            if selector is not None:
-                path, candidates, candidate_probs = selector.walk(
-                    hidden[:, 1:], draft_logits, last, temperature if sampling else 0.0, generator
-                )
-                block[:, 1:] = path
-                if sampling:
-                    draft_probs = torch.zeros_like(draft_logits)
-                    if candidate_probs is None:  # the walk was greedy: a point-mass proposal
-                        draft_probs.scatter_(-1, path[..., None], 1.0)
-                    else:
-                        draft_probs.scatter_(-1, candidates, candidate_probs.to(draft_probs.dtype))
-            elif sampling:
+            if sampling:
                 draft_probs = torch.softmax(draft_logits / temperature, dim=-1)
                 block[:, 1:] = _sample(draft_probs, generator)
             else:

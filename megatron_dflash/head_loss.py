@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .head import OutputHead
-from .parallel import is_distributed_group, reduce_grad_over_group, tensor_parallel_group
+from .parallel import gather_last_dim, is_distributed_group, reduce_grad_over_group, tensor_parallel_group
 
 __all__ = ["SOFT_TARGETS", "HeadLossTerms", "head_loss", "topk_vocab_parallel"]
 
@@ -364,32 +364,6 @@ def _row_amax(logits: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------------
 
 
-class _AllGatherLastDim(torch.autograd.Function):
-    """Concatenate every rank's tensor along the last dim; backward keeps this rank's slice.
-
-    The gathered tensor feeds replicated computation (the same on every rank), so its gradient
-    is the same on every rank and this rank's part of it is its own slice.
-    """
-
-    @staticmethod
-    def forward(ctx, tensor: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        ctx.width = tensor.shape[-1]
-        return _all_gather_last_dim(tensor, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        start = ctx.group.rank() * ctx.width
-        return grad[..., start : start + ctx.width].contiguous(), None
-
-
-def _all_gather_last_dim(tensor: torch.Tensor, group) -> torch.Tensor:
-    local = tensor.contiguous()
-    parts = [torch.empty_like(local) for _ in range(group.size())]
-    dist.all_gather(parts, local, group=group)
-    return torch.cat(parts, dim=-1)
-
-
 def topk_vocab_parallel(
     local_logits: torch.Tensor, k: int, vocab_start: int = 0, group=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -423,8 +397,8 @@ def topk_vocab_parallel(
         raise ValueError(
             f"k={k} exceeds the vocabulary size {local_logits.shape[-1]} x {group.size()} ranks."
         )
-    all_values = _AllGatherLastDim.apply(values, group)  # [..., TP * local_k]
-    all_ids = _all_gather_last_dim(ids, group)
+    all_values = gather_last_dim(values, group)  # [..., TP * local_k]
+    all_ids = gather_last_dim(ids, group)
     top_values, where = torch.topk(all_values, k, dim=-1)
     return top_values, all_ids.gather(-1, where)
 
@@ -440,8 +414,8 @@ def _global_topk(local: torch.Tensor, k: int, vocab_start: int, group) -> tuple[
         ids = F.pad(ids, (0, k - local_k), value=vocab_start)
     if not is_distributed_group(group):
         return values, ids
-    values, where = torch.topk(_all_gather_last_dim(values, group), k, dim=-1)
-    return values, _all_gather_last_dim(ids, group).gather(-1, where)
+    values, where = torch.topk(gather_last_dim(values, group), k, dim=-1)
+    return values, gather_last_dim(ids, group).gather(-1, where)
 
 
 def _add_candidate_grad(grad_hidden, grad_values, rows, factor, weight, rows_per_pass: int = 256) -> None:

@@ -11,7 +11,8 @@ Hq / Hkv the rank-local query / KV heads.
 
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -41,14 +42,14 @@ def _init_method(std: float):
 class _SingleRankSafe:
     """Mixin: a one-rank group runs the plain linear.
 
-    Megatron's region helpers look the group up again through
-    `get_tensor_model_parallel_group_if_none`, which returns None whenever
-    `torch.distributed` is not initialised, and then assert in forward/backward; with one
-    rank there is nothing to communicate, so the layer is just `F.linear`.
+    The group is given to megatron's constructor (`tp_group=`), which keeps it whenever
+    `torch.distributed` is initialised; without `torch.distributed` megatron 0.16 stores None
+    instead (`get_tensor_model_parallel_group_if_none`) and its region helpers would assert in
+    forward/backward. With one rank there is nothing to communicate, so the layer is just `F.linear`.
     """
 
     def forward(self, input_, *args, **kwargs):
-        if self.tp_group.size() == 1:
+        if self.tp_group is None or self.tp_group.size() == 1:
             return F.linear(input_, self.weight, self.bias), None
         # Megatron's weight-gradient path only flattens 3-D inputs; ours are
         # [B, N, W, H] blocks, so fold the leading dimensions into one.
@@ -75,7 +76,6 @@ def column_parallel(in_features, out_features, *, bias, parallel_config, tp_grou
         gather_output=False,
         tp_group=tp_group,
     )
-    layer.tp_group = tp_group  # megatron drops a group it cannot see in parallel_state
     _mark_partitioned(layer, weight_dim=0, bias_partitioned=True)
     return layer
 
@@ -91,7 +91,6 @@ def row_parallel(in_features, out_features, *, bias, parallel_config, tp_group, 
         skip_bias_add=False,
         tp_group=tp_group,
     )
-    layer.tp_group = tp_group
     _mark_partitioned(layer, weight_dim=1, bias_partitioned=False)
     return layer
 
@@ -194,23 +193,55 @@ class DFlashMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)[0]) * self.up_proj(x)[0])[0]
 
 
+# Builds one optional sublayer: `(config, dtype) -> nn.Module`.
+SublayerBuilder = Callable[[DFlashConfig, torch.dtype], nn.Module]
+
+
+@dataclass(frozen=True)
+class DFlashLayerSubmodules:
+    """The optional sublayers of a `DFlashDecoderLayer`, asked for at construction.
+
+    In the spirit of megatron-core's `ModuleSpec` / `TransformerLayerSubmodules`: each field is a
+    builder `(config, dtype) -> nn.Module`, or None for the identity (the plain DFlash layer). A
+    variant that needs more inside its layers passes its builders to the body
+    (`DFlashBody(..., layer_submodules=...)`), e.g. DFlash 2's in-block convolutions.
+
+    Fields:
+        attention_conv: wraps the attention sublayer. The module has
+            `prepare(x [B, N, W, H]) -> (x', coefficients)`, applied before the sublayer, and
+            `finish(y, coefficients) -> y'`, applied after it.
+        mlp_conv: the same around the MLP.
+    """
+
+    attention_conv: Optional[SublayerBuilder] = None
+    mlp_conv: Optional[SublayerBuilder] = None
+
+
 class DFlashDecoderLayer(nn.Module):
     """Pre-norm residual layer. The context feature is not normed here: it is shared by
-    every layer and was normed once by the body's `hidden_norm`."""
+    every layer and was normed once by the body's `hidden_norm`.
 
-    def __init__(self, config: DFlashConfig, layer_idx: int, parallel_config: ModelParallelConfig, tp_group):
+    `submodules` adds the optional sublayers around attention and MLP (`DFlashLayerSubmodules`;
+    identity by default). They are registered after the norms, so the parameter order is
+    backbone first, then the variant's additions.
+    """
+
+    def __init__(
+        self,
+        config: DFlashConfig,
+        layer_idx: int,
+        parallel_config: ModelParallelConfig,
+        tp_group,
+        submodules: DFlashLayerSubmodules = DFlashLayerSubmodules(),
+    ):
         super().__init__()
         dtype = parallel_config.params_dtype
         self.self_attn = DFlashAttention(config, layer_idx, parallel_config, tp_group)
         self.mlp = DFlashMLP(config, parallel_config, tp_group)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
-
-        # Optional in-block convolutions around each sublayer (DFlash 2). Each has
-        # `prepare(x [B, N, W, H]) -> (x', coefficients)` before the sublayer and
-        # `finish(y, coefficients) -> y'` after it; None for plain DFlash.
-        self.attention_conv: Optional[nn.Module] = None
-        self.mlp_conv: Optional[nn.Module] = None
+        self.attention_conv = _build(submodules.attention_conv, config, dtype)
+        self.mlp_conv = _build(submodules.mlp_conv, config, dtype)
 
     def forward(
         self,
@@ -228,6 +259,10 @@ class DFlashDecoderLayer(nn.Module):
             self.input_layernorm(hidden),
         )
         return hidden + _around(self.mlp_conv, self.mlp, self.post_attention_layernorm(hidden))
+
+
+def _build(builder: Optional[SublayerBuilder], config: DFlashConfig, dtype: torch.dtype) -> Optional[nn.Module]:
+    return None if builder is None else builder(config, dtype)
 
 
 def _around(conv: Optional[nn.Module], sublayer, x: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
 
 _SIGNATURE_SLOTS = 32
@@ -114,27 +115,56 @@ def agree_or_raise(local_error: Optional[str], signature: Sequence[int], group, 
     )
 
 
-class _ReduceGradOverGroup(torch.autograd.Function):
-    """Identity forward; all-reduce (sum) of the gradient over ``group`` in backward."""
-
-    @staticmethod
-    def forward(ctx, tensor: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        return tensor.view_as(tensor)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        if is_distributed_group(ctx.group):
-            grad = grad.contiguous()
-            dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
 def reduce_grad_over_group(tensor: torch.Tensor, group) -> torch.Tensor:
     """`tensor` unchanged, but its gradient is summed over `group` in backward.
 
     For a replicated tensor that each rank uses only for its own shard of the work (the
     per-head q/k norms under TP, hidden states entering a vocab-parallel head): each rank's
-    gradient is a partial sum, the true gradient is the sum over ranks.
+    gradient is a partial sum, the true gradient is the sum over ranks. This is megatron's
+    `copy_to_tensor_model_parallel_region`; a one-rank group (the `SingleRankGroup` stand-in of a
+    process without `torch.distributed`, which megatron's mappings cannot take) is the identity.
     """
-    return _ReduceGradOverGroup.apply(tensor, group)
+    if not is_distributed_group(group):
+        return tensor
+    return copy_to_tensor_model_parallel_region(tensor, group=group)
+
+
+class _AllGatherLastDim(torch.autograd.Function):
+    """Concatenate every rank's tensor along the last dim; backward keeps this rank's slice.
+
+    megatron's `gather_from_tensor_model_parallel_region` has the same autograd contract but
+    allocates its buffer on `torch.cuda.current_device()`, so it cannot run on CPU ranks (gloo);
+    this is the one all-gather of the draft's tensor-parallel code.
+    """
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        ctx.width = tensor.shape[-1]
+        return _all_gather_last_dim(tensor, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        start = ctx.group.rank() * ctx.width
+        return grad[..., start : start + ctx.width].contiguous(), None
+
+
+def _all_gather_last_dim(tensor: torch.Tensor, group) -> torch.Tensor:
+    local = tensor.contiguous()
+    parts = [torch.empty_like(local) for _ in range(group.size())]
+    dist.all_gather(parts, local, group=group)
+    return torch.cat(parts, dim=-1)
+
+
+def gather_last_dim(tensor: torch.Tensor, group) -> torch.Tensor:
+    """`[..., X]` of every rank of `group` concatenated in rank order: `[..., group.size() * X]`.
+
+    For a tensor whose gathered form feeds replicated computation (the same on every rank): its
+    gradient is then the same on every rank, and backward keeps this rank's slice of it. Integer
+    tensors (no gradient) are gathered the same way. The identity for a one-rank group.
+    """
+    if not is_distributed_group(group):
+        return tensor
+    if not tensor.requires_grad:
+        return _all_gather_last_dim(tensor, group)
+    return _AllGatherLastDim.apply(tensor, group)

@@ -48,7 +48,7 @@ def one_thread():
 def tiny_target(tmp_path_factory):
     """A tiny Qwen3 target (6 layers) trained for 20 steps, in a temporary cache (never the user's); built
     once per session and shared read-only by every module."""
-    from megatron_dflash.training.tiny_target import TinyTargetRecipe, ensure_tiny_target
+    from megatron_dflash.embedded_job.tiny_target import TinyTargetRecipe, ensure_tiny_target
 
     cache = tmp_path_factory.mktemp("dflash-cache")
     saved = torch.get_num_threads()

@@ -244,7 +244,7 @@ def test_console_log_keeps_what_was_printed_once_the_run_is_valid(tmp_path):
 
 def test_one_prompt_format_for_both_tools(tmp_path):
     from megatron_dflash.training.job import load_eval_prompts
-    from megatron_dflash.training.synthetic_corpus import build_tokenizer
+    from megatron_dflash.embedded_job.synthetic_corpus import build_tokenizer
 
     tokenizer = build_tokenizer()
     path = tmp_path / "p.jsonl"
@@ -294,7 +294,7 @@ def test_shipped_prompts_are_tasks_the_shipped_target_knows():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from megatron_dflash.prompts import read_prompt_file, tokenize_prompt, unknown_token_fraction
-    from megatron_dflash.training.tiny_target import SHIPPED_TARGET_DIR
+    from megatron_dflash.embedded_job.tiny_target import SHIPPED_TARGET_DIR
 
     tokenizer = AutoTokenizer.from_pretrained(SHIPPED_TARGET_DIR)
     model = AutoModelForCausalLM.from_pretrained(SHIPPED_TARGET_DIR).eval()
@@ -326,7 +326,7 @@ def test_shipped_tiny_target_is_the_recipe():
     short rebuild reproduces the recorded first steps (losses and parameter norms)."""
     import torch
 
-    from megatron_dflash.training.tiny_target import (SHIPPED_TARGET_DIR, TRACE_STEPS, TinyTargetRecipe,
+    from megatron_dflash.embedded_job.tiny_target import (SHIPPED_TARGET_DIR, TRACE_STEPS, TinyTargetRecipe,
                                                       embedded_target_dir, matches_recipe, recipe_trace)
 
     assert matches_recipe(SHIPPED_TARGET_DIR) and embedded_target_dir() == SHIPPED_TARGET_DIR
@@ -352,7 +352,7 @@ def test_shipped_tiny_target_is_the_recipe():
 def test_the_embedded_job_keeps_a_checkpoint_and_uses_the_shipped_target():
     from megatron_dflash.training.arguments import parse_args
     from megatron_dflash.training.job import prepare_job
-    from megatron_dflash.training.tiny_target import SHIPPED_TARGET_DIR
+    from megatron_dflash.embedded_job.tiny_target import SHIPPED_TARGET_DIR
 
     job = prepare_job(parse_args([]), world_size=1, env={"DFLASH_RUN_NAME": "first"}, cuda=False, log=print)
     assert job.target_dir == SHIPPED_TARGET_DIR and job.embedded_target
@@ -412,7 +412,7 @@ def test_the_shipped_target_is_package_data():
     import ast
     import fnmatch
 
-    from megatron_dflash.training.tiny_target import SHIPPED_TARGET_DIR
+    from megatron_dflash.embedded_job.tiny_target import SHIPPED_TARGET_DIR
 
     with open(os.path.join(ROOT, "setup.py")) as f:
         tree = ast.parse(f.read())

@@ -1,4 +1,5 @@
-"""Checkpoint conversion megatron (torch_dist) <-> HF: `megatron_dflash.convert` and its CLI.
+"""Checkpoint conversion megatron (torch_dist) <-> HF: `megatron_dflash.conversion`, the layout it reads and
+writes (`megatron_dflash.torch_dist`) and its CLI (`megatron_dflash.convert`).
 
 The key checks: HF -> megatron -> HF gives byte-identical files for DFlash and DFlash 2;
 megatron checkpoints written by TP=1, 2 and 4 ranks convert to exactly the TP=1 export (the
@@ -23,12 +24,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from megatron_dflash import convert
+from megatron_dflash import convert, torch_dist, torch_dist_save
 from megatron_dflash.body import DFlashBody, default_parallel_config
 from megatron_dflash.checkpoint import hf_state_dict, load_hf_checkpoint, save_hf_checkpoint
 from megatron_dflash.config import DFlashConfig
 from megatron_dflash.plan import DFlashBatchPlan
 from megatron_dflash.variants.dflash2 import DFlash2Body, DFlash2Config
+from megatron_dflash.variants.registry import get_variant, variant_for_hf_config, variant_of
 
 from builders import tiny_draft_kwargs
 
@@ -103,10 +105,10 @@ def write_megatron(directory, sharded: dict, body) -> None:
     from megatron.core import dist_checkpointing
 
     os.makedirs(directory, exist_ok=True)
-    with convert.single_process_group():
-        dist_checkpointing.save(sharded, str(directory), sharded_strategy=convert.in_process_save_strategy())
-    with open(os.path.join(directory, convert.DRAFT_CONFIG_FILENAME), "w") as f:
-        json.dump(convert.draft_config_dict(body), f)
+    with torch_dist.single_process_group():
+        dist_checkpointing.save(sharded, str(directory), sharded_strategy=torch_dist_save.in_process_save_strategy())
+    with open(os.path.join(directory, torch_dist.DRAFT_CONFIG_FILENAME), "w") as f:
+        json.dump(torch_dist.draft_config_dict(body), f)
 
 
 @pytest.fixture(scope="module")
@@ -132,17 +134,17 @@ def converted(tmp_path_factory):
 def test_hf_megatron_hf_round_trip_is_exact(converted, variant):
     case = converted[variant]
     # The megatron layout: tracker -> release/, a torch_dist checkpoint plus dflash_config.json.
-    assert convert.read_tracker(case["meg"]) == convert.RELEASE
+    assert torch_dist.read_tracker(case["meg"]) == torch_dist.RELEASE
     release = os.path.join(case["meg"], "release")
-    assert convert.resolve_iteration_dir(case["meg"]) == release
+    assert torch_dist.resolve_iteration_dir(case["meg"]) == release
     assert {"metadata.json", ".metadata", "dflash_config.json", "common.pt"} <= set(os.listdir(release))
     with open(os.path.join(release, "metadata.json")) as f:
         assert json.load(f)["sharded_backend"] == "torch_dist"
     with open(os.path.join(release, "dflash_config.json")) as f:
         assert json.load(f)["architectures"] == [ARCH[variant]]
     expected = hf_state_dict(case["body"])
-    with convert.single_process_group():
-        stored = convert.megatron_draft_tensors(release)
+    with torch_dist.single_process_group():
+        stored = torch_dist.megatron_draft_tensors(release)
     assert stored == {name: (tuple(t.shape), torch.float32) for name, t in expected.items()}
     if variant == "dflash2":
         assert "candidate_selector.successor_codebook" in stored and "layers.1.attention_conv.base_kernel" in stored
@@ -198,8 +200,8 @@ def test_dtypes(converted, tmp_path):
     # bf16 HF -> megatron keeps bf16 by default; back to HF it is the same file.
     status, err = run_cli("to-megatron", "--load", tmp_path / "bf16", "--output", tmp_path / "meg16", "--validate")
     assert status == 0, err
-    with convert.single_process_group():
-        stored = convert.megatron_draft_tensors(convert.resolve_iteration_dir(str(tmp_path / "meg16")))
+    with torch_dist.single_process_group():
+        stored = torch_dist.megatron_draft_tensors(torch_dist.resolve_iteration_dir(str(tmp_path / "meg16")))
     assert {dtype for _, dtype in stored.values()} == {torch.bfloat16}
     status, err = run_cli("to-hf", "--load", tmp_path / "meg16", "--output", tmp_path / "bf16b", "--validate")
     assert status == 0, err
@@ -237,11 +239,11 @@ def _save_at_tp(rank, world_size, tp: int, hf_dirs: dict, save_root: str, tp1_me
             "iteration": 100,
         }
         save = os.path.join(save_root, variant)
-        convert.save_megatron_draft(body, os.path.join(save, convert.iteration_dir_name(100)), extra_state=extra)
+        torch_dist.save_megatron_draft(body, os.path.join(save, torch_dist.iteration_dir_name(100)), extra_state=extra)
         if dist.get_rank() == 0:
-            convert.write_tracker(save, 100)
+            torch_dist.write_tracker(save, 100)
         dist.barrier()
-        reloaded = convert.load_megatron_draft(convert.resolve_iteration_dir(tp1_megatron[variant]))
+        reloaded = torch_dist.load_megatron_draft(torch_dist.resolve_iteration_dir(tp1_megatron[variant]))
         assert reloaded.tp_group.size() == tp and type(reloaded) is type(body)
         gathered[variant] = hf_state_dict(reloaded)
     return gathered
@@ -254,7 +256,7 @@ def test_tp_sharded_megatron_checkpoints_convert_to_the_tp1_export(converted, tm
     hf_dirs = {v: converted[v]["hf0"] for v in VARIANTS}
     megs = {v: converted[v]["meg"] for v in VARIANTS}
     if world_size == 1:
-        with convert.single_process_group():
+        with torch_dist.single_process_group():
             results = [_save_at_tp(0, 1, 1, hf_dirs, str(tmp_path), megs)]
     else:
         results = tp_pool(world_size).run(_save_at_tp, tp, hf_dirs, str(tmp_path), megs, tp=tp, timeout=180)
@@ -265,10 +267,10 @@ def test_tp_sharded_megatron_checkpoints_convert_to_the_tp1_export(converted, tm
             for name, tensor in expected.items():
                 assert torch.equal(gathered[variant][name], tensor), (variant, name)
         save = tmp_path / variant
-        assert convert.read_tracker(str(save)) == 100
-        with convert.single_process_group():
-            stored = convert.megatron_draft_tensors(str(save / "iter_0000100"))
-            others = convert.megatron_draft_tensors(str(save / "iter_0000100"), prefix="optimizer.exp_avg.")
+        assert torch_dist.read_tracker(str(save)) == 100
+        with torch_dist.single_process_group():
+            stored = torch_dist.megatron_draft_tensors(str(save / "iter_0000100"))
+            others = torch_dist.megatron_draft_tensors(str(save / "iter_0000100"), prefix="optimizer.exp_avg.")
         assert stored.keys() == expected.keys() and others.keys() == expected.keys()
         status, err = run_cli("to-hf", "--load", save, "--output", tmp_path / f"{variant}_hf", "--validate")
         assert status == 0, err
@@ -293,26 +295,29 @@ class ExtraHeadBody(DFlashBody):
         self.domino_head.register_parameter("gate", torch.nn.Parameter(torch.ones(3, H, dtype=self.fc.weight.dtype)))
 
 
-def test_any_variant_tensors_are_converted(tmp_path, monkeypatch):
-    monkeypatch.setitem(
-        convert.ARCHITECTURES,
-        "extra_head",
-        convert.DraftArchitecture("ExtraHeadDraftModel", ExtraHeadConfig, ExtraHeadBody),
-    )
-    body = ExtraHeadBody(ExtraHeadConfig(**config_kwargs()), parallel_config=default_parallel_config(perform_initialization=False))
-    randomize(body, 3)
-    assert convert.architecture_of(body).name == "ExtraHeadDraftModel"
-    save_hf_checkpoint(body, str(tmp_path / "hf0"), architecture="ExtraHeadDraftModel")
-    assert run_cli("to-megatron", "--load", tmp_path / "hf0", "--output", tmp_path / "meg", "--validate")[0] == 0
-    with convert.single_process_group():
-        stored = convert.megatron_draft_tensors(str(tmp_path / "meg" / "release"))
-    assert {"domino_head.weight_ih", "domino_head.bias_hh", "domino_head.gate"} <= set(stored)
-    assert run_cli("to-hf", "--load", tmp_path / "meg", "--output", tmp_path / "hf1", "--validate")[0] == 0
-    assert file_bytes(tmp_path / "hf1") == file_bytes(tmp_path / "hf0")
+def test_any_variant_tensors_are_converted(tmp_path):
+    from megatron_dflash.variants.registry import Variant, register_variant, unregister_variant
+
+    extra_head = Variant(name="extra_head", title="ExtraHead", config_cls=ExtraHeadConfig, body_cls=ExtraHeadBody,
+                         architecture="ExtraHeadDraftModel", loss=None)
+    register_variant(extra_head)
+    try:
+        body = ExtraHeadBody(ExtraHeadConfig(**config_kwargs()),
+                             parallel_config=default_parallel_config(perform_initialization=False))
+        randomize(body, 3)
+        assert variant_of(body) is extra_head
+        save_hf_checkpoint(body, str(tmp_path / "hf0"))
+        assert run_cli("to-megatron", "--load", tmp_path / "hf0", "--output", tmp_path / "meg", "--validate")[0] == 0
+        with torch_dist.single_process_group():
+            stored = torch_dist.megatron_draft_tensors(str(tmp_path / "meg" / "release"))
+        assert {"domino_head.weight_ih", "domino_head.bias_hh", "domino_head.gate"} <= set(stored)
+        assert run_cli("to-hf", "--load", tmp_path / "meg", "--output", tmp_path / "hf1", "--validate")[0] == 0
+        assert file_bytes(tmp_path / "hf1") == file_bytes(tmp_path / "hf0")
+    finally:
+        unregister_variant("extra_head")
     # An architecture nobody registered is a clear error.
-    monkeypatch.delitem(convert.ARCHITECTURES, "extra_head")
     status, err = run_cli("to-megatron", "--load", tmp_path / "hf0", "--output", tmp_path / "meg2")
-    assert status == 1 and "ExtraHeadDraftModel" in err and "register_architecture" in err, err
+    assert status == 1 and "ExtraHeadDraftModel" in err and "register_variant" in err, err
 
 
 def _variant_body(variant: str):
@@ -334,11 +339,11 @@ def test_other_variants_round_trip(tmp_path, variant):
     """Domino (its own tensors, `DominoDraftModel`) and JetSpec (`DFlashDraftModel` with
     `is_causal: true`) are recognised from config.json and come back byte-identical."""
     body = _variant_body(variant)
-    entry = convert.architecture_of(body)
-    assert entry is convert.ARCHITECTURES[variant]
-    save_hf_checkpoint(body, str(tmp_path / "hf0"), architecture=entry.name)
+    entry = variant_of(body)
+    assert entry is get_variant(variant)
+    save_hf_checkpoint(body, str(tmp_path / "hf0"))
     config = json.loads((tmp_path / "hf0" / "config.json").read_text())
-    assert convert.architecture_for_config(config) is entry
+    assert variant_for_hf_config(config) is entry
     assert run_cli("to-megatron", "--load", tmp_path / "hf0", "--output", tmp_path / "meg", "--validate")[0] == 0
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -347,19 +352,19 @@ def test_other_variants_round_trip(tmp_path, variant):
     assert ("SpecForge" in out.getvalue()) == (variant == "jetspec"), out.getvalue()
     for name in ("model.safetensors", "config.json"):
         assert file_bytes(tmp_path / "hf1", name) == file_bytes(tmp_path / "hf0", name), name
-    with convert.single_process_group():
-        stored = convert.megatron_draft_tensors(str(tmp_path / "meg" / "release"))
+    with torch_dist.single_process_group():
+        stored = torch_dist.megatron_draft_tensors(str(tmp_path / "meg" / "release"))
     assert stored.keys() == hf_state_dict(body).keys()
     if variant == "domino":
         assert any(n.startswith("prefix_gru.") for n in stored) and any(n.startswith("embed_proj.") for n in stored)
         # A Domino file labelled DFlashDraftModel with projector_type "domino" is still Domino.
         config["architectures"] = ["DFlashDraftModel"]
-        assert convert.architecture_for_config(config) is entry
+        assert variant_for_hf_config(config) is entry
     else:
         # A bidirectional DFlash file stays plain DFlash.
         config.pop("is_causal")
         config["dflash_config"].pop("causal")
-        assert convert.architecture_for_config(config) is convert.ARCHITECTURES["dflash"]
+        assert variant_for_hf_config(config) is get_variant("dflash")
 
 
 # ================================================================================== errors
@@ -446,7 +451,7 @@ def test_megatron_tensor_errors(tmp_path):
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     body = make_body("dflash", seed=4)
-    prefix = convert.MODEL_PREFIX
+    prefix = torch_dist.MODEL_PREFIX
 
     def sharded():
         return body.sharded_state_dict(prefix=prefix)
@@ -472,7 +477,7 @@ def test_megatron_tensor_errors(tmp_path):
 
     # dflash_config.json that disagrees with the weights: 2 taps, fc was trained for 3.
     write_megatron(tmp_path / "config", sharded(), body)
-    path = tmp_path / "config" / convert.DRAFT_CONFIG_FILENAME
+    path = tmp_path / "config" / torch_dist.DRAFT_CONFIG_FILENAME
     data = json.loads(path.read_text())
     data["dflash_config"]["target_layer_ids"] = [2, 4]
     path.write_text(json.dumps(data))
@@ -500,13 +505,13 @@ def test_iteration_selection(tmp_path):
     save = tmp_path / "save"
     bodies = {100: make_body("dflash", seed=10), 200: make_body("dflash", seed=20)}
     for iteration, body in bodies.items():
-        convert.save_megatron_draft(body, str(save / convert.iteration_dir_name(iteration)))
+        torch_dist.save_megatron_draft(body, str(save / torch_dist.iteration_dir_name(iteration)))
         save_hf_checkpoint(body, str(tmp_path / f"hf{iteration}"))
     assert not torch.distributed.is_initialized()  # the helper set up and removed its own group
     # No tracker: the choice is the user's.
     status, err = run_cli("to-hf", "--load", save, "--output", tmp_path / "out")
     assert status == 1 and "--iteration" in err and "[100, 200]" in err, err
-    convert.write_tracker(str(save), 200)
+    torch_dist.write_tracker(str(save), 200)
     assert run_cli("to-hf", "--load", save, "--output", tmp_path / "latest")[0] == 0
     assert file_bytes(tmp_path / "latest") == file_bytes(tmp_path / "hf200")
     assert run_cli("to-hf", "--load", save, "--output", tmp_path / "first", "--iteration", "100")[0] == 0
@@ -518,9 +523,9 @@ def test_iteration_selection(tmp_path):
     assert status == 1 and "iter_0000300" in err and "[100, 200]" in err, err
     # to-megatron --iteration writes an iter_ directory and points the tracker at it.
     assert run_cli("to-megatron", "--load", tmp_path / "hf100", "--output", tmp_path / "m", "--iteration", "7")[0] == 0
-    assert convert.read_tracker(str(tmp_path / "m")) == 7 and os.path.isdir(tmp_path / "m" / "iter_0000007")
+    assert torch_dist.read_tracker(str(tmp_path / "m")) == 7 and os.path.isdir(tmp_path / "m" / "iter_0000007")
     with pytest.raises(ValueError, match="extra_state must not have the key 'model'"):
-        convert.save_megatron_draft(bodies[100], str(tmp_path / "x"), extra_state={"model": {}})
+        torch_dist.save_megatron_draft(bodies[100], str(tmp_path / "x"), extra_state={"model": {}})
 
 
 def test_target_tensor_parallel_size(converted, tmp_path):
@@ -584,3 +589,52 @@ def test_console_script_entry_point():
     installed = importlib.metadata.entry_points(group="console_scripts", name="megatron-dflash-convert")
     for entry in installed:  # present once the package is (re)installed with this setup.py
         assert entry.value == "megatron_dflash.convert:main" and entry.load() is convert.main
+
+
+def test_megatron_private_save_helpers():
+    """`torch_dist_save.py` builds megatron's `torch_dist` format from megatron-core helpers that are
+    private (`_replace_state_dict_keys_with_sharded_keys`) or internals of its save strategy. This
+    pins what it relies on, so a megatron release that changes them fails here, by name, instead of
+    writing checkpoints that megatron's own loader cannot read."""
+    import inspect
+
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.dist_checkpointing.strategies import torch as mcore_torch
+
+    helper = getattr(mcore_torch, "_replace_state_dict_keys_with_sharded_keys", None)
+    assert helper is not None, "megatron-core removed _replace_state_dict_keys_with_sharded_keys (torch_dist_save.py)"
+    assert list(inspect.signature(helper).parameters)[:2] == ["sharded_state_dict", "keep_only_main_replica"]
+    assert list(inspect.signature(mcore_torch.mcore_to_pyt_state_dict).parameters)[:2] == ["state_dict", "is_loading"]
+    planner = mcore_torch.MCoreSavePlanner(  # the arguments torch_dist_save.py passes
+        dedup_replicated_tensors=False, flatten_state_dict=False, can_run_decentralized_global_plan=False
+    )
+    assert planner.flatten_state_dict is False and planner.can_run_decentralized_global_plan is False
+
+    # What the helper returns for a nested state dict: shards grouped under their sharded key, the
+    # replicas that are not the main one dropped.
+    main = ShardedTensor.from_rank_offsets("model.w", torch.ones(2, 3), replica_id=0)
+    replica = ShardedTensor.from_rank_offsets("model.v", torch.ones(4), replica_id=1)
+    grouped, flat_mapping, rename_mapping = helper({"model": {"w": main, "v": replica}}, keep_only_main_replica=True)
+    assert list(grouped) == ["model.w"] and grouped["model.w"] == [main]
+    with torch_dist.single_process_group():
+        pyt = mcore_torch.mcore_to_pyt_state_dict(grouped, False)
+    assert list(pyt) == ["model.w"] and tuple(pyt["model.w"].size()) == (2, 3)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_evaluation_tool_reads_the_training_layout(converted, variant):
+    """`tools/evaluate_acceptance.py --draft` takes the trainer's torch_dist save directory (or one of its
+    checkpoint directories) as well as a HF directory, and builds the same draft from either."""
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    try:
+        import evaluate_acceptance
+    finally:
+        sys.path.pop(0)
+    case = converted[variant]
+    from_hf = evaluate_acceptance.load_draft(case["hf0"], "cpu", torch.float32, "dense")
+    for draft in (case["meg"], os.path.join(case["meg"], "release")):
+        from_megatron = evaluate_acceptance.load_draft(draft, "cpu", torch.float32, "dense")
+        assert type(from_megatron) is type(from_hf)
+        expected, got = hf_state_dict(from_hf), hf_state_dict(from_megatron)
+        assert sorted(got) == sorted(expected)
+        assert all(torch.equal(got[name], expected[name]) for name in expected), draft

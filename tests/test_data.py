@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_dflash import data as D
 from megatron_dflash.plan import build_dflash_batch_plan
-from megatron_dflash.training import synthetic_corpus as sc
+from megatron_dflash.embedded_job import synthetic_corpus as sc
 
 PLAN_FIELDS = ("anchor_positions", "block_valid", "context_start", "position_ids", "context_position_ids", "loss_mask")
 EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from megatron_dflash.body import DFlashBody, default_parallel_config
+from megatron_dflash.checkpoint import hf_state_dict, load_hf_checkpoint, load_hf_state_dict_into, save_hf_checkpoint
 from megatron_dflash.objectives import OutputHead, acceptance_lengths, dflash_loss
 from megatron_dflash.parallel import SingleRankGroup
 from megatron_dflash.plan import DFlashBatchPlan
@@ -27,12 +28,7 @@ from megatron_dflash.variants.dflash2 import (
     DFlash2Body,
     DFlash2Config,
     GroupedDynamicCausalConv,
-    build_dflash2_body,
-    dflash2_hf_state_dict,
     dflash2_loss,
-    load_dflash2_checkpoint,
-    load_dflash2_state_dict_into,
-    save_dflash2_checkpoint,
     topk_vocab_parallel,
 )
 
@@ -315,9 +311,9 @@ def test_saved_dflash2_matches_reference(tmp_path, layer_types):
     extra = {} if layer_types is None else dict(layer_types=layer_types, sliding_window=3)
     cfg = tiny_config(**extra)
     torch.manual_seed(0)
-    body = build_dflash2_body(cfg, attention_backend="chunked").eval()
+    body = DFlash2Body(cfg, attention_backend="chunked").eval()
     randomize_dflash2(body, 11)
-    save_dflash2_checkpoint(body, str(tmp_path / "draft"))
+    save_hf_checkpoint(body, str(tmp_path / "draft"))
 
     with open(tmp_path / "draft" / "config.json") as f:
         assert json.load(f)["architectures"] == [DFLASH2_ARCHITECTURE]
@@ -357,9 +353,9 @@ def test_saved_dflash2_matches_reference(tmp_path, layer_types):
     assert worst <= TOL, worst
 
     # And back: the directory loads into a body with the same weights.
-    loaded = load_dflash2_checkpoint(str(tmp_path / "draft"), attention_backend="chunked")
-    saved = dflash2_hf_state_dict(body)
-    for name, tensor in dflash2_hf_state_dict(loaded).items():
+    loaded = load_hf_checkpoint(str(tmp_path / "draft"), attention_backend="chunked")
+    saved = hf_state_dict(body)
+    for name, tensor in hf_state_dict(loaded).items():
         assert torch.equal(tensor, saved[name]), name
 
 
@@ -574,7 +570,7 @@ def test_metrics_add_and_fp16_is_refused(tmp_path):
         DFlash2Body(tiny_config(), default_parallel_config(params_dtype=torch.float16))
     body = DFlash2Body(tiny_config(), default_parallel_config(perform_initialization=False))
     with pytest.raises(ValueError, match="bfloat16"):
-        save_dflash2_checkpoint(body, str(tmp_path / "fp16"), dtype=torch.float16)
+        save_hf_checkpoint(body, str(tmp_path / "fp16"), dtype=torch.float16)
 
 
 # ================================================================================== tensor parallel
@@ -599,7 +595,7 @@ def _tp2_rank(rank, world_size, state, problem):
     group = parallel_state.get_tensor_model_parallel_group()
     config = default_parallel_config(perform_initialization=False)
     body = DFlash2Body(tiny_config(), config, tp_group=group, attention_backend="chunked")
-    load_dflash2_state_dict_into(body, state)
+    load_hf_state_dict_into(body, state)
     head_weight = problem[-1]
     V, H = head_weight.shape
     layer = column_parallel(H, V, bias=False, parallel_config=config, tp_group=group, std=0.02)
@@ -620,7 +616,7 @@ def test_tensor_parallel_matches_single_rank(tp_pool):
     torch.manual_seed(0)
     body = DFlash2Body(cfg, attention_backend="chunked")
     randomize_dflash2(body, 5)
-    state = dflash2_hf_state_dict(body)
+    state = hf_state_dict(body)
     taps, blocks, plan = random_inputs(cfg)
     gen = torch.Generator().manual_seed(9)
     input_ids = torch.randint(cfg.vocab_size, (2, SEQ), generator=gen)

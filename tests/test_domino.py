@@ -22,7 +22,7 @@ from safetensors import safe_open
 
 from megatron_dflash import generate
 from megatron_dflash.body import DFlashBody, default_parallel_config
-from megatron_dflash.checkpoint import hf_state_dict
+from megatron_dflash.checkpoint import hf_state_dict, load_hf_checkpoint, load_hf_state_dict_into, save_hf_checkpoint
 from megatron_dflash.objectives import OutputHead
 from megatron_dflash.plan import DFlashBatchPlan
 from megatron_dflash.variants.domino import (
@@ -35,9 +35,6 @@ from megatron_dflash.variants.domino import (
     domino_loss,
     domino_propose,
     domino_walk,
-    load_domino_checkpoint,
-    load_domino_state_dict_into,
-    save_domino_checkpoint,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -406,7 +403,7 @@ def test_checkpoint_published_names_and_round_trip(tmp_path):
     with torch.no_grad():
         body.embed_proj[2].weight.normal_(0.0, 0.3)
     assert body.domino_head.embed_proj is body.embed_proj and body.domino_head.shift_label
-    save_domino_checkpoint(body, str(tmp_path / "domino"))
+    save_hf_checkpoint(body, str(tmp_path / "domino"))
     with open(tmp_path / "domino" / "config.json") as f:
         data = json.load(f)
     assert data["architectures"] == [DOMINO_ARCHITECTURE] and data["dflash_config"]["projector_type"] == "domino"
@@ -418,14 +415,14 @@ def test_checkpoint_published_names_and_round_trip(tmp_path):
     assert shapes["embed_proj.2.weight"] == (V, E)
     assert "fc.weight" in shapes and not any(k.startswith(("domino_head", "model.")) for k in shapes)
 
-    loaded = load_domino_checkpoint(str(tmp_path / "domino"), attention_backend="dense")
+    loaded = load_hf_checkpoint(str(tmp_path / "domino"), attention_backend="dense")
     assert dataclasses.replace(loaded.config, extra_hf_fields={}) == body.config
     for name, tensor in body.state_dict().items():
         if isinstance(tensor, torch.Tensor):  # megatron's `_extra_state` entries are not
             assert torch.equal(loaded.state_dict()[name], tensor), name
     # The same weights copied into a body of the same config (published names, full tensors).
     copy = DominoBody(cfg, default_parallel_config(perform_initialization=False), attention_backend="dense")
-    load_domino_state_dict_into(copy, hf_state_dict(body))
+    load_hf_state_dict_into(copy, hf_state_dict(body))
     assert torch.equal(copy.embed_proj[2].weight, body.embed_proj[2].weight)
     # The loaded head is live: same proposals.
     gen = torch.Generator().manual_seed(2)
@@ -434,8 +431,9 @@ def test_checkpoint_published_names_and_round_trip(tmp_path):
     hidden, anchors = torch.randn(2, W, H, generator=gen), torch.tensor([3, 8])
     assert torch.equal(loaded.propose_block(hidden, anchors, head, embedding)[0],
                        body.propose_block(hidden, anchors, head, embedding)[0])
+    # A backbone built with a Domino config has no head: it is refused, not written as a Domino file.
     with pytest.raises(ValueError, match="DominoBody"):
-        save_domino_checkpoint(DFlashBody(tiny_config()), str(tmp_path / "x"))
+        save_hf_checkpoint(DFlashBody(tiny_config()), str(tmp_path / "x"))
 
 
 # ================================================================================== spec_generate

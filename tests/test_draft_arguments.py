@@ -25,7 +25,7 @@ from megatron_dflash.training.arguments import (
     validate_args,
 )
 from megatron_dflash.training.job import draft_config_from_target
-from megatron_dflash.training.variants import get_variant
+from megatron_dflash.variants.registry import get_variant
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

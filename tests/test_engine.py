@@ -169,7 +169,7 @@ def test_distributed_optimizer_resumes_exactly(tp_pool, tiny_target, tmp_path):
     between the two is refused), and converts to HF."""
     from safetensors.torch import load_file
 
-    from megatron_dflash.convert import convert_megatron_to_hf
+    from megatron_dflash.conversion import convert_megatron_to_hf
 
     pool = tp_pool(2)
     save = str(tmp_path / "ckpt")

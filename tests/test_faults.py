@@ -295,7 +295,7 @@ def test_the_next_save_removes_stale_temporaries(tiny_target, tmp_path, trained)
 
 
 def _chats(path, with_answer: list):
-    from megatron_dflash.training.synthetic_corpus import conversations
+    from megatron_dflash.embedded_job.synthetic_corpus import conversations
 
     chats = list(conversations(7, len(with_answer)))
     with open(path, "w") as f:

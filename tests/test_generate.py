@@ -330,26 +330,27 @@ def test_greedy_equals_target_greedy(case, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "dflash2, mode", [(False, "random"), (False, "mixed"), (True, "random")],
-    ids=["dflash-random", "dflash-mixed", "dflash2-random"],
+    "dflash2, mode, causal", [(False, "random", None), (False, "mixed", None), (True, "random", None),
+                              (False, "random", True)],
+    ids=["dflash-random", "dflash-mixed", "dflash2-random", "jetspec-random"],
 )
-def test_proposals_match_reference_decoder(dflash2, mode, tmp_path, monkeypatch):
+def test_proposals_match_reference_decoder(dflash2, mode, causal, tmp_path, monkeypatch):
     """Every block our decoder drafts equals the one the published reference decoder
     (`dflash.model.dflash_generate`, loading our exported checkpoint) drafts in the same cycle.
 
     "random": the proposals are whatever the random draft's hidden states say (a sharp check
-    of the cached draft path); "mixed": rows accept varying lengths (the caches get cropped)."""
+    of the cached draft path); "mixed": rows accept varying lengths (the caches get cropped).
+    `causal=True` is a JetSpec draft (causal in-block attention, `is_causal: true` in its file)."""
     ref = pytest.importorskip("dflash.model")
     import time
 
     from megatron_dflash.checkpoint import save_hf_checkpoint
-    from megatron_dflash.variants.dflash2 import save_dflash2_checkpoint
 
     monkeypatch.setattr(ref, "_cuda_time", time.perf_counter)  # its timer assumes CUDA
     vocab, new = 96, 17
     target = qwen3_target(vocab=vocab, mode=mode)
-    draft = make_draft(vocab, dflash2=dflash2, backend="chunked")
-    (save_dflash2_checkpoint if dflash2 else save_hf_checkpoint)(draft, str(tmp_path / "draft"))
+    draft = make_draft(vocab, dflash2=dflash2, backend="chunked", **({} if causal is None else {"causal": causal}))
+    save_hf_checkpoint(draft, str(tmp_path / "draft"))
     model_class = ref.DFlash2DraftModel if dflash2 else ref.DFlashDraftModel
     reference = model_class.from_pretrained(str(tmp_path / "draft"), dtype=torch.float32).eval()
 
@@ -671,7 +672,6 @@ def test_invalid_arguments_raise_clear_errors():
 
 def _write_models(tmp_path, dflash2: bool):
     from megatron_dflash.checkpoint import save_hf_checkpoint
-    from megatron_dflash.variants.dflash2 import save_dflash2_checkpoint
 
     vocab = 96
     target = qwen3_target(vocab=vocab, mode="absorbing")
@@ -679,7 +679,7 @@ def _write_models(tmp_path, dflash2: bool):
     target.save_pretrained(target_dir)
     draft = make_draft(vocab, dflash2=dflash2, backend="chunked")
     draft_dir = tmp_path / ("draft2" if dflash2 else "draft")
-    (save_dflash2_checkpoint if dflash2 else save_hf_checkpoint)(draft, str(draft_dir))
+    save_hf_checkpoint(draft, str(draft_dir))
     prompts = tmp_path / "prompts.jsonl"
     with open(prompts, "w") as f:
         for p in PROMPTS:
@@ -740,7 +740,7 @@ def test_cli_help_and_bad_prompts(tmp_path):
 
 def test_cli_text_and_chat_prompts_with_sampling(tmp_path):
     """'prompt' / 'messages' lines through the target's tokenizer (and its chat template)."""
-    synthetic = pytest.importorskip("megatron_dflash.training.synthetic_corpus")
+    synthetic = pytest.importorskip("megatron_dflash.embedded_job.synthetic_corpus")
     sys.path.insert(0, os.path.join(ROOT, "tools"))
     try:
         import evaluate_acceptance

@@ -23,11 +23,11 @@ from safetensors.torch import save_file
 from megatron_dflash.body import DFlashBody
 from megatron_dflash.checkpoint import load_hf_checkpoint, save_hf_checkpoint
 from megatron_dflash.config import DFlashConfig, resolve_causal
-from megatron_dflash.convert import architecture_for_config
 from megatron_dflash.plan import DFlashBatchPlan
-from megatron_dflash.variants.dflash2 import DFlash2Body, DFlash2Config, save_dflash2_checkpoint
+from megatron_dflash.variants.dflash2 import DFlash2Body, DFlash2Config
 from megatron_dflash.variants.domino import DominoConfig
 from megatron_dflash.variants.jetspec import JetSpecConfig
+from megatron_dflash.variants.registry import variant_for_hf_config
 
 from builders import random_body_inputs, tiny_draft_kwargs
 
@@ -202,7 +202,7 @@ def test_nemo_dflash2_drafter_loads_and_converts_to_the_published_layout(tmp_pat
 
     # Exported in our layout, the z-lab reference reads it as DFlash 2 with the same outputs.
     dflash_model = pytest.importorskip("dflash.model")
-    save_dflash2_checkpoint(body, str(tmp_path / "ours"))
+    save_hf_checkpoint(body, str(tmp_path / "ours"))
     written = json.loads((tmp_path / "ours" / "config.json").read_text())
     assert written["architectures"] == ["DFlash2DraftModel"]
     zlab = dflash_model.DFlash2DraftModel.from_pretrained(str(tmp_path / "ours"), dtype=torch.float32).eval()
@@ -291,13 +291,13 @@ def test_our_domino_export_loads_in_specforge(tmp_path):
         pytest.skip("SpecForge (`specforge==0.2.0`) is not installed")
     from specforge.modeling.draft.domino import DominoDraftModel
 
-    from megatron_dflash.variants.domino import DominoBody, save_domino_checkpoint
+    from megatron_dflash.variants.domino import DominoBody
 
     torch.manual_seed(0)
     config = DominoConfig(**tiny_draft_kwargs(emb_dim=8, gru_hidden_dim=12, shift_label=True, pure_draft_prefix_len=1))
     body = DominoBody(config).eval()
     randomize(body, 9)
-    save_domino_checkpoint(body, str(tmp_path / "ours"))
+    save_hf_checkpoint(body, str(tmp_path / "ours"))
     ref, info = DominoDraftModel.from_pretrained(str(tmp_path / "ours"), dtype=torch.float32, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     assert (ref.shift_label, ref.pure_draft_prefix_len, ref.block_size) == (True, 1, config.block_size)
@@ -316,7 +316,7 @@ def test_our_dflash2_export_loads_in_nemo(tmp_path):
     config = DFlash2Config(**tiny_draft_kwargs(conv_group_size=16, selector_rank=8, selector_top_k=5))
     body = DFlash2Body(config).eval()
     randomize(body, 6)
-    save_dflash2_checkpoint(body, str(tmp_path / "ours"))
+    save_hf_checkpoint(body, str(tmp_path / "ours"))
     ref = draft2.Qwen3DFlash2DraftModel.from_pretrained(str(tmp_path / "ours"), dtype=torch.float32).eval()
     ref.config._attn_implementation = "eager"
     taps, blocks, plan = inputs(config)
@@ -349,8 +349,9 @@ def test_published_layouts_load_with_their_weights(tmp_path, name, variant, caus
     """Each writer's config.json picks the right variant and direction, and a directory in that
     layout (weights under the published names) loads."""
     data = fixture(name)
-    entry = architecture_for_config(data, name)
-    config = entry.config_cls().from_hf_dict(data)
+    entry = variant_for_hf_config(data, name)
+    assert entry.name == variant
+    config = entry.config_cls.from_hf_dict(data)
     assert config.causal is causal and config.block_size == 4
     expected_variant = {"dflash": DFlashConfig, "dflash2": DFlash2Config, "jetspec": JetSpecConfig,
                         "domino": DominoConfig}[variant]
@@ -359,7 +360,7 @@ def test_published_layouts_load_with_their_weights(tmp_path, name, variant, caus
     assert DFlashConfig.from_hf_dict(data).causal is causal
 
     torch.manual_seed(0)
-    source = entry.body_cls()(config).eval()
+    source = entry.body_cls(config).eval()
     randomize(source, 7)
     tensors = {k: v.contiguous() for k, v in source.state_dict().items() if not k.endswith("_extra_state")}
     (tmp_path / "d").mkdir()

@@ -130,7 +130,7 @@ def _error_of(fn) -> str:
 def _gathered_grads(body) -> dict:
     import torch.distributed as dist
 
-    from megatron_dflash.checkpoint import _partition_dims
+    from megatron_dflash.sharding import _partition_dims
 
     dims = _partition_dims(body)
     group = body.tp_group

@@ -327,7 +327,7 @@ def tiny_moe_targets(tmp_path_factory) -> dict:
 
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from megatron_dflash.training import synthetic_corpus
+    from megatron_dflash.embedded_job import synthetic_corpus
 
     tokenizer = synthetic_corpus.build_tokenizer()
     common = dict(

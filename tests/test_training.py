@@ -429,7 +429,7 @@ def test_chat_text_and_indexed_data(tiny_target, tmp_path):
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
     from transformers import AutoTokenizer
 
-    from megatron_dflash.training.synthetic_corpus import conversations
+    from megatron_dflash.embedded_job.synthetic_corpus import conversations
 
     chats = list(conversations(7, 24))
     (tmp_path / "chat.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in chats))
@@ -458,7 +458,7 @@ def test_chat_text_and_indexed_data(tiny_target, tmp_path):
 def test_start_from_a_drafter_or_a_release_checkpoint(tiny_target, tmp_path):
     """--dflash-init-from HF_DIR and --load of a converted 'release' checkpoint start the same run:
     the drafter's weights, a fresh optimizer, iteration 0."""
-    from megatron_dflash.convert import convert_hf_to_megatron
+    from megatron_dflash.conversion import convert_hf_to_megatron
 
     common = ["--train-iters", "2", "--micro-batch-size", "4", "--global-batch-size", "4", "--dflash-eval-prompts", "0"]
     _run(_base(tiny_target, tmp_path / "first", *common))

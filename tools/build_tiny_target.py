@@ -64,7 +64,8 @@ def main(argv=None) -> int:
     if os.path.exists(args.output):
         usage_error(PROG, f"--output {args.output} exists; choose a new directory.")
 
-    from megatron_dflash.training.tiny_target import SHIPPED_TARGET_DIR, TinyTargetRecipe, train_tiny_target
+    from megatron_dflash.atomic import atomic_directory
+    from megatron_dflash.embedded_job.tiny_target import SHIPPED_TARGET_DIR, TinyTargetRecipe, train_tiny_target
 
     start = time.time()
     os.makedirs(args.output)
@@ -75,9 +76,8 @@ def main(argv=None) -> int:
         identical, text = compare(args.output, SHIPPED_TARGET_DIR)
         print(text)
     if args.install:
-        if os.path.isdir(SHIPPED_TARGET_DIR):
-            shutil.rmtree(SHIPPED_TARGET_DIR)
-        shutil.copytree(args.output, SHIPPED_TARGET_DIR)
+        with atomic_directory(SHIPPED_TARGET_DIR, replace=True) as staged:
+            shutil.copytree(args.output, staged, dirs_exist_ok=True)
         print(f"installed into {SHIPPED_TARGET_DIR}")
     return 0 if identical in (None, True) or args.install else 1
 

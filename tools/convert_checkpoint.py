@@ -5,7 +5,7 @@
     python tools/convert_checkpoint.py to-megatron --load z-lab/draft_hf --output runs/init --validate
 
 Installed as the console script `megatron-dflash-convert`. One CPU process, no GPU; the logic
-and the megatron checkpoint layout live in `megatron_dflash/convert.py`.
+is `megatron_dflash/conversion.py`, the megatron checkpoint layout `megatron_dflash/torch_dist.py`.
 """
 
 from __future__ import annotations

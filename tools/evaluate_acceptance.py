@@ -38,6 +38,7 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 from megatron_dflash.cli import ArgumentParser, UsageError, quiet_dependency_warnings, report_failure, require_dir, require_file, usage_error  # noqa: E402,E501
+from megatron_dflash.torch_dist import looks_like_save_dir  # noqa: E402  (no torch: layout names only)
 
 DTYPES = ("float32", "bfloat16", "float16")
 PROG = "evaluate_acceptance.py"
@@ -55,8 +56,9 @@ def build_parser() -> ArgumentParser:
                         "target of `python pretrain_dflash.py`).")
     parser.add_argument(
         "--draft", required=True,
-        help="HF draft directory (config.json + model.safetensors); DFlash 2 when its config says "
-        "DFlash2DraftModel.",
+        help="HF draft directory (config.json + model.safetensors), or a megatron torch_dist checkpoint of "
+        "the trainer (its --save directory, newest checkpoint, or one iter_* directory); the variant (any "
+        "registered one: DFlash, DFlash 2, Domino, JetSpec, ...) comes from the config.",
     )
     parser.add_argument("--prompts", default=None,
                         help="JSONL file of prompts (input_ids, text/prompt or messages lines; default with "
@@ -122,7 +124,7 @@ def check_paths(args: argparse.Namespace) -> None:
 
     Resolves the defaults of --target (the embedded tiny target) and --prompts (its prompts).
     """
-    from megatron_dflash.training.tiny_target import embedded_target_dir, matches_recipe
+    from megatron_dflash.embedded_job.tiny_target import embedded_target_dir, matches_recipe
 
     if args.target is None:
         args.target = embedded_target_dir()
@@ -132,7 +134,8 @@ def check_paths(args: argparse.Namespace) -> None:
         require_dir("--target", args.target, "HF model directory", must_contain="config.json")
     if args.prompts is None:
         raise UsageError("--prompts is required with a --target other than the embedded tiny target.")
-    require_dir("--draft", args.draft, "HF draft directory", must_contain="config.json")
+    if not looks_like_save_dir(args.draft):  # else a megatron checkpoint, checked when it is read
+        require_dir("--draft", args.draft, "HF draft directory", must_contain="config.json")
     require_file("--prompts", args.prompts, "prompt file")
     if args.tokenizer is not None and not _looks_like_hub_id(args.tokenizer):
         require_dir("--tokenizer", args.tokenizer, "tokenizer directory")
@@ -234,17 +237,28 @@ def load_target(path: str, device, dtype):
 
 
 def load_draft(path: str, device, dtype, attention_backend: str):
-    """A DFlash or DFlash 2 body from a HF draft directory (architecture read from config.json)."""
-    config_path = os.path.join(path, "config.json")
-    if not os.path.isfile(config_path):
+    """The draft body of a HF draft directory or of a megatron torch_dist checkpoint (a save
+    directory's newest checkpoint, or one checkpoint directory); the variant comes from its config."""
+    megatron = looks_like_save_dir(path)
+    if not megatron and not os.path.isfile(os.path.join(path, "config.json")):
         raise UsageError(f"--draft {path}: no config.json in it; expected a HF draft directory.")
     from megatron_dflash.checkpoint import load_hf_checkpoint  # the variant comes from config.json
+    from megatron_dflash.torch_dist import load_megatron_draft, resolve_iteration_dir, single_process_group
+    from megatron_dflash.variants.registry import variant_of
 
     try:
-        body = load_hf_checkpoint(path, attention_backend=attention_backend)
+        if megatron:
+            with single_process_group():
+                body = load_megatron_draft(resolve_iteration_dir(path), attention_backend=attention_backend)
+        else:
+            body = load_hf_checkpoint(path, attention_backend=attention_backend)
     except (OSError, ValueError, KeyError) as err:  # a broken config or weights file: exit 1, not a usage error
         raise ValueError(f"--draft {path}: cannot load the draft ({type(err).__name__}: "
                          f"{str(err).splitlines()[0] if str(err) else ''}).") from None
+    try:
+        variant_of(body).check_dtype(dtype)
+    except ValueError as err:
+        raise UsageError(f"--dtype: {err}") from None
     return body.to(device=device, dtype=dtype).eval()
 
 

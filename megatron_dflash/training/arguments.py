@@ -7,7 +7,7 @@ every rank of a launch evaluates it before any collective, so a bad combination 
 with the same message instead of leaving some of them waiting in a collective.
 
 Run without any argument, the defaults are the embedded job: the cached tiny Qwen3 target
-(`training.tiny_target.ensure_tiny_target`), synthetic chats (train split and held-out prompts from
+(`embedded_job.tiny_target.ensure_tiny_target`), synthetic chats (train split and held-out prompts from
 two seeds), a 2-layer draft with block size 8, 1200 steps, HF export and a speculative-decoding
 acceptance evaluation; a few minutes on a 2-core CPU once the target is cached. The batch-size /
 sequence-length / learning-rate defaults are that job's; set them for real runs.
@@ -24,7 +24,6 @@ from .errors import RunError
 
 __all__ = [
     "ArgumentError",
-    "VARIANTS",
     "DATA_FORMATS",
     "TARGET_BACKENDS",
     "LR_DECAY_STYLES",
@@ -41,7 +40,6 @@ __all__ = [
     "cuda_available",
 ]
 
-VARIANTS = ("dflash", "dflash2", "domino", "jetspec")
 DATA_FORMATS = ("chat", "text", "indexed", "synthetic")
 TARGET_BACKENDS = ("hf", "megatron")
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
@@ -153,7 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hf: transformers model (TP=PP=1 only); megatron: megatron-core GPTModel at TP/PP.")
 
     g = p.add_argument_group("draft")
-    g.add_argument("--dflash-variant", choices=VARIANTS, default="dflash", help="the draft model to train.")
+    g.add_argument("--dflash-variant", default="dflash", metavar="NAME",
+                   help="the draft model to train: a variant of the registry (megatron_dflash.variants; built in: "
+                   "dflash, dflash2, domino, jetspec).")
     g.add_argument("--dflash-block-size", type=int, default=RunDefault(16, 8), help="gamma + 1.")
     g.add_argument("--dflash-anchors-per-sample", type=int, default=RunDefault(512, 8),
                    help="blocks per row (unless given, capped at seq_length - block_size + 1 with --target).")
@@ -482,20 +482,22 @@ def validate_args(
     args.dflash_target_layer_ids_list = parse_layer_ids(args.dflash_target_layer_ids)
     if args.dflash_mask_token_id is not None and args.dflash_mask_token_id < 0:
         raise ArgumentError(f"--dflash-mask-token-id={args.dflash_mask_token_id} must be >= 0.")
+    variant = run_variant(args)
     if args.dflash_variable_prefix is not None:
         base = args.dflash_variable_prefix
         if not (math.isfinite(base) and base > 0):
             raise ArgumentError(f"--dflash-variable-prefix={base} must be a positive number (the prior's ratio).")
-        if args.dflash_variant != "dflash":
+        if not variant.supports_variable_prefix:
             raise ArgumentError(
-                f"--dflash-variable-prefix (D2SD) is supported with --dflash-variant dflash only, not "
-                f"{args.dflash_variant}."
+                f"--dflash-variable-prefix (D2SD) is supported with --dflash-variant {_names_with('supports_variable_prefix')} "
+                f"only, not {args.dflash_variant}."
             )
     if not (math.isfinite(args.dflash_distill_temperature) and args.dflash_distill_temperature > 0):
         raise ArgumentError(f"--dflash-distill-temperature={args.dflash_distill_temperature} must be > 0.")
-    if args.dflash_distill_temperature != 1.0 and args.dflash_variant != "jetspec" and args.dflash_soft_target == "none":
+    if args.dflash_distill_temperature != 1.0 and not variant.needs_final_hidden and args.dflash_soft_target == "none":
         raise ArgumentError(
-            "--dflash-distill-temperature only applies to --dflash-variant jetspec or with --dflash-soft-target."
+            f"--dflash-distill-temperature only applies to --dflash-variant {_names_with('needs_final_hidden')} or with "
+            "--dflash-soft-target."
         )
     if not 0.0 <= args.dflash_domino_decay_ratio <= 1.0:
         raise ArgumentError(f"--dflash-domino-decay-ratio={args.dflash_domino_decay_ratio} must be in [0, 1].")
@@ -700,9 +702,10 @@ def validate_draft_recipe_args(args: argparse.Namespace) -> None:
                 f"{' / '.join(LAYER_TYPE_NAMES)}."
             )
         args.dflash_layer_types = types
-    if args.dflash_soft_target != "none" and variant != "dflash":
+    if args.dflash_soft_target != "none" and not run_variant(args).supports_soft_targets:
         raise ArgumentError(
-            f"--dflash-soft-target applies to --dflash-variant dflash ({variant} has its own objective)."
+            f"--dflash-soft-target applies to --dflash-variant {_names_with('supports_soft_targets')} ({variant} has "
+            "its own objective)."
         )
 
 
@@ -723,16 +726,37 @@ def draft_config_overrides(args: argparse.Namespace, num_layers: Optional[int]) 
     return out
 
 
+def run_variant(args: argparse.Namespace):
+    """The registered `variants.registry.Variant` of `--dflash-variant`; `ArgumentError` naming the registered
+    ones otherwise."""
+    # The registry loads torch and the variants' modules; this module is imported (and --help, usage errors and
+    # missing paths are reported) before they load.
+    from ..variants.registry import get_variant
+
+    try:
+        return get_variant(args.dflash_variant)
+    except ValueError as err:
+        raise ArgumentError(f"--dflash-variant {args.dflash_variant}: {err}") from None
+
+
+def _names_with(capability: str) -> str:
+    """The registered variants that have `capability` (a `Variant` flag), for messages."""
+    from ..variants.registry import get_variant, variant_names
+
+    return " / ".join(name for name in variant_names() if getattr(get_variant(name), capability))
+
+
 def resolve_decay_gamma(args: argparse.Namespace, block_size: int) -> Optional[float]:
     """The loss weights' decay length for this run (None: uniform weights).
 
-    Given explicitly: that (0 is uniform). Otherwise JetSpec is uniform (its published setting), a run
+    Given explicitly: that (0 is uniform). Otherwise a variant with `uniform_loss_weights` (JetSpec, its
+    published setting) is uniform, a run
     with --target uses the recipe's value for its block size (`RECIPE_DECAY_GAMMA`, (W - 1) / 2 for the
     other sizes), and the embedded job keeps block_size - 1.
     """
     if args.dflash_decay_gamma is not None:
         return None if args.dflash_decay_gamma == 0 else float(args.dflash_decay_gamma)
-    if args.dflash_variant == "jetspec":
+    if run_variant(args).uniform_loss_weights:
         return None
     if args.target is None:
         return float(block_size - 1)

@@ -1,9 +1,10 @@
 """Training checkpoints: megatron `dist_checkpointing` (torch_dist), atomic, exact resume.
 
-The layout is `convert.py`'s (so `tools/convert_checkpoint.py to-hf` reads a training checkpoint)::
+The layout is the draft's `torch_dist` layout (`torch_dist.py`, docs/design.md §10 Training
+checkpoint layout), so `megatron-dflash-convert to-hf` reads a training checkpoint::
 
     SAVE/latest_checkpointed_iteration.txt     "6" (or "release": converted weights, no training state)
-    SAVE/iter_0000006/                         torch_dist checkpoint (`convert.save_megatron_draft`)
+    SAVE/iter_0000006/                         torch_dist checkpoint (`torch_dist.save_megatron_draft`)
         model.<published name>                 the draft, each TP rank its shard of the full tensor
         optimizer.*                            megatron's optimizer state (`optimizer.sharded_state_dict`):
                                                Adam moments and fp32 main weights sharded like their
@@ -13,10 +14,11 @@ The layout is `convert.py`'s (so `tools/convert_checkpoint.py to-hf` reads a tra
         common.pt                              iteration, scheduler, optimizer step, data position, args
         dflash_config.json                     the draft config (HF layout)
 
-Atomicity: every rank writes into `SAVE/.iter_0000006.tmp`; once all ranks are done, rank 0 renames
-it to `iter_0000006` and then replaces the tracker file (`convert.write_tracker`: temporary file +
-rename). A crash at any point before that last rename leaves the previous checkpoint and the
-tracker untouched; the next save removes the stale temporary directory.
+Atomicity (`atomic.py`): every rank writes into the staged `SAVE/.iter_0000006.tmp`; once all ranks
+are done, rank 0 publishes it as `iter_0000006` (`atomic.publish_directory`) and then replaces the
+tracker file (`torch_dist.write_tracker`: staged file + rename). A crash at any point before that
+last rename leaves the previous checkpoint and the tracker untouched; the next save restores an
+interrupted replacement of the same iteration and removes the stale staged directories.
 
 Exact resume: the batch plans are a pure function of (step, seed), the data order of (seed, step)
 (`MicroBatchIterator(start_step=iteration)`); the optimizer moments and step count, the scheduler
@@ -33,26 +35,32 @@ state (scheduler, optimizer step) and `dflash_config.json` come from the draft's
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
-import shutil
 from typing import Callable, Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.dist_checkpointing.dict_utils import extract_matching_values
+from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedObject
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-from ..convert import (
+from ..atomic import publish_directory, remove_stale_siblings, staged_path, temporary_of
+from ..torch_dist import (
     MODEL_PREFIX,
     RELEASE,
     TRACKER_FILENAME,
+    draft_config_dict,
     iteration_dir_name,
     load_megatron_draft_into,
     save_megatron_draft,
     write_tracker,
 )
+from ..checkpoint import load_sharded_state_dict_into
 from .errors import CheckpointError
+from .optim import optimizer_layout
 from .resume import ResumePoint, find_resume_point, is_stale_temporary
 
 __all__ = [
@@ -84,19 +92,6 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _all_ok(ok: bool) -> bool:
     """True on every rank iff `ok` on every rank (one small all-reduce)."""
     if _world() == 1:
@@ -124,8 +119,6 @@ def _rng_state() -> dict:
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
         try:
-            from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
             state["tracker"] = get_cuda_rng_tracker().get_states()
         except Exception:  # noqa: BLE001 - tracker not initialised
             pass
@@ -139,21 +132,15 @@ def _set_rng_state(state: dict) -> None:
     if torch.cuda.is_available() and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"])
         if "tracker" in state:
-            from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
             get_cuda_rng_tracker().set_states(state["tracker"])
 
 
 def _rng_sharded(state: Optional[dict]):
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
-
     return ShardedObject("rng_state", state, (_world(),), (_rank(),), replica_id=0)
 
 
 def _pipeline_parallel() -> bool:
     """Whether the job has several pipeline stages (the draft then lives on one of them only)."""
-    from megatron.core import parallel_state
-
     return (_world() > 1 and parallel_state.model_parallel_is_initialized()
             and parallel_state.get_pipeline_model_parallel_world_size() > 1)
 
@@ -188,6 +175,14 @@ def _extra_state(body, engine, *, common: dict, for_load: bool = False, include_
     return state
 
 
+def _remove_stale_temporaries(save_dir: str) -> None:
+    """Leftovers of interrupted saves in `save_dir`: a replaced checkpoint that was moved aside is
+    restored (`atomic.recover`), staged checkpoint directories and tracker files are deleted."""
+    for entry in os.listdir(save_dir):
+        if is_stale_temporary(entry):
+            remove_stale_siblings(os.path.join(save_dir, temporary_of(entry)))
+
+
 # ------------------------------------------------------------------------------------------ save / load
 
 
@@ -203,25 +198,18 @@ def save_checkpoint(
     """Write the checkpoint of `iteration` atomically (collective over all ranks); returns its directory.
 
     `common`: picklable training state identical on every rank (iteration, scheduler, data position,
-    args). The shards go into `.iter_XXXXXXX.tmp` through `convert.save_megatron_draft` (the
-    `torch_dist` format written in-process, `dflash_config.json` included); rank 0 then renames the
-    directory into place and, last, points the tracker file at it.
+    args). The shards go into the staged `.iter_XXXXXXX.tmp` through `torch_dist.save_megatron_draft`
+    (the `torch_dist` format written in-process, `dflash_config.json` included); rank 0 then publishes
+    the directory and, last, points the tracker file at it.
     """
     name = iteration_dir_name(iteration)
     final = os.path.join(save_dir, name)
-    tmp = os.path.join(save_dir, f".{name}.tmp")
+    tmp = staged_path(final)
     ok = True
     if _rank() == 0:
         try:
             os.makedirs(save_dir, exist_ok=True)
-            for entry in os.listdir(save_dir):  # leftovers of interrupted saves (directories, tracker files)
-                if is_stale_temporary(entry):
-                    path = os.path.join(save_dir, entry)
-                    if os.path.isdir(path):
-                        shutil.rmtree(path, ignore_errors=True)
-                    else:
-                        with contextlib.suppress(OSError):
-                            os.unlink(path)
+            _remove_stale_temporaries(save_dir)
             os.makedirs(tmp)
         except OSError as err:
             log(f"[checkpoint] cannot prepare {tmp}: {err}")
@@ -237,11 +225,6 @@ def save_checkpoint(
         # Only the draft's stage has the draft and its optimizer; the other stages join the collective
         # save with no shards but their RNG state, and the common state of the draft's stage (global
         # rank 0, which writes it, may be on another stage).
-        from megatron.core.dist_checkpointing.dict_utils import extract_matching_values
-        from megatron.core.dist_checkpointing.mapping import ShardedBase
-
-        from ..convert import draft_config_dict
-
         payload = None
         if body is not None:
             payload = (extract_matching_values(extra, lambda v: isinstance(v, ShardedBase))[1],
@@ -264,18 +247,8 @@ def save_checkpoint(
     ok = True
     if _rank() == 0:
         try:
-            _fsync_dir(tmp)
-            if os.path.exists(final):  # re-saving an iteration: move the old one aside first
-                old = os.path.join(save_dir, f".{name}.old")
-                shutil.rmtree(old, ignore_errors=True)
-                os.rename(final, old)
-                os.rename(tmp, final)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.rename(tmp, final)
-            _fsync_dir(save_dir)
+            publish_directory(tmp, final, replace=True)  # re-saving an iteration replaces it
             write_tracker(save_dir, iteration)
-            _fsync_dir(save_dir)
         except OSError as err:
             log(f"[checkpoint] publishing {final} failed: {err}")
             ok = False
@@ -337,10 +310,6 @@ def _describe(error: BaseException) -> str:
 
 
 def _load(directory: str, iteration, body, engine, log: Callable, optimizer_layout: Optional[str]) -> dict:
-    from megatron.core import dist_checkpointing
-
-    from ..checkpoint import load_sharded_state_dict_into
-
     if body is None:  # a pipeline stage without the draft: join the collective load, nothing to restore
         return _load_off_draft_stage(directory, iteration, optimizer_layout)
     if iteration == RELEASE:
@@ -374,8 +343,6 @@ def _load(directory: str, iteration, body, engine, log: Callable, optimizer_layo
 
 def _check_optimizer_layout(common: dict, directory: str, expected: Optional[str]) -> None:
     """Refuse (on every rank alike, before any collective) an optimizer state this run cannot restore."""
-    from .optim import optimizer_layout
-
     saved_args = common.get("args", {})
     if int(common.get("checkpoint_version", 1)) < 2 and not saved_args.get("use_cuda", False):
         raise CheckpointError(
@@ -396,8 +363,6 @@ def _check_optimizer_layout(common: dict, directory: str, expected: Optional[str
 
 def _load_off_draft_stage(directory: str, iteration, optimizer_layout: Optional[str] = None) -> dict:
     """`load_checkpoint` on a pipeline stage without the draft: the same collectives, only the RNG state."""
-    from megatron.core import dist_checkpointing
-
     if iteration == RELEASE:
         dist_checkpointing.load({}, directory)
         return {"iteration": 0, "directory": directory, "release": True}

@@ -15,17 +15,26 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from ..config import DFlashConfig, read_rope_parameters
+from ..embedded_job.synthetic_corpus import conversations
+from ..embedded_job.tiny_target import (
+    SHIPPED_TARGET_DIR,
+    TinyTargetRecipe,
+    default_cache_dir,
+    embedded_target_dir,
+    matches_recipe,
+)
+from ..variants.registry import Variant
 from .arguments import (
     DRAFT_CONFIG_FLAGS,
     EMBEDDED_SYNTHETIC_HELDOUT_SEED,
     ArgumentError,
     draft_config_overrides,
     resolve_decay_gamma,
+    run_variant,
     validate_args,
     world_size_from_env,
 )
 from .outputs import check_outputs
-from .variants import VariantSpec, get_variant
 
 __all__ = ["Job", "prepare_job", "draft_config_from_target", "load_eval_prompts", "resolve_target_dir"]
 
@@ -43,7 +52,7 @@ class Job:
     tokenizer: Any
     target_config: dict
     draft_config: DFlashConfig
-    variant: VariantSpec
+    variant: Variant
     export_dir: str
     decay_gamma: Optional[float]
     eval_prompts: Optional[list] = None  # token-id lists
@@ -82,8 +91,6 @@ def resolve_target_dir(args, env=None, log=print, wait_s: float = 3600.0) -> str
     """
     if args.target is not None:
         return args.target
-    from .tiny_target import SHIPPED_TARGET_DIR, TinyTargetRecipe, default_cache_dir, embedded_target_dir, matches_recipe
-
     env = os.environ if env is None else env
     if _local_rank_zero(env) or matches_recipe(SHIPPED_TARGET_DIR):
         return embedded_target_dir(log=log)
@@ -157,7 +164,7 @@ def draft_config_from_target(
     return config_cls(**kwargs)
 
 
-def _config_from_init(args, variant: VariantSpec, target_config: dict) -> DFlashConfig:
+def _config_from_init(args, variant: Variant, target_config: dict) -> DFlashConfig:
     """The config of `--dflash-init-from`, checked against the target and the explicit flags."""
     directory = args.dflash_init_from
     try:
@@ -225,8 +232,6 @@ def load_eval_prompts(path: str, tokenizer, limit: Optional[int] = None, log=Non
 
 def synthetic_eval_prompts(tokenizer, count: int, seed: int = EMBEDDED_SYNTHETIC_HELDOUT_SEED) -> list[list[int]]:
     """The user turns of `count` held-out synthetic chats, rendered with the generation prompt."""
-    from .synthetic_corpus import conversations
-
     prompts = []
     for chat in conversations(seed, count):
         out = tokenizer.apply_chat_template(chat[:1], tokenize=True, add_generation_prompt=True, return_dict=True)
@@ -273,7 +278,7 @@ def prepare_job(
     env = os.environ if env is None else env
     world_size = world_size_from_env(env) if world_size is None else world_size
     validate_args(args, world_size, env, cuda=cuda)
-    variant = get_variant(args.dflash_variant)
+    variant = run_variant(args)
 
     target_dir = resolve_target_dir(args, env, log=log)
     with open(os.path.join(target_dir, "config.json")) as f:

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from ..objectives import AdditiveMetrics, all_reduce_together
+from ..checkpoint import load_hf_checkpoint, save_hf_checkpoint
 from .arguments import EMBEDDED_SYNTHETIC_HELDOUT_SEED, EMBEDDED_SYNTHETIC_TRAIN_SEED, ArgumentError, parse_args
 from .job import Job, prepare_job
 
@@ -573,7 +574,7 @@ def _export(job: Job, body) -> None:
     check_export_directory(job.export_dir, run_name(job.args))
     if body is None:
         return
-    job.variant.save_hf(body, job.export_dir, overwrite=True)  # collective over the draft's TP group
+    save_hf_checkpoint(body, job.export_dir, overwrite=True)  # collective over the draft's TP group
     if not parallel_state.model_parallel_is_initialized() or (
             parallel_state.get_tensor_model_parallel_rank() == 0 and parallel_state.get_data_parallel_rank() == 0):
         mark_export(job.export_dir, job.args)
@@ -632,7 +633,7 @@ def train(job: Job, *, hooks: Optional[dict] = None, env=None) -> TrainResult:
         body = engine = None
         if is_draft:
             parallel_config = default_parallel_config(params_dtype=dtype, bf16=args.bf16)
-            body = job.variant.build_body(cfg, parallel_config, args.dflash_attention_backend)
+            body = job.variant.build_body(cfg, parallel_config, attention_backend=args.dflash_attention_backend)
             if job.init_from is not None:
                 from ..checkpoint import load_hf_state_dict_into, read_safetensors
 
@@ -822,8 +823,8 @@ def train(job: Job, *, hooks: Optional[dict] = None, env=None) -> TrainResult:
         if dist.is_initialized() and ctx.world_size > 1:
             dist.barrier()
         if job.eval_prompts is not None and rank == 0:
-            exported = job.variant.load_hf(job.export_dir, tp_group=SingleRankGroup(),
-                                           attention_backend="chunked").to(ctx.device)
+            exported = load_hf_checkpoint(job.export_dir, tp_group=SingleRankGroup(),
+                                          attention_backend="chunked").to(ctx.device)
             hf_model = target.hf_model if target.hf_model is not None else _load_hf_model(job.target_dir, dtype)
             final = acceptance_length(hf_model.to(ctx.device), exported, job.eval_prompts, job)
             result.final_acceptance = final

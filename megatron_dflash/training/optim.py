@@ -101,6 +101,33 @@ def _world_collectives_within_the_draft_stage(active: bool):
         dist.all_gather_object = real
 
 
+def _draft_stage_process_groups(distributed_optimizer: bool):
+    """megatron's process groups for the draft's optimizer under pipeline parallelism.
+
+    The body is on one stage, so its grad norm is reduced over that stage's ranks only (megatron's
+    default model-parallel group spans every stage, which would wait for the other stages forever).
+    megatron's optimizer reduces gradient statistics over `mp`, or with the distributed optimizer
+    (each DP rank holds a shard of the gradients) over `intra_dist_opt`: the draft's TP group, and
+    its TP x DP group. With the distributed optimizer `mp` stays megatron's model-parallel group:
+    there it only numbers the optimizer's sharded state (`dp_group_idx_<rank in mp>`), which keeps
+    checkpoints' keys as they were. Everything else is megatron's `parallel_state`; the draft has
+    no experts.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    tp = parallel_state.get_tensor_model_parallel_group()
+    return ProcessGroupCollection(
+        tp=tp,
+        dp=parallel_state.get_data_parallel_group(),
+        dp_cp=parallel_state.get_data_parallel_group(with_context_parallel=True),
+        mp=parallel_state.get_model_parallel_group() if distributed_optimizer else tp,
+        intra_dist_opt=parallel_state.get_tensor_and_data_parallel_group(),
+        expt_dp=None,
+        tp_ep_pp=None,
+    )
+
+
 class Engine:
     """Interface: `model` (call it), `zero_grad()`, `finish_grads(local_weight) -> global weight`,
     `step() -> grad_norm`, `lr`, `sharded_state_dict(model_sd)`, `load_state(loaded)`."""
@@ -188,17 +215,13 @@ class MegatronEngine(Engine):
             except ImportError:
                 pass
             with _world_collectives_within_the_draft_stage(self.pp > 1):
-                self.optimizer = get_megatron_optimizer(opt_config, [self.model], config_overrides=overrides)
-        if self.pp > 1:
-            # The body is on one stage: the grad norm is reduced over that stage's ranks only (megatron's
-            # default spans every stage, which would wait for the other stages forever): its TP group, or with
-            # the distributed optimizer (each DP rank holds a shard of the gradients) its TP x DP group.
-            from megatron.core import parallel_state
-
-            stats_group = (parallel_state.get_tensor_and_data_parallel_group() if self.distributed
-                           else parallel_state.get_tensor_model_parallel_group())
-            for opt in [self.optimizer] + list(getattr(self.optimizer, "chained_optimizers", [])):
-                opt.grad_stats_parallel_group = stats_group
+                if self.pp > 1:
+                    self.optimizer = get_megatron_optimizer(
+                        opt_config, [self.model], config_overrides=overrides, use_gloo_process_groups=False,
+                        pg_collection=_draft_stage_process_groups(self.distributed),
+                    )
+                else:
+                    self.optimizer = get_megatron_optimizer(opt_config, [self.model], config_overrides=overrides)
         self.scheduler = build_scheduler(self.optimizer, args)
 
     def zero_grad(self) -> None:

@@ -15,6 +15,7 @@ import json
 import os
 from typing import Optional
 
+from ..atomic import write_file
 from .arguments import ArgumentError
 
 __all__ = ["EXPORT_MARKER", "check_outputs", "check_export_directory", "mark_export", "run_name"]
@@ -101,6 +102,4 @@ def check_outputs(args, export_dir: str) -> None:
 
 def mark_export(export_dir: str, args) -> None:
     """Record which run wrote `export_dir` (so that a restart of that run may replace it)."""
-    with open(os.path.join(export_dir, EXPORT_MARKER), "w") as f:
-        json.dump({"run": run_name(args)}, f)
-        f.write("\n")
+    write_file(os.path.join(export_dir, EXPORT_MARKER), json.dumps({"run": run_name(args)}) + "\n")

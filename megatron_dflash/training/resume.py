@@ -21,11 +21,21 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from ..convert import DRAFT_CONFIG_FILENAME, RELEASE, TRACKER_FILENAME, iteration_dir_name, list_iterations
+import torch.distributed as dist
+
+from ..atomic import aside_copy, temporary_of
+from ..torch_dist import (
+    DRAFT_CONFIG_FILENAME,
+    RELEASE,
+    TRACKER_FILENAME,
+    is_iteration_dir_name,
+    iteration_dir_name,
+    list_iterations,
+    read_draft_config,
+)
 from .errors import CheckpointError
 
 __all__ = ["ResumePoint", "find_resume_point", "agree_on_resume_point", "draft_config_differences",
@@ -47,10 +57,10 @@ class ResumePoint:
 
 
 def is_stale_temporary(name: str) -> bool:
-    """Entries a save leaves behind when killed (the next save removes them)."""
-    if name.startswith(".iter_") and (name.endswith(".tmp") or name.endswith(".old")):
-        return True
-    return name.startswith(f".{TRACKER_FILENAME}.tmp-")
+    """Entries a save leaves behind when killed: staged or moved-aside siblings of a checkpoint
+    directory or of the tracker file (`atomic.py`; the next save restores or removes them)."""
+    of = temporary_of(name)
+    return of is not None and (of == TRACKER_FILENAME or is_iteration_dir_name(of))
 
 
 def _complete(directory: str, iteration) -> bool:
@@ -117,9 +127,9 @@ def find_resume_point(load: str) -> Optional[ResumePoint]:
                 )
             return ResumePoint(iteration, directory)
         state = "is incomplete (no megatron metadata or common state)" if os.path.isdir(directory) else "does not exist"
-        aside = os.path.join(load, f".{iteration_dir_name(iteration)}.old")
+        aside = aside_copy(directory)
         extra = ""
-        if iteration != RELEASE and _complete(aside, iteration):
+        if aside is not None and iteration != RELEASE and _complete(aside, iteration):
             extra = (f"; a save of the same iteration was interrupted and the previous copy is intact in {aside}: "
                      f"rename it to {directory}")
         raise CheckpointError(
@@ -127,7 +137,7 @@ def find_resume_point(load: str) -> Optional[ResumePoint]:
             + _write_tracker_hint(load, [it for it in _complete_iterations(load) if it != iteration]) + "."
         )
     name = os.path.basename(os.path.normpath(load))
-    named_like_one = name == RELEASE or re.fullmatch(r"iter_\d{7,}", name) is not None
+    named_like_one = is_iteration_dir_name(name)
     if os.path.isfile(os.path.join(load, _METADATA)) or (named_like_one and os.listdir(load)):
         parent = os.path.dirname(os.path.abspath(load))
         raise CheckpointError(
@@ -183,8 +193,6 @@ def draft_config_differences(saved, config) -> list[str]:
 
 
 def _check_draft_config(point: ResumePoint, config, override: bool, log) -> None:
-    from ..convert import read_draft_config
-
     path = os.path.join(point.directory, DRAFT_CONFIG_FILENAME)
     if not os.path.isfile(path):
         return  # written by another tool: the tensor shapes are still checked by the load
@@ -213,8 +221,6 @@ def agree_on_resume_point(load: str, config, *, override_config: bool = False, l
     """`find_resume_point(load)` (and the draft-config check) read on global rank 0 and broadcast, so
     every rank returns the same point or raises the same `CheckpointError` before any collective load.
     Collective over the world when `torch.distributed` is initialised."""
-    import torch.distributed as dist
-
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     rank = dist.get_rank() if distributed else 0
     box = [None]

@@ -25,6 +25,7 @@ import sys
 import time
 from typing import Optional
 
+from ..atomic import write_file
 from .monitor import DECODE_ACCEPTANCE, DECODE_TOKENS_PER_FORWARD, TRAIN_ACCEPTANCE, VALID_ACCEPTANCE
 
 __all__ = ["DEFAULT_RUNS_ROOT", "resolve_run_dir", "ConsoleLog", "RunWriter", "next_step_commands"]
@@ -41,13 +42,6 @@ def resolve_run_dir(args, env=None) -> str:
     env = os.environ if env is None else env
     name = env.get("DFLASH_RUN_NAME") or time.strftime("dflash-%Y%m%d-%H%M%S")
     return os.path.join(DEFAULT_RUNS_ROOT, name)
-
-
-def _atomic_write(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
 
 
 def _json_default(value):
@@ -146,7 +140,7 @@ class RunWriter:
         if not self.active:
             return
         values = {k: v for k, v in sorted(vars(args).items())}
-        _atomic_write(self.file("args.json"), (json.dumps(values, indent=2, default=_json_default) + "\n").encode())
+        write_file(self.file("args.json"), (json.dumps(values, indent=2, default=_json_default) + "\n").encode())
 
     def link_latest(self) -> None:
         """runs/latest -> this run, when the run lives directly under the default root."""
@@ -185,7 +179,7 @@ class RunWriter:
                 if int(record.get("iteration", 0)) <= up_to_iteration:
                     kept.append(record)
         self.records = kept
-        _atomic_write(self.metrics_path, "".join(json.dumps(r) + "\n" for r in kept).encode())
+        write_file(self.metrics_path, "".join(json.dumps(r) + "\n" for r in kept).encode())
 
     def plot(self) -> Optional[str]:
         """metrics.png: loss (train, valid) and the acceptance figures over iterations."""
@@ -232,13 +226,13 @@ class RunWriter:
         fig.savefig(buffer, format="png", dpi=100)
         plt.close(fig)
         path = self.file("metrics.png")
-        _atomic_write(path, buffer.getvalue())
+        write_file(path, buffer.getvalue())
         return path
 
     def write_summary(self, summary: dict) -> None:
         if not self.active:
             return
-        _atomic_write(self.file("summary.json"),
+        write_file(self.file("summary.json"),
                       (json.dumps(summary, indent=2, default=_json_default) + "\n").encode())
 
 

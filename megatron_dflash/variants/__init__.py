@@ -1,4 +1,7 @@
-"""Variants of the DFlash draft on the same backbone (docs/design.md §12 Variants)."""
+"""Variants of the DFlash draft on the same backbone (docs/design.md §12 Variants).
+
+`registry` is the one place that knows which variants exist; `register_variant` adds one.
+"""
 
 from .dflash2 import (
     DFLASH2_ARCHITECTURE,
@@ -9,12 +12,7 @@ from .dflash2 import (
     DFlash2LossOutput,
     DFlash2Metrics,
     GroupedDynamicCausalConv,
-    build_dflash2_body,
-    dflash2_hf_state_dict,
     dflash2_loss,
-    load_dflash2_checkpoint,
-    load_dflash2_state_dict_into,
-    save_dflash2_checkpoint,
     topk_vocab_parallel,
 )
 from .domino import (
@@ -30,11 +28,18 @@ from .domino import (
     domino_propose,
     domino_walk,
     is_domino_hf_config,
-    load_domino_checkpoint,
-    load_domino_state_dict_into,
-    save_domino_checkpoint,
 )
 from .jetspec import JetSpecConfig, jetspec_config, jetspec_loss, teacher_argmax_ids
+from .registry import (
+    Variant,
+    VariantLoss,
+    get_variant,
+    register_variant,
+    unregister_variant,
+    variant_for_hf_config,
+    variant_names,
+    variant_of,
+)
 
 __all__ = [
     "DFLASH2_ARCHITECTURE",
@@ -45,12 +50,7 @@ __all__ = [
     "DFlash2LossOutput",
     "DFlash2Metrics",
     "GroupedDynamicCausalConv",
-    "build_dflash2_body",
-    "dflash2_hf_state_dict",
     "dflash2_loss",
-    "load_dflash2_checkpoint",
-    "load_dflash2_state_dict_into",
-    "save_dflash2_checkpoint",
     "topk_vocab_parallel",
     "DOMINO_ARCHITECTURE",
     "DominoBody",
@@ -64,11 +64,16 @@ __all__ = [
     "domino_propose",
     "domino_walk",
     "is_domino_hf_config",
-    "load_domino_checkpoint",
-    "load_domino_state_dict_into",
-    "save_domino_checkpoint",
     "JetSpecConfig",
     "jetspec_config",
     "jetspec_loss",
     "teacher_argmax_ids",
+    "Variant",
+    "VariantLoss",
+    "get_variant",
+    "register_variant",
+    "unregister_variant",
+    "variant_for_hf_config",
+    "variant_names",
+    "variant_of",
 ]

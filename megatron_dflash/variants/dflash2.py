@@ -31,35 +31,33 @@ H hidden, V vocabulary, K candidates per position (`selector_top_k`), R `selecto
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..body import DFlashBody, default_parallel_config
-from ..config import DFLASH_ARCHITECTURE, DFlashConfig, architecture_name, resolve_causal
+from ..body import DFlashBody
+from ..config import DFLASH_ARCHITECTURE, DFlashConfig, resolve_causal
 from ..head_loss import check_loss_options, head_loss, topk_vocab_parallel
+from ..layers import DFlashLayerSubmodules
 from ..objectives import EmittedPathMetrics, check_block_hidden, dflash_metrics, slot_targets
 from ..plan import DFlashBatchPlan
 
 __all__ = [
     "DFLASH2_ARCHITECTURE",
+    "NEMO_DFLASH2_ARCHITECTURE",
+    "DFLASH2_DTYPES",
     "GREEDY_TEMPERATURE_EPS",
     "DFlash2Config",
     "GroupedDynamicCausalConv",
     "CandidateSelector",
     "topk_vocab_parallel",
     "DFlash2Body",
-    "build_dflash2_body",
     "DFlash2Metrics",
     "DFlash2LossOutput",
     "dflash2_loss",
-    "dflash2_hf_state_dict",
-    "save_dflash2_checkpoint",
-    "load_dflash2_checkpoint",
-    "load_dflash2_state_dict_into",
 ]
 
 DFLASH2_ARCHITECTURE = "DFlash2DraftModel"
@@ -68,10 +66,11 @@ DFLASH2_ARCHITECTURE = "DFlash2DraftModel"
 # overflows the softmax into NaN long before it becomes a useful distribution.
 GREEDY_TEMPERATURE_EPS = 1e-5
 
-_FP16_MESSAGE = (
-    "DFlash 2 overflows in float16 (its acceptance drops to 0); train and serve it in bfloat16 "
-    "(or float32)."
-)
+# NeMo AutoModel's name for the same drafter (its Qwen3 class).
+NEMO_DFLASH2_ARCHITECTURE = "Qwen3DFlash2DraftModel"
+
+# The weight dtypes DFlash 2 runs in: it overflows in float16 (its acceptance drops to 0).
+DFLASH2_DTYPES = (torch.bfloat16, torch.float32)
 
 # DFlash 2 fields of `dflash_config` in config.json (the reference reads `dflash_config` first,
 # then the top level).
@@ -147,7 +146,7 @@ class DFlash2Config(DFlashConfig):
         """
         data = dict(data)
         architectures = data.get("architectures") or []
-        if architectures and architecture_name(data) != DFLASH2_ARCHITECTURE:
+        if architectures and architectures[0] not in (DFLASH2_ARCHITECTURE, NEMO_DFLASH2_ARCHITECTURE):
             raise ValueError(
                 f"config.json has architectures={architectures}, not {DFLASH2_ARCHITECTURE!r}: this "
                 "is not a DFlash 2 draft. Load it with DFlashConfig instead."
@@ -437,6 +436,14 @@ class CandidateSelector(nn.Module):
 # ================================================================================== body
 
 
+def _in_block_conv(config: DFlash2Config, dtype: torch.dtype) -> GroupedDynamicCausalConv:
+    return GroupedDynamicCausalConv(config.hidden_size, config.conv_kernel_size, config.conv_group_size, dtype=dtype)
+
+
+# DFlash 2's layers: an in-block convolution around the attention and around the MLP.
+DFLASH2_LAYER_SUBMODULES = DFlashLayerSubmodules(attention_conv=_in_block_conv, mlp_conv=_in_block_conv)
+
+
 class DFlash2Body(DFlashBody):
     """`DFlashBody` whose layers carry in-block convolutions, plus a `candidate_selector`.
 
@@ -458,19 +465,18 @@ class DFlash2Body(DFlashBody):
                 f"DFlash2Body needs a DFlash2Config, got {type(config).__name__}; build one with "
                 "DFlash2Config(...) or DFlash2Config.from_pretrained(directory)."
             )
-        if parallel_config is not None and parallel_config.params_dtype == torch.float16:
-            raise ValueError(_FP16_MESSAGE)
-        super().__init__(config, parallel_config=parallel_config, tp_group=tp_group, attention_backend=attention_backend)
+        if parallel_config is not None and parallel_config.params_dtype not in DFLASH2_DTYPES:
+            raise ValueError(
+                f"DFlash 2 overflows in {parallel_config.params_dtype} (its acceptance drops to 0); train and serve "
+                "it in bfloat16 (or float32)."
+            )
+        super().__init__(
+            config, parallel_config=parallel_config, tp_group=tp_group, attention_backend=attention_backend,
+            layer_submodules=DFLASH2_LAYER_SUBMODULES,
+        )
         dtype = self.fc.weight.dtype
         device = self.fc.weight.device
         H = config.hidden_size
-        for layer in self.layers:
-            layer.attention_conv = GroupedDynamicCausalConv(
-                H, config.conv_kernel_size, config.conv_group_size, dtype=dtype, device=device
-            )
-            layer.mlp_conv = GroupedDynamicCausalConv(
-                H, config.conv_kernel_size, config.conv_group_size, dtype=dtype, device=device
-            )
         self.candidate_selector = CandidateSelector(
             config.vocab_size,
             H,
@@ -481,12 +487,36 @@ class DFlash2Body(DFlashBody):
             device=device,
         )
 
+    @torch.no_grad()
+    def propose_block(
+        self,
+        hidden: torch.Tensor,
+        anchor_ids: torch.Tensor,
+        head,
+        embedding: nn.Module,
+        temperature: float = 0.0,
+        generator: Optional[torch.Generator] = None,
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Draft tokens of one block per row: the candidate selector's walk over slots 1..W-1.
 
-def build_dflash2_body(
-    config: DFlash2Config, parallel_config=None, tp_group=None, attention_backend: str = "auto"
-) -> DFlash2Body:
-    """A `DFlash2Body` (same arguments as `DFlashBody`)."""
-    return DFlash2Body(config, parallel_config=parallel_config, tp_group=tp_group, attention_backend=attention_backend)
+        `hidden [B, W, H]` (the whole block), `anchor_ids [B]`, `head` the target's `OutputHead`.
+        Returns `(tokens [B, W-1], draft_probs [B, W-1, V] or None)`: when sampling, the distribution
+        each token was drawn from (a point mass where the walk was greedy); None when greedy.
+        """
+        drafted = hidden[:, 1:]
+        # The head's full width (columns past vocab_size are -inf), so draft and target share one index space.
+        logits = head.local_logits(drafted.to(head.layer.weight.dtype))  # [B, T, V]
+        path, candidates, candidate_probs = self.candidate_selector.walk(
+            drafted, logits, anchor_ids, temperature, generator
+        )
+        if temperature <= 0:
+            return path, None
+        probs = torch.zeros_like(logits)
+        if candidate_probs is None:  # the walk was greedy: a point-mass proposal
+            probs.scatter_(-1, path[..., None], 1.0)
+        else:
+            probs.scatter_(-1, candidates, candidate_probs.to(probs.dtype))
+        return path, probs
 
 
 # ================================================================================== objective
@@ -715,68 +745,3 @@ def dflash2_loss(
             selector_weight_sum=selector_weight_sum.to(f64),
         )
     return DFlash2LossOutput(loss_sum=loss_sum, weight_sum=weight_sum, metrics=metrics)
-
-
-# ================================================================================== HF checkpoints
-
-
-def dflash2_hf_state_dict(body: DFlash2Body) -> dict[str, torch.Tensor]:
-    """Full weights of a DFlash 2 body under the published names (collective under TP).
-
-    The backbone names of plain DFlash plus `layers.N.{attention,mlp}_conv.base_kernel`,
-    `layers.N.{attention,mlp}_conv.kernel_projection.weight`,
-    `candidate_selector.hidden_projection.weight` and
-    `candidate_selector.{predecessor,successor}_codebook` (no `.weight`).
-    """
-    from ..checkpoint import hf_state_dict
-
-    _require_dflash2(body)
-    return hf_state_dict(body)
-
-
-def save_dflash2_checkpoint(
-    body: DFlash2Body, directory: str, *, dtype: Optional[torch.dtype] = None, overwrite: bool = False
-) -> None:
-    """Write `body` as a DFlash 2 HF draft (`architectures: ["DFlash2DraftModel"]`).
-
-    Collective over the TP group; see `checkpoint.save_hf_checkpoint`. Serve DFlash 2 in bf16,
-    not fp16 (its activations overflow fp16).
-    """
-    from ..checkpoint import save_hf_checkpoint
-
-    _require_dflash2(body)
-    if dtype == torch.float16:
-        raise ValueError(_FP16_MESSAGE)
-    save_hf_checkpoint(body, directory, dtype=dtype, architecture=DFLASH2_ARCHITECTURE, overwrite=overwrite)
-
-
-def load_dflash2_state_dict_into(body: DFlash2Body, state_dict: Mapping[str, torch.Tensor]) -> None:
-    """Copy full weights under the published names into `body` (each rank keeps its shard)."""
-    from ..checkpoint import load_hf_state_dict_into
-
-    _require_dflash2(body)
-    load_hf_state_dict_into(body, state_dict)
-
-
-def load_dflash2_checkpoint(
-    directory: str, *, parallel_config=None, tp_group=None, attention_backend: str = "auto"
-) -> DFlash2Body:
-    """Build a `DFlash2Body` from a DFlash 2 HF directory and load its weights (any TP size).
-
-    Raises:
-        FileNotFoundError: no config.json / safetensors in `directory`.
-        ValueError: the directory is not a DFlash 2 draft, or weights and config disagree.
-    """
-    from .. import checkpoint
-
-    config = DFlash2Config.from_pretrained(directory)
-    if parallel_config is None:
-        parallel_config = default_parallel_config(perform_initialization=False)
-    body = DFlash2Body(config, parallel_config=parallel_config, tp_group=tp_group, attention_backend=attention_backend)
-    checkpoint.load_hf_state_dict_into(body, checkpoint.read_safetensors(directory))
-    return body
-
-
-def _require_dflash2(body) -> None:
-    if not isinstance(body, DFlash2Body):
-        raise ValueError(f"expected a DFlash2Body, got {type(body).__name__}.")

@@ -78,7 +78,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..body import DFlashBody, default_parallel_config
+from ..body import DFlashBody
 from ..config import DFLASH_ARCHITECTURE, DFlashConfig
 from ..head_loss import check_loss_options, head_loss
 from ..objectives import (
@@ -107,9 +107,6 @@ __all__ = [
     "domino_loss",
     "domino_walk",
     "domino_propose",
-    "save_domino_checkpoint",
-    "load_domino_checkpoint",
-    "load_domino_state_dict_into",
 ]
 
 DOMINO_ARCHITECTURE = "DominoDraftModel"
@@ -407,15 +404,20 @@ class DominoHead(nn.Module):
 
 
 class DominoBody(DFlashBody):
-    """`DFlashBody` plus the Domino head, whose modules are the body's ``prefix_gru`` and ``embed_proj``.
+    """`DFlashBody` plus the Domino head (`domino_head`, a `DominoHead` submodule).
 
     Same constructor and `forward` as `DFlashBody` (the backbone is unchanged; the head acts on its
-    output). The head's modules are registered on the body itself so the state-dict names are the
-    published ``prefix_gru.*`` / ``embed_proj.*``; `domino_head` is a `DominoHead` view sharing them.
-    The head is replicated over TP and built in the parallel config's ``params_dtype``.
+    output). The head is replicated over TP and built in the parallel config's ``params_dtype``.
 
-    `propose_block` is the generic draft-proposal hook `generate.spec_generate` calls (see there).
+    State-dict names are the published ones: the head's tensors appear as ``prefix_gru.*`` and
+    ``embed_proj.*`` at the top level (the published drafters register them on the model itself), not
+    under ``domino_head.``; `state_dict` and `load_state_dict` translate (`HEAD_PREFIX`). `prefix_gru` /
+    `embed_proj` read the head's modules.
+
+    `propose_block` is this variant's decode proposer (`variants.registry`, `generate.spec_generate`).
     """
+
+    HEAD_PREFIX = "domino_head."
 
     def __init__(self, config: DominoConfig, parallel_config=None, tp_group=None, attention_backend: str = "auto"):
         if not isinstance(config, DominoConfig):
@@ -426,17 +428,17 @@ class DominoBody(DFlashBody):
         super().__init__(
             config, parallel_config=parallel_config, tp_group=tp_group, attention_backend=attention_backend
         )
-        head = DominoHead.from_config(config, dtype=self.fc.weight.dtype, device=self.fc.weight.device)
-        self.prefix_gru = head.prefix_gru
-        self.embed_proj = head.embed_proj
-        object.__setattr__(self, "_domino_head", head)  # a view: not registered twice
+        self.domino_head = DominoHead.from_config(config, dtype=self.fc.weight.dtype, device=self.fc.weight.device)
+        self.register_state_dict_post_hook(_publish_head_names)
+        self.register_load_state_dict_pre_hook(_read_published_head_names)
 
     @property
-    def domino_head(self) -> DominoHead:
-        head = self._domino_head
-        # Keep the view on the body's modules (e.g. after `load_state_dict(assign=True)`).
-        head.prefix_gru, head.embed_proj = self.prefix_gru, self.embed_proj
-        return head
+    def prefix_gru(self) -> nn.GRU:
+        return self.domino_head.prefix_gru
+
+    @property
+    def embed_proj(self) -> nn.Sequential:
+        return self.domino_head.embed_proj
 
     @torch.no_grad()
     def propose_block(
@@ -459,6 +461,20 @@ class DominoBody(DFlashBody):
             temperature=temperature,
             generator=generator,
         )
+
+
+def _publish_head_names(module: DominoBody, state_dict, prefix: str, local_metadata) -> None:
+    """`domino_head.prefix_gru.*` -> `prefix_gru.*` (the published names), in place and in order."""
+    inner = prefix + DominoBody.HEAD_PREFIX
+    for key in [k for k in state_dict if k.startswith(inner)]:
+        state_dict[prefix + key[len(inner):]] = state_dict.pop(key)
+
+
+def _read_published_head_names(module: DominoBody, state_dict, prefix: str, *args) -> None:
+    """The inverse of `_publish_head_names` for `load_state_dict`."""
+    for name in ("prefix_gru.", "embed_proj."):
+        for key in [k for k in state_dict if k.startswith(prefix + name)]:
+            state_dict[prefix + DominoBody.HEAD_PREFIX + key[len(prefix):]] = state_dict.pop(key)
 
 
 # ================================================================================== targets
@@ -825,49 +841,3 @@ def domino_propose(
         corrected=corrected, temperature=temperature, generator=generator,
     )
     return tokens, probs
-
-
-# ================================================================================== HF checkpoints
-
-
-def save_domino_checkpoint(
-    body: DominoBody, directory: str, *, dtype: Optional[torch.dtype] = None, overwrite: bool = False
-) -> None:
-    """Write `body` as a published-layout Domino HF draft (collective over the TP group; see
-    `checkpoint.save_hf_checkpoint`)."""
-    from ..checkpoint import save_hf_checkpoint
-
-    _require_domino(body)
-    save_hf_checkpoint(body, directory, dtype=dtype, architecture=DOMINO_ARCHITECTURE, overwrite=overwrite)
-
-
-def load_domino_state_dict_into(body: DominoBody, state_dict: Mapping[str, torch.Tensor]) -> None:
-    """Copy full weights under the published names into `body` (each rank keeps its shard)."""
-    from ..checkpoint import load_hf_state_dict_into
-
-    _require_domino(body)
-    load_hf_state_dict_into(body, state_dict)
-
-
-def load_domino_checkpoint(
-    directory: str, *, parallel_config=None, tp_group=None, attention_backend: str = "auto"
-) -> DominoBody:
-    """Build a `DominoBody` from a Domino HF directory and load its weights (any TP size).
-
-    Raises:
-        FileNotFoundError: no config.json / safetensors in `directory`.
-        ValueError: the directory is not a Domino draft, or weights and config disagree.
-    """
-    from .. import checkpoint
-
-    config = DominoConfig.from_pretrained(directory)
-    if parallel_config is None:
-        parallel_config = default_parallel_config()
-    body = DominoBody(config, parallel_config=parallel_config, tp_group=tp_group, attention_backend=attention_backend)
-    checkpoint.load_hf_state_dict_into(body, checkpoint.read_safetensors(directory))
-    return body
-
-
-def _require_domino(body) -> None:
-    if not isinstance(body, DominoBody):
-        raise ValueError(f"expected a DominoBody, got {type(body).__name__}.")

@@ -20,12 +20,11 @@ import hashlib
 import json
 import math
 import os
-import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from typing import Optional
 
+from ..atomic import atomic_directory
 from . import synthetic_corpus
 
 SHIPPED_TARGET_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets",
@@ -188,16 +187,11 @@ def ensure_tiny_target(
         return final
     os.makedirs(cache_dir, exist_ok=True)
     log(f"[tiny target] building {final} (once; a few minutes on a CPU)")
-    tmp = tempfile.mkdtemp(prefix=".tiny-target-", dir=cache_dir)
     try:
-        train_tiny_target(recipe, tmp, log=log)
-        try:
-            os.replace(tmp, final)
-        except OSError:
-            # Another process finished first: keep its copy.
-            if not os.path.isfile(os.path.join(final, "recipe.json")):
-                raise
-    finally:
-        if os.path.isdir(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
+        with atomic_directory(final, replace=False, remove_stale=False) as staged:
+            train_tiny_target(recipe, staged, log=log)
+    except FileExistsError:
+        # Another process finished first: keep its copy.
+        if not os.path.isfile(os.path.join(final, "recipe.json")):
+            raise
     return final

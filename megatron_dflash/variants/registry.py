@@ -1,0 +1,387 @@
+"""The draft variants: one typed registry, the only place that knows which variants exist.
+
+A `Variant` says everything the rest of the package asks of a draft variant (docs/design.md §12):
+
+* **what it is**: `name` (the `--dflash-variant` id), its config class and body class;
+* **its HF files**: the architecture it writes, the names other trainers write for it (NeMo AutoModel's
+  `Qwen3...` classes), and, where a name is shared, the rule that tells its files apart
+  (`hf_match`: JetSpec is a causal `DFlashDraftModel`, the first SpecForge Domino layout a
+  `DFlashDraftModel` with `projector_type: "domino"`);
+* **its objective**: `loss`, a thin adapter from the training loop's arguments to the variant's loss
+  function, returning a `VariantLoss`;
+* **its decoding**: `proposer`, which hands `generate.spec_generate` the function that turns one
+  block's draft hidden states into draft tokens (None: each slot's own argmax or sample);
+* **its capabilities**: variable prefixes (D2SD), soft targets, the target's final hidden state,
+  the weight dtypes it runs in, a forced in-block direction, uniform loss weights by default.
+
+Who asks: `training.arguments` (choices and checks), `training.job` (config), `training.loop` (body,
+loss), `checkpoint` (HF save / load), `convert` (which variant a file is), `generate` (proposer) and
+`tools/evaluate_acceptance.py` (dtype).
+
+Adding a variant is one module (its config, body, loss) and one `register_variant(Variant(...))`; a
+variant may be registered from outside the package the same way. Files are matched against the
+variants registered last first, so a new variant may claim files a built-in one would read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional
+
+import torch
+from torch import nn
+
+from ..body import DFlashBody, default_parallel_config
+from ..config import DFLASH_ARCHITECTURE, DFlashConfig, resolve_causal
+from ..objectives import AdditiveMetrics, dflash_loss
+from .dflash2 import (
+    DFLASH2_ARCHITECTURE,
+    DFLASH2_DTYPES,
+    NEMO_DFLASH2_ARCHITECTURE,
+    DFlash2Body,
+    DFlash2Config,
+    dflash2_loss,
+)
+from .domino import DOMINO_ARCHITECTURE, DominoBody, DominoConfig, domino_lambda, domino_loss, is_domino_hf_config
+from .jetspec import JetSpecConfig, jetspec_loss
+
+__all__ = [
+    "Variant",
+    "VariantLoss",
+    "register_variant",
+    "unregister_variant",
+    "get_variant",
+    "variant_names",
+    "variant_of",
+    "variant_for_hf_config",
+    "read_hf_config",
+    "config_from_hf_dict",
+]
+
+ALL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+# (hidden [B, W, H], anchor_ids [B], head, embedding, temperature, generator) -> (tokens [B, W-1], probs or None)
+ProposeFn = Callable[..., tuple]
+
+
+@dataclass
+class VariantLoss:
+    """One micro-batch: `loss_sum` (differentiable), `weight_sum` (no grad), additive metrics.
+
+    `metrics` is the variant's `objectives.AdditiveMetrics` (`DFlashMetrics`, `DFlash2Metrics`,
+    `DominoMetrics`): the loop sums it over micro-batches and ranks and logs its `logged` ratios.
+    """
+
+    loss_sum: torch.Tensor
+    weight_sum: torch.Tensor
+    metrics: AdditiveMetrics
+
+
+def _no_overrides(args: argparse.Namespace) -> dict:
+    return {}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One draft variant (see the module docstring).
+
+    Fields:
+        name: the `--dflash-variant` id, e.g. "dflash2".
+        title: its name in messages, e.g. "DFlash 2".
+        config_cls: a `DFlashConfig` subclass (or `DFlashConfig`): `from_hf_dict` / `from_pretrained`
+            read its files, `to_hf_dict` writes them.
+        body_cls: `body_cls(config, parallel_config=, tp_group=, attention_backend=)` builds the body.
+        architecture: `architectures[0]` of the config.json it writes.
+        loss: `loss(body, hidden, plan, input_ids, head, *, decay_gamma, chunk_slots, prefix_lengths,
+            final_hidden, args, step, embedding, input_mask) -> VariantLoss`.
+        hf_aliases: other `architectures[0]` names of the same draft (other trainers' class names).
+        hf_match: a predicate on a config.json dict, for variants whose files cannot be told by name
+            alone; replaces the name test when given.
+        proposer: `proposer(body) -> ProposeFn` for decoding (see `generate.spec_generate`); None: each
+            slot proposes its own argmax (or sample).
+        flag_overrides: config fields its own training flags set (`args -> {field: value}`).
+        supports_variable_prefix: trains with `--dflash-variable-prefix` (D2SD).
+        supports_soft_targets: trains with `--dflash-soft-target` (the target's distribution).
+        needs_final_hidden: its loss reads the target's final hidden state (distillation), so it takes
+            `--dflash-distill-temperature`.
+        dtypes: the weight dtypes it trains, converts and serves in.
+        dtype_reason: why other dtypes are refused (for the message).
+        causal: the in-block direction it forces on every layer (None: the config's).
+        uniform_loss_weights: its published recipe weights every slot alike (no decay by default).
+    """
+
+    name: str
+    title: str
+    config_cls: type
+    body_cls: type
+    architecture: str
+    loss: Callable[..., VariantLoss]
+    hf_aliases: tuple[str, ...] = ()
+    hf_match: Optional[Callable[[Mapping[str, Any]], bool]] = None
+    proposer: Optional[Callable[[nn.Module], ProposeFn]] = None
+    flag_overrides: Callable[[argparse.Namespace], dict] = _no_overrides
+    supports_variable_prefix: bool = False
+    supports_soft_targets: bool = False
+    needs_final_hidden: bool = False
+    dtypes: tuple[torch.dtype, ...] = ALL_DTYPES
+    dtype_reason: str = ""
+    causal: Optional[bool] = None
+    uniform_loss_weights: bool = False
+
+    # ------------------------------------------------------------------ HF files
+    @property
+    def hf_names(self) -> tuple[str, ...]:
+        return (self.architecture, *self.hf_aliases)
+
+    def accepts(self, data: Mapping[str, Any]) -> bool:
+        """Whether this variant reads a config.json dict."""
+        if self.hf_match is not None:
+            try:
+                return bool(self.hf_match(data))
+            except (AttributeError, TypeError, ValueError):  # malformed: the config parser says what is wrong
+                return False
+        return _first_architecture(data) in self.hf_names
+
+    def config_from_pretrained(self, directory: str) -> DFlashConfig:
+        """The config of a HF draft directory, read as this variant."""
+        return self.config_cls.from_pretrained(directory)
+
+    def config_overrides(self, args: argparse.Namespace) -> dict:
+        """Config fields this variant sets for a training run (its forced direction, its own flags)."""
+        out = {} if self.causal is None else {"causal": self.causal}
+        out.update(self.flag_overrides(args))
+        return out
+
+    # ------------------------------------------------------------------ bodies
+    def build_body(self, config, parallel_config=None, tp_group=None, attention_backend: str = "auto") -> nn.Module:
+        """A new body for `config` (weights initialised; any TP size the config allows)."""
+        if parallel_config is not None:
+            self.check_dtype(parallel_config.params_dtype)
+        return self.body_cls(
+            config, parallel_config=parallel_config or default_parallel_config(), tp_group=tp_group,
+            attention_backend=attention_backend,
+        )
+
+    def check_dtype(self, dtype: Optional[torch.dtype], what: str = "weights") -> None:
+        """Raise `ValueError` when this variant does not run in `dtype` (None: the default, allowed)."""
+        if dtype is None or dtype in self.dtypes:
+            return
+        allowed = " or ".join(str(d).removeprefix("torch.") for d in self.dtypes)
+        reason = f" ({self.dtype_reason})" if self.dtype_reason else ""
+        raise ValueError(
+            f"{self.title} cannot use {str(dtype).removeprefix('torch.')} {what}{reason}; train, convert and "
+            f"serve it in {allowed} (e.g. --dtype bf16)."
+        )
+
+    def propose_fn(self, body: nn.Module) -> Optional[ProposeFn]:
+        """The decode proposer of `body` (None: per-slot argmax / sampling)."""
+        return None if self.proposer is None else self.proposer(body)
+
+
+def _first_architecture(data: Mapping[str, Any]) -> str:
+    return (data.get("architectures") or [DFLASH_ARCHITECTURE])[0]
+
+
+# ================================================================================== the registry
+
+_VARIANTS: dict[str, Variant] = {}
+_BUILT_IN: set[str] = set()
+
+
+def register_variant(variant: Variant) -> Variant:
+    """Make `variant` known to training, HF save / load, conversion and decoding.
+
+    Raises:
+        ValueError: a variant of that name is registered already, or `variant` is not a `Variant`.
+    """
+    if not isinstance(variant, Variant):
+        raise ValueError(f"register_variant takes a Variant, got {type(variant).__name__}.")
+    if variant.name in _VARIANTS:
+        raise ValueError(
+            f"a draft variant named {variant.name!r} is registered already ({_VARIANTS[variant.name].title}); "
+            "choose another name, or unregister_variant() the old one first."
+        )
+    _VARIANTS[variant.name] = variant
+    return variant
+
+
+def unregister_variant(name: str) -> Variant:
+    """Forget a variant registered with `register_variant` (the built-in ones stay)."""
+    if name in _BUILT_IN:
+        raise ValueError(f"{name!r} is a built-in draft variant; it cannot be unregistered.")
+    if name not in _VARIANTS:
+        raise ValueError(f"no draft variant named {name!r} is registered (registered: {variant_names()}).")
+    return _VARIANTS.pop(name)
+
+
+def variant_names() -> list[str]:
+    """The registered `--dflash-variant` ids, in registration order."""
+    return list(_VARIANTS)
+
+
+def get_variant(name: str) -> Variant:
+    """The variant registered as `name`; `ValueError` listing the registered ones otherwise."""
+    if name not in _VARIANTS:
+        raise ValueError(f"unknown draft variant {name!r}; choose one of {variant_names()}.")
+    return _VARIANTS[name]
+
+
+def variant_of(body: nn.Module) -> Variant:
+    """The variant of a built body: the one registered for its config's class (nearest base first),
+    whose body class it must be.
+
+    Raises:
+        ValueError: no variant is registered for the config, or the body is not that variant's
+            (e.g. a `DFlashBody` built with a `DominoConfig`: it has no Domino head).
+    """
+    config = getattr(body, "config", None)
+    for cls in type(config).__mro__:
+        candidates = [v for v in reversed(_VARIANTS.values()) if v.config_cls is cls]
+        for variant in candidates:
+            if isinstance(body, variant.body_cls):
+                return variant
+        if candidates:
+            raise ValueError(
+                f"a {type(body).__name__} with a {type(config).__name__} is not a {candidates[0].title} draft: "
+                f"build it as a {candidates[0].body_cls.__name__}."
+            )
+    raise ValueError(
+        f"{type(body).__name__} with {type(config).__name__} is not a registered draft variant; register it with "
+        "megatron_dflash.variants.register_variant(Variant(...))."
+    )
+
+
+def variant_for_hf_config(data: Mapping[str, Any], source: str = "config") -> Variant:
+    """The variant that reads a HF-layout config dict (checked last-registered first)."""
+    for variant in reversed(_VARIANTS.values()):
+        if variant.accepts(data):
+            return variant
+    known = sorted({n for v in _VARIANTS.values() for n in v.hf_names})
+    raise ValueError(
+        f"{source} has architectures={data.get('architectures')}, not a draft model (known draft architectures: "
+        f"{known}); pass a DFlash drafter directory, or register a new variant with "
+        "megatron_dflash.variants.register_variant(...)."
+    )
+
+
+def config_from_hf_dict(data: Mapping[str, Any], source: str = "config") -> tuple[Variant, DFlashConfig]:
+    """`(variant, config)` of a HF-layout config dict; `ValueError` naming `source` when it is invalid."""
+    variant = variant_for_hf_config(data, source)
+    try:
+        config = variant.config_cls.from_hf_dict(dict(data))
+    except (TypeError, KeyError, ValueError, AttributeError) as err:
+        raise ValueError(f"{source} is not a valid {variant.architecture} config: {err}") from err
+    return variant, config
+
+
+def read_hf_config(path: str) -> tuple[Variant, DFlashConfig]:
+    """`(variant, config)` of a config.json file (a HF draft's, or a megatron checkpoint's
+    `dflash_config.json`)."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} does not exist: not a HF draft directory.")
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path} is not valid JSON: {err}") from err
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object.")
+    return config_from_hf_dict(data, path)
+
+
+# ================================================================================== loss adapters
+# Thin calls into each variant's loss function: the loop's arguments in, a `VariantLoss` out.
+
+
+def _no_prefix(title: str, prefix_lengths) -> None:
+    if prefix_lengths is not None:
+        raise ValueError(f"{title} does not train with variable prefixes.")
+
+
+def _dflash_loss(body, hidden, plan, input_ids, head, *, decay_gamma, chunk_slots, prefix_lengths=None,
+                 final_hidden=None, args=None, **ctx) -> VariantLoss:
+    soft_target = getattr(args, "dflash_soft_target", "none")
+    out = dflash_loss(hidden, plan, input_ids, head, decay_gamma=decay_gamma, chunk_slots=chunk_slots,
+                      prefix_lengths=prefix_lengths, teacher_hidden=final_hidden if soft_target != "none" else None,
+                      soft_target=soft_target, temperature=float(getattr(args, "dflash_distill_temperature", 1.0)))
+    return VariantLoss(out.loss_sum, out.weight_sum, out.metrics)
+
+
+def _dflash2_loss(body, hidden, plan, input_ids, head, *, decay_gamma, chunk_slots, prefix_lengths=None,
+                  args=None, **ctx) -> VariantLoss:
+    _no_prefix("DFlash 2", prefix_lengths)
+    out = dflash2_loss(hidden, plan, input_ids, head, body.candidate_selector, decay_gamma=decay_gamma,
+                               chunk_slots=chunk_slots,
+                               selector_weight=float(getattr(args, "dflash_selector_loss_weight", 1.0)))
+    return VariantLoss(out.loss_sum, out.weight_sum, out.metrics)
+
+
+def _jetspec_loss(body, hidden, plan, input_ids, head, *, decay_gamma, chunk_slots, prefix_lengths=None,
+                  final_hidden=None, args=None, **ctx) -> VariantLoss:
+    _no_prefix("JetSpec", prefix_lengths)
+    out = jetspec_loss(hidden, plan, input_ids, head, final_hidden, decay_gamma=decay_gamma,
+                               chunk_slots=chunk_slots,
+                               temperature=float(getattr(args, "dflash_distill_temperature", 1.0)))
+    return VariantLoss(out.loss_sum, out.weight_sum, out.metrics)
+
+
+def _domino_loss(body, hidden, plan, input_ids, head, *, decay_gamma, chunk_slots, prefix_lengths=None,
+                 args=None, step=0, embedding=None, input_mask=None, **ctx) -> VariantLoss:
+    _no_prefix("Domino", prefix_lengths)
+    lam = domino_lambda(int(step), int(args.train_iters), lambda_start=args.dflash_domino_lambda_start,
+                               decay_ratio=args.dflash_domino_decay_ratio)
+    out = domino_loss(hidden, plan, input_ids, head, body.domino_head, embedding, lambda_base=lam,
+                             decay_gamma=decay_gamma, input_embedding_scale=body.config.input_embedding_scale,
+                             input_mask=input_mask, chunk_slots=chunk_slots)
+    return VariantLoss(out.loss_sum, out.weight_sum, out.metrics)
+
+
+# ================================================================================== the built-in variants
+
+# NeMo AutoModel names its drafters after its Qwen3 classes; they are the same drafts.
+_NEMO_DFLASH_ARCHITECTURE = "Qwen3DFlashDraftModel"
+
+
+def _is_causal_dflash_file(data: Mapping[str, Any]) -> bool:
+    """A (NeMo or our) `DFlashDraftModel` file that declares causal in-block attention: JetSpec."""
+    if _first_architecture(data) not in (DFLASH_ARCHITECTURE, _NEMO_DFLASH_ARCHITECTURE):
+        return False
+    dflash_config = data.get("dflash_config") or {}
+    if dflash_config.get("projector_type", data.get("projector_type")) not in (None, "dflash"):
+        return False
+    return resolve_causal(data) is True
+
+
+def _propose_block(body: nn.Module) -> ProposeFn:
+    return body.propose_block
+
+
+for _variant in (
+    Variant(
+        name="dflash", title="DFlash", config_cls=DFlashConfig, body_cls=DFlashBody,
+        architecture=DFLASH_ARCHITECTURE, hf_aliases=(_NEMO_DFLASH_ARCHITECTURE,), loss=_dflash_loss,
+        supports_variable_prefix=True, supports_soft_targets=True,
+    ),
+    Variant(
+        name="dflash2", title="DFlash 2", config_cls=DFlash2Config, body_cls=DFlash2Body,
+        architecture=DFLASH2_ARCHITECTURE, hf_aliases=(NEMO_DFLASH2_ARCHITECTURE,),
+        loss=_dflash2_loss, proposer=_propose_block, dtypes=DFLASH2_DTYPES,
+        dtype_reason="DFlash 2 overflows in float16: its acceptance drops to 0",
+    ),
+    Variant(
+        name="jetspec", title="JetSpec", config_cls=JetSpecConfig, body_cls=DFlashBody,
+        architecture=DFLASH_ARCHITECTURE, hf_aliases=(_NEMO_DFLASH_ARCHITECTURE,), hf_match=_is_causal_dflash_file,
+        loss=_jetspec_loss, needs_final_hidden=True, causal=True, uniform_loss_weights=True,
+    ),
+    Variant(
+        name="domino", title="Domino", config_cls=DominoConfig, body_cls=DominoBody,
+        architecture=DOMINO_ARCHITECTURE, hf_match=is_domino_hf_config, loss=_domino_loss,
+        proposer=_propose_block,
+    ),
+):
+    register_variant(_variant)
+    _BUILT_IN.add(_variant.name)
+del _variant
