@@ -4,6 +4,7 @@ Examples:
     python benchmarks/bench_step.py                                # S = 1024, 2048, 4096; anchors S/4; block 16
     python benchmarks/bench_step.py --seq 2048 --rounds 5 --steps 3
     python benchmarks/bench_step.py --profile 2048                 # our step's operator profile at S=2048
+    python benchmarks/bench_step.py --layer                        # one draft layer, S=4096, 512 anchors
 
 Both sides run the same step on identical shapes, random weights and random tokens (batch 1, every token
 supervised): the frozen target's forward with its layer taps, the draft's forward, the decay-weighted block
@@ -28,6 +29,19 @@ matmul the step runs: target, draft forward and backward, LM head, attention inc
 divided by the step's CPU time per thread, against the same rate of a 2048^3 `torch.mm` measured on this
 machine with the same number of threads (best of several runs).
 
+``--layer``: one draft decoder layer forward+backward instead of the step (defaults S=4096, anchors S/8,
+block 16, hidden 256, 4 heads, 2 KV heads), same random weights on both sides, random block and context
+hidden states that require gradients, one random output gradient:
+
+    ours  `DFlashBody(config).layers[0]` (a `DFlashDecoderLayer`, attention "auto": the chunked kernel on the
+          CPU) with the body's RoPE tables and `BlockVisibility.from_plan` of a `build_dflash_batch_plan` plan.
+    nemo  `Qwen3DFlashDecoderLayer` (``draft_qwen3.py``) with SDPA, its rotary embedding and the dense additive
+          mask of ``create_dflash_sdpa_mask`` for the same anchors.
+
+Inside the timed pass each side also builds what its attention needs from the plan (ours: RoPE tables and the
+visibility; nemo: RoPE tables, position ids and the dense mask), as a training step builds them once for all
+layers. Memory and time are that of the layer alone, with no optimizer.
+
 NeMo AutoModel is imported with two of its package imports bypassed: ``nemo_automodel.components.datasets.llm``
 (its ``__init__`` imports every dataset class) is entered without running its ``__init__``, and ``datasets``
 is replaced by an empty module when not installed; the DFlash trainer uses neither.
@@ -51,8 +65,9 @@ TARGET_LAYER_IDS = [0, 2]
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seq", type=int, nargs="+", default=[1024, 2048, 4096])
-    parser.add_argument("--anchor-ratio", type=int, default=4, help="anchors = seq / this")
+    parser.add_argument("--layer", action="store_true", help="one draft layer forward+backward, not the step")
+    parser.add_argument("--seq", type=int, nargs="+", default=None, help="default 1024 2048 4096 (--layer: 4096)")
+    parser.add_argument("--anchor-ratio", type=int, default=None, help="anchors = seq / this (default 4, --layer: 8)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--intermediate", type=int, default=768)
@@ -72,7 +87,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--worker-seq", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--count-flops", action="store_true", help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.seq is None:
+        args.seq = [4096] if args.layer else [1024, 2048, 4096]
+    if args.anchor_ratio is None:
+        args.anchor_ratio = 8 if args.layer else 4
+    return args
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -196,12 +216,117 @@ def build_nemo(args, seq: int):
     return step
 
 
+def _draft_config(args):
+    sys.path.insert(0, str(ROOT))
+    from megatron_dflash.config import DFlashConfig
+
+    # rope_theta of the transformers Qwen3Config both targets are built from (NeMo's draft inherits it).
+    return DFlashConfig(
+        hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=1, rope_theta=10_000.0,
+        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
+        block_size=args.block_size, mask_token_id=args.vocab - 1, vocab_size=args.vocab,
+        num_target_layers=args.target_layers, target_layer_ids=TARGET_LAYER_IDS,
+    )
+
+
+def _layer_inputs(args, seq: int):
+    """The plan (its anchors serve both sides) and random ``hidden [1, N, W, H]``, ``context [1, S, H]``,
+    ``grad_out [1, N, W, H]``."""
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    from megatron_dflash.plan import build_dflash_batch_plan
+
+    _, mask = _inputs(args, seq)
+    plan = build_dflash_batch_plan(mask, torch.tensor([0]), anchors_per_sample=seq // args.anchor_ratio,
+                                   block_size=args.block_size, optimizer_step=0, seed=0)
+    gen = torch.Generator().manual_seed(2)
+    N, W, H = plan.anchor_positions.shape[1], args.block_size, args.hidden
+    hidden = torch.randn(1, N, W, H, generator=gen).requires_grad_()
+    context = torch.randn(1, seq, H, generator=gen).requires_grad_()
+    grad_out = torch.randn(1, N, W, H, generator=gen)
+    return plan, hidden, context, grad_out
+
+
+def _copy_layer_weights(theirs, ours) -> None:
+    """NeMo's layer gets our layer's (random) weights: the parameter names are the same."""
+    import torch
+
+    with torch.no_grad():
+        for name, param in theirs.named_parameters():
+            param.copy_(ours.get_parameter(name))
+
+
+def build_ours_layer(args, seq: int):
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    from megatron_dflash.attention import BlockVisibility
+    from megatron_dflash.body import DFlashBody
+
+    torch.manual_seed(0)
+    body = DFlashBody(_draft_config(args)).train()
+    layer = body.layers[0]
+    plan, hidden, context, grad_out = _layer_inputs(args, seq)
+
+    def step(index: int):
+        rope = body.rope(plan, hidden.device)
+        visibility = BlockVisibility.from_plan(plan)
+        layer(hidden, context, rope, visibility).backward(grad_out)
+        layer.zero_grad(set_to_none=True)
+        hidden.grad = context.grad = None
+
+    return step
+
+
+def build_nemo_layer(args, seq: int):
+    import torch
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+    _import_nemo()
+    sys.path.insert(0, str(ROOT))
+    from nemo_automodel.components.attention.dflash_mask import create_dflash_sdpa_mask
+    from nemo_automodel.components.speculative.dflash.draft_qwen3 import (
+        Qwen3DFlashDecoderLayer,
+        build_qwen3_dflash_draft_config,
+    )
+
+    torch.manual_seed(0)
+    draft_config = build_qwen3_dflash_draft_config(
+        _hf_target(args, seq).config, num_draft_layers=1, num_target_layers=args.target_layers,
+        block_size=args.block_size, dflash_config={"mask_token_id": args.vocab - 1, "target_layer_ids": TARGET_LAYER_IDS},
+        attention_backend="sdpa",
+    )
+    layer = Qwen3DFlashDecoderLayer(draft_config, 0).train()
+    rotary = Qwen3RotaryEmbedding(draft_config)
+    from megatron_dflash.body import DFlashBody
+
+    _copy_layer_weights(layer, DFlashBody(_draft_config(args)).layers[0])
+    plan, hidden, context, grad_out = _layer_inputs(args, seq)
+    B, N, W, H = hidden.shape
+    anchors, valid = plan.anchor_positions, plan.block_valid
+
+    def step(index: int):
+        positions = torch.cat([torch.arange(seq).view(1, -1),
+                               (anchors.view(B, N, 1) + torch.arange(W)).view(B, N * W)], dim=1)
+        position_embeddings = rotary(hidden, positions)
+        mask = create_dflash_sdpa_mask(anchors, valid, seq, W, hidden.device, hidden.dtype)
+        out = layer(target_hidden=context, hidden_states=hidden.view(B, N * W, H), attention_mask=mask,
+                    position_embeddings=position_embeddings)
+        out.backward(grad_out.view(B, N * W, H))
+        layer.zero_grad(set_to_none=True)
+        hidden.grad = context.grad = None
+
+    return step
+
+
 def worker(args) -> dict:
     import torch
 
     torch.set_num_threads(args.threads)
     seq = args.worker_seq
-    step = (build_ours if args.worker == "ours" else build_nemo)(args, seq)
+    builders = {"ours": build_ours_layer, "nemo": build_nemo_layer} if args.layer else {"ours": build_ours, "nemo": build_nemo}
+    step = builders[args.worker](args, seq)
     import psutil
 
     rss_before = psutil.Process().memory_info().rss
@@ -228,11 +353,12 @@ def profile_ours(args, seq: int) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     torch.set_num_threads(args.threads)
-    step = build_ours(args, seq)
+    step = (build_ours_layer if args.layer else build_ours)(args, seq)
     step(0)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step(1)
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    print(prof.key_averages().table(sort_by="self_cpu_memory_usage", row_limit=15))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -245,6 +371,8 @@ def run_worker(args, side: str, seq: int, count_flops: bool = False) -> dict:
     for name in ("anchor_ratio", "block_size", "hidden", "intermediate", "heads", "kv_heads", "head_dim", "vocab",
                  "target_layers", "draft_layers", "decay_gamma", "threads", "steps"):
         command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    if args.layer:
+        command.append("--layer")
     if count_flops:
         command.append("--count-flops")
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONWARNINGS="ignore")
@@ -281,7 +409,8 @@ def main(argv=None) -> None:
     if args.profile is not None:
         profile_ours(args, args.profile)
         return
-    print(f"# batch 1, anchors S/{args.anchor_ratio}, block {args.block_size}, draft {args.draft_layers} x hidden "
+    what = "one draft layer forward+backward" if args.layer else f"draft {args.draft_layers} layers"
+    print(f"# {what}: batch 1, anchors S/{args.anchor_ratio}, block {args.block_size}, hidden "
           f"{args.hidden}, target {args.target_layers} layers, vocab {args.vocab}, fp32, {args.threads} threads, "
           f"{args.rounds} alternating rounds x {args.steps} steps")
     print(f"{'S':>6} {'anchors':>7} {'side':>5} {'wall s':>8} {'cpu s':>8} {'peak RSS +MiB':>14}", flush=True)

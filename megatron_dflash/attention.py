@@ -312,7 +312,7 @@ def _dense_attention(query, context_key, context_value, block_key, block_value, 
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _grouped_masked_attention(query, key, value, visible, groups):
+def _grouped_masked_attention(query, key, value, visible, groups, slots):
     """Softmax attention with a boolean mask that returns the output and the log-sum-exp (forward only:
     `_ChunkedBlockAttention` differentiates it with the full log-sum-exp, see `_part_backward`).
 
@@ -320,8 +320,10 @@ def _grouped_masked_attention(query, key, value, visible, groups):
         query: ``[*, G*R, D]``, already scaled; its rows are ``G`` query heads that share one KV head, each
             with ``R`` rows (the mask is shared by the ``G`` heads, so it never has to be repeated).
         key, value: ``[*, K, D]``.
-        visible: bool, broadcastable to ``[*, G, R, K]``.
+        visible: bool, broadcastable to ``[*, G, R / W, W, K]`` (rows are ``W`` slots of ``R / W`` blocks, so a
+            rule that does not depend on the slot is a ``[..., 1, K]`` mask, never repeated ``W`` times).
         groups: ``G``.
+        slots: ``W``.
     Outputs:
         out ``[*, G*R, D]`` and lse ``[*, G*R]`` (fp32 or wider); a row that sees no key gets out = 0 and
         lse = -inf (no NaN).
@@ -331,7 +333,7 @@ def _grouped_masked_attention(query, key, value, visible, groups):
     ``[*, G*R, D]`` output instead.
     """
     scores = torch.matmul(query, key.transpose(-1, -2))  # [*, G*R, K]
-    grouped = scores.view(*scores.shape[:-2], groups, -1, scores.shape[-1])  # [*, G, R, K]
+    grouped = scores.view(*scores.shape[:-2], groups, -1, slots, scores.shape[-1])  # [*, G, R / W, W, K]
     grouped.masked_fill_(~visible, float("-inf"))
     row_max = scores.amax(dim=-1, keepdim=True)  # [*, G*R, 1]; -inf exactly on rows that see nothing
     empty = row_max == float("-inf")
@@ -392,8 +394,8 @@ def _chunk_attention(
     qb = _to_block_rows(q)
     kb = block_key.to(dtype).transpose(2, 3)  # [B, C, Hkv, W, D]
     vb = block_value.to(dtype).transpose(2, 3)
-    in_block = _in_block_visibility(W, causal, window, device)  # broadcasts to [B, C, Hkv, G, W, W]
-    out_b, lse_b = _grouped_masked_attention(qb, kb, vb, in_block, G)
+    in_block = _in_block_visibility(W, causal, window, device)  # broadcasts to [B, C, Hkv, G, 1, W, W]
+    out_b, lse_b = _grouped_masked_attention(qb, kb, vb, in_block, G, W)
     out_b = out_b.view(B, C, Hkv, G, W, D).permute(0, 1, 4, 2, 3, 5)  # [B, C, W, Hkv, G, D]
     lse_b = lse_b.view(B, C, Hkv, G, W).permute(0, 1, 4, 2, 3)  # [B, C, W, Hkv, G]
 
@@ -406,7 +408,7 @@ def _chunk_attention(
         kc = context_key.to(dtype).transpose(1, 2)  # [B, Hkv, S, D]
         vc = context_value.to(dtype).transpose(1, 2)
         visible = _context_visibility(anchors, starts, valid, key_offset, S, W, window)
-        out_c, lse_c = _grouped_masked_attention(qc, kc, vc, visible, G)
+        out_c, lse_c = _grouped_masked_attention(qc, kc, vc, visible, G, W)
         out_c = out_c.view(B, Hkv, G, C, W, D).permute(0, 3, 4, 1, 2, 5)  # [B, C, W, Hkv, G, D]
         lse_c = lse_c.view(B, Hkv, G, C, W).permute(0, 3, 4, 1, 2)  # [B, C, W, Hkv, G]
 
@@ -451,8 +453,9 @@ def _from_context_rows(x: torch.Tensor, C: int, W: int, G: int) -> torch.Tensor:
 
 
 def _context_visibility(anchors, starts, valid, key_offset: int, S: int, W: int, window) -> torch.Tensor:
-    """``[B, 1, 1, C * W, S']`` bool (broadcasts to ``[B, Hkv, G, C*W, S']``): slot ``(c, w)`` sees context
-    key ``key_offset + j``. Built per chunk, without heads."""
+    """``[B, 1, 1, C, W | 1, S']`` bool (broadcasts to ``[B, Hkv, G, C, W, S']``): slot ``(c, w)`` sees context
+    key ``key_offset + j``. Built per chunk, without heads; without a sliding window the rule does not depend on
+    the slot, so the mask has one row per block (repeating it ``W`` times cost a score-sized copy per chunk)."""
     B, C = anchors.shape
     device = anchors.device
     positions = torch.arange(key_offset, key_offset + S, device=device)
@@ -463,10 +466,10 @@ def _context_visibility(anchors, starts, valid, key_offset: int, S: int, W: int,
         slot = torch.arange(W, device=device).view(1, 1, W, 1)
         lowest = torch.maximum(lowest, anchor + slot - (window - 1))
     visible = (positions >= lowest) & (positions < anchor) & valid.view(B, C, 1, 1)  # [B, C, W|1, S]
-    return visible.expand(B, C, W, S).reshape(B, 1, 1, C * W, S)
+    return visible.view(B, 1, 1, C, visible.shape[2], S)
 
 
-def _part_backward(q, k, v, visible, groups: int, lse, delta, grad_out):
+def _part_backward(q, k, v, visible, groups: int, slots: int, lse, delta, grad_out):
     """Flash-attention backward of one part (context or in-block) of a softmax whose full log-sum-exp is known.
 
     ``q [*, G*R, D]`` (scaled), ``k, v [*, K, D]``, ``visible`` as in `_grouped_masked_attention`, ``lse`` and
@@ -475,7 +478,7 @@ def _part_backward(q, k, v, visible, groups: int, lse, delta, grad_out):
     without its partner part, so each part's scores are recomputed once and nothing else is.
     """
     probs = torch.matmul(q, k.transpose(-1, -2))  # [*, G*R, K]
-    probs.view(*probs.shape[:-2], groups, -1, probs.shape[-1]).masked_fill_(~visible, float("-inf"))
+    probs.view(*probs.shape[:-2], groups, -1, slots, probs.shape[-1]).masked_fill_(~visible, float("-inf"))
     probs.sub_(lse).exp_()
     grad_value = torch.matmul(probs.transpose(-1, -2), grad_out)
     grad_scores = torch.matmul(grad_out, v.transpose(-1, -2)).sub_(delta).mul_(probs)  # dS = P * (dP - delta)
@@ -541,7 +544,7 @@ class _ChunkedBlockAttention(torch.autograd.Function):
 
             kb = block_key[:, blocks].to(dtype).transpose(2, 3)  # [B, C, Hkv, W, D]
             vb = block_value[:, blocks].to(dtype).transpose(2, 3)
-            dq, dk, dv = _part_backward(_to_block_rows(q), kb, vb, in_block, G, _to_block_rows(row_lse),
+            dq, dk, dv = _part_backward(_to_block_rows(q), kb, vb, in_block, G, W, _to_block_rows(row_lse),
                                         _to_block_rows(delta), _to_block_rows(d_out))
             grad_query[:, blocks] = _from_block_rows(dq, W, G).reshape(B, C, W, Hq, D)
             grad_block_key[:, blocks] = dk.transpose(2, 3)
@@ -552,7 +555,7 @@ class _ChunkedBlockAttention(torch.autograd.Function):
                 vc = context_value[:, lo:hi].to(dtype).transpose(1, 2)
                 visible = _context_visibility(anchors[:, blocks], starts[:, blocks], valid[:, blocks], lo, hi - lo,
                                               W, window)
-                dq, dk, dv = _part_backward(_to_context_rows(q), kc, vc, visible, G, _to_context_rows(row_lse),
+                dq, dk, dv = _part_backward(_to_context_rows(q), kc, vc, visible, G, W, _to_context_rows(row_lse),
                                             _to_context_rows(delta), _to_context_rows(d_out))
                 grad_query[:, blocks] += _from_context_rows(dq, C, W, G).reshape(B, C, W, Hq, D)
                 grad_context_key[:, lo:hi] += dk.transpose(1, 2)

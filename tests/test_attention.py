@@ -384,6 +384,32 @@ def test_chunked_never_materialises_dense_scores():
     assert probe.largest >= dense_scores
 
 
+class _LargestBoolTensor(_LargestTensor):
+    """Records the largest bool tensor (masks) produced by any aten op."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in torch.utils._pytree.tree_leaves(out):
+            if isinstance(tensor, torch.Tensor) and tensor.dtype == torch.bool:
+                self.largest = max(self.largest, tensor.numel())
+        return out
+
+
+def test_chunked_context_mask_has_one_row_per_block_without_window():
+    """Without a sliding window the context rule does not depend on the slot: the kernel's masks stay
+    ``[blocks, keys]`` (forward and backward), not ``W`` times that; a window needs the slot and gets it."""
+    visibility, inputs, (B, N, W, S, Hq, Hkv, D) = _memory_case()
+    with _LargestBoolTensor() as probe:
+        run(inputs, visibility, "chunked", chunk_blocks=N)
+    assert probe.largest <= B * N * S, (probe.largest, B * N * S)
+
+    windowed = BlockVisibility(visibility.anchor_positions, visibility.context_start, visibility.block_valid,
+                               sliding_window=64)
+    with _LargestBoolTensor() as probe:
+        run(inputs, windowed, "chunked", chunk_blocks=N)
+    assert probe.largest > B * N * S
+
+
 def test_chunked_peak_memory_is_bounded_by_one_chunk():
     visibility, inputs, (B, N, W, S, Hq, Hkv, D) = _memory_case()
     small = _peak_live_bytes(lambda: run(inputs, visibility, "chunked", chunk_blocks=1))
