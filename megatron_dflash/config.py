@@ -395,28 +395,11 @@ class DFlashConfig:
         return cls(**kwargs)
 
     def save_pretrained(self, directory: str, architecture: str = DFLASH_ARCHITECTURE) -> None:
-        os.makedirs(directory, exist_ok=True)
-        with open(os.path.join(directory, "config.json"), "w") as f:
-            json.dump(self.to_hf_dict(architecture), f, indent=2, sort_keys=True)
-            f.write("\n")
+        write_config_json(self, directory, architecture)
 
     @classmethod
     def from_pretrained(cls, directory: str, **overrides: Any) -> "DFlashConfig":
-        path = os.path.join(directory, "config.json")
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"{path} does not exist: not a HF draft directory.")
-        try:
-            with open(path) as f:
-                data = json.load(f)
-        except (ValueError, UnicodeDecodeError) as err:
-            raise ValueError(f"{path} is not valid JSON: {err}") from None
-        if not isinstance(data, dict):
-            raise ValueError(f"{path} must hold a JSON object.")
-        try:
-            return cls.from_hf_dict(data, **overrides)
-        except (TypeError, AttributeError, KeyError, ValueError) as err:  # a malformed or missing field
-            detail = err if isinstance(err, ValueError) else f"{type(err).__name__}: {err}"
-            raise ValueError(f"{path} is not a valid {cls.__name__} config: {detail}") from None
+        return read_config_json(cls, directory, **overrides)
 
 
 # Target-derived fields that serving runtimes read from the draft's config.json.
@@ -456,3 +439,31 @@ def _validate_rope_scaling(scaling: Optional[dict]) -> None:
         for key in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
             if key not in scaling:
                 raise ValueError(f"rope_scaling={scaling}: llama3 scaling needs {key!r}.")
+
+
+def write_config_json(config, directory: str, architecture: str) -> None:
+    """`directory/config.json` of any draft config with `to_hf_dict(architecture)` (sorted keys)."""
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config.to_hf_dict(architecture), f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+def read_config_json(cls, directory: str, **overrides: Any):
+    """`cls.from_hf_dict` of `directory/config.json`; a missing, non-JSON or malformed file is one
+    error naming the path (FileNotFoundError / ValueError)."""
+    path = os.path.join(directory, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} does not exist: not a HF draft directory.")
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path} is not valid JSON: {err}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object.")
+    try:
+        return cls.from_hf_dict(data, **overrides)
+    except (TypeError, AttributeError, KeyError, ValueError) as err:  # a malformed or missing field
+        detail = err if isinstance(err, ValueError) else f"{type(err).__name__}: {err}"
+        raise ValueError(f"{path} is not a valid {cls.__name__} config: {detail}") from None

@@ -24,13 +24,11 @@ default (a config written with `use_diff=True` omits them), which is what NeMo's
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
-from ..config import check_target_layer_ids, default_target_layer_ids
+from ..config import check_target_layer_ids, default_target_layer_ids, read_config_json, write_config_json
 
 KIMI_K3_DRAFT_ARCHITECTURE = "KimiK3DFlashDraftModel"
 KIMI_K3_MODEL_TYPE = "kimi_linear"
@@ -333,28 +331,11 @@ class KimiK3DraftConfig:
         return cls.from_hf_dict(data, **overrides)
 
     def save_pretrained(self, directory: str, architecture: str = KIMI_K3_DRAFT_ARCHITECTURE) -> None:
-        os.makedirs(directory, exist_ok=True)
-        with open(os.path.join(directory, "config.json"), "w") as f:
-            json.dump(self.to_hf_dict(architecture), f, indent=2, sort_keys=True)
-            f.write("\n")
+        write_config_json(self, directory, architecture)
 
     @classmethod
     def from_pretrained(cls, directory: str, **overrides: Any) -> "KimiK3DraftConfig":
-        path = os.path.join(directory, "config.json")
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"{path} does not exist: not a HF draft directory.")
-        try:
-            with open(path) as f:
-                data = json.load(f)
-        except (ValueError, UnicodeDecodeError) as err:
-            raise ValueError(f"{path} is not valid JSON: {err}") from None
-        if not isinstance(data, dict):
-            raise ValueError(f"{path} must hold a JSON object.")
-        try:
-            return cls.from_hf_dict(data, **overrides)
-        except (TypeError, AttributeError, KeyError, ValueError) as err:
-            detail = err if isinstance(err, ValueError) else f"{type(err).__name__}: {err}"
-            raise ValueError(f"{path} is not a valid {cls.__name__} config: {detail}") from None
+        return read_config_json(cls, directory, **overrides)
 
 
 def is_kimi_k3_draft_config(data: Mapping[str, Any]) -> bool:

@@ -15,23 +15,19 @@ from torch import nn
 
 from ..attention import BlockVisibility
 from ..kv_cache import DraftKVCache
-from ..layers import column_parallel, row_parallel
+from ..layers import DFlashMLP
 from ..norm import RMSNorm
 from .attention import KimiK3Attention
 from .config import KimiK3DraftConfig
 from .situ import situ_and_mul
 
 
-class KimiK3MLP(nn.Module):
-    """`down(situ(gate(x)) * bounded(up(x)))` (see `situ.situ_and_mul`)."""
+class KimiK3MLP(DFlashMLP):
+    """`down(situ(gate(x)) * bounded(up(x)))` (see `situ.situ_and_mul`): the SwiGLU MLP's projections
+    and tensor-parallel split, K3's activation."""
 
     def __init__(self, config: KimiK3DraftConfig, parallel_config: ModelParallelConfig, tp_group):
-        super().__init__()
-        H, I, std = config.hidden_size, config.intermediate_size, config.initializer_range
-        common = dict(bias=False, parallel_config=parallel_config, tp_group=tp_group, std=std)
-        self.gate_proj = column_parallel(H, I, **common)
-        self.up_proj = column_parallel(H, I, **common)
-        self.down_proj = row_parallel(I, H, **common)
+        super().__init__(config, parallel_config, tp_group)
         # K3 reads a missing (or zero) gate bound as 1.
         self.beta = float(config.activation_situ_beta or 1.0)
         linear_beta = config.activation_situ_linear_beta
