@@ -43,12 +43,18 @@ __all__ = [
 
 _BACKENDS = ("auto", "dense", "chunked", "flex")
 
-# Target size of the fp32 context-score tensor of one chunk of blocks in the "chunked" backend. Forward and
-# backward hold at most about two such tensors at a time (the exponentiated scores and their gradient).
-# On CPU smaller chunks are faster (cache-sized, and each chunk's context is cropped to the keys its blocks
-# can see, which shrinks with the chunk when anchors are sorted); accelerators prefer fewer, larger kernels.
-_CHUNK_SCORE_BYTES_CPU = 32 * 2**20
+# Target size of the fp32 score tensor of one chunk of blocks in the "chunked" backend: on CPU of one key tile
+# (below) of the chunk, elsewhere of the chunk's whole key range. Forward and backward hold at most about two
+# such tensors at a time (the exponentiated scores and their gradient). On CPU small chunks are faster
+# (cache-sized, and each chunk's context is cropped to the keys its blocks can see, which shrinks with the
+# chunk when anchors are sorted; 4 MiB measured best at S = 4096, hidden 256, 4 heads); accelerators prefer
+# fewer, larger kernels.
+_CHUNK_SCORE_BYTES_CPU = 4 * 2**20
 _CHUNK_SCORE_BYTES_ACCELERATOR = 128 * 2**20
+# Context keys per score tile of a chunk on CPU: a [rows, 1024] fp32 tile stays in cache, where the
+# small-inner-dimension Q K^T product and the passes over the scores run about 1.5 times faster than on
+# a chunk's whole key range.
+_KEY_TILE_CPU = 1024
 
 
 @dataclass(frozen=True, eq=False)
@@ -312,7 +318,19 @@ def _dense_attention(query, context_key, context_value, block_key, block_value, 
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _grouped_masked_attention(query, key, value, visible, groups, slots):
+def _mask_scores_(scores: torch.Tensor, bands, groups: int, slots: int) -> None:
+    """Set the scores of invisible (row, key) pairs to -inf, in place.
+
+    ``scores [*, G*R, K]``; ``bands`` is a list of ``(start, stop, visible)``: ``visible`` (bool, broadcastable
+    to ``[*, G, R / W, W, stop - start]``) says which rows see key columns ``start .. stop - 1``. Columns outside
+    every band are visible to every row (so they cost no pass over the scores).
+    """
+    grouped = scores.view(*scores.shape[:-2], groups, -1, slots, scores.shape[-1])  # [*, G, R / W, W, K]
+    for start, stop, visible in bands:
+        grouped[..., start:stop].masked_fill_(~visible, float("-inf"))
+
+
+def _grouped_masked_attention(query, key, value, bands, groups, slots):
     """Softmax attention with a boolean mask that returns the output and the log-sum-exp (forward only:
     `_ChunkedBlockAttention` differentiates it with the full log-sum-exp, see `_part_backward`).
 
@@ -320,8 +338,9 @@ def _grouped_masked_attention(query, key, value, visible, groups, slots):
         query: ``[*, G*R, D]``, already scaled; its rows are ``G`` query heads that share one KV head, each
             with ``R`` rows (the mask is shared by the ``G`` heads, so it never has to be repeated).
         key, value: ``[*, K, D]``.
-        visible: bool, broadcastable to ``[*, G, R / W, W, K]`` (rows are ``W`` slots of ``R / W`` blocks, so a
-            rule that does not depend on the slot is a ``[..., 1, K]`` mask, never repeated ``W`` times).
+        bands: the mask as column bands (see `_mask_scores_`); each band's ``visible`` is bool, broadcastable
+            to ``[*, G, R / W, W, band width]`` (rows are ``W`` slots of ``R / W`` blocks, so a rule that does
+            not depend on the slot is a ``[..., 1, width]`` mask, never repeated ``W`` times).
         groups: ``G``.
         slots: ``W``.
     Outputs:
@@ -333,8 +352,7 @@ def _grouped_masked_attention(query, key, value, visible, groups, slots):
     ``[*, G*R, D]`` output instead.
     """
     scores = torch.matmul(query, key.transpose(-1, -2))  # [*, G*R, K]
-    grouped = scores.view(*scores.shape[:-2], groups, -1, slots, scores.shape[-1])  # [*, G, R / W, W, K]
-    grouped.masked_fill_(~visible, float("-inf"))
+    _mask_scores_(scores, bands, groups, slots)
     row_max = scores.amax(dim=-1, keepdim=True)  # [*, G*R, 1]; -inf exactly on rows that see nothing
     empty = row_max == float("-inf")
     # Shift empty rows by 0 instead of -inf so that their weights are exp(-inf) = 0 rather than NaN.
@@ -368,6 +386,7 @@ def _chunk_attention(
     starts: torch.Tensor,
     valid: torch.Tensor,
     key_offset: int,
+    open_keys: tuple[int, int],
     scale: float,
     causal: bool,
     window: int | None,
@@ -376,7 +395,8 @@ def _chunk_attention(
     """Exact attention for a chunk of ``C`` blocks.
 
     query ``[B, C, W, Hq, D]``, context_key/value ``[B, S', Hkv, D]`` (the context keys at sequence indices
-    ``key_offset .. key_offset + S' - 1``, a range that holds every key the chunk may see),
+    ``key_offset .. key_offset + S' - 1``, a range that holds every key the chunk may see; ``open_keys`` is the
+    sub-range every valid block of the chunk sees whole, see `_chunk_key_ranges`),
     block_key/value ``[B, C, W, Hkv, D]``, anchors/starts/valid ``[B, C]`` -> ``[B, C, W, Hq, D]`` in
     query's dtype; with ``return_lse`` also the log-sum-exp of every row over all the keys it sees,
     ``[B, C, W, Hq]`` in the compute dtype (finite: a slot always sees itself).
@@ -395,37 +415,46 @@ def _chunk_attention(
     kb = block_key.to(dtype).transpose(2, 3)  # [B, C, Hkv, W, D]
     vb = block_value.to(dtype).transpose(2, 3)
     in_block = _in_block_visibility(W, causal, window, device)  # broadcasts to [B, C, Hkv, G, 1, W, W]
-    out_b, lse_b = _grouped_masked_attention(qb, kb, vb, in_block, G, W)
+    out_b, lse_b = _grouped_masked_attention(qb, kb, vb, [(0, W, in_block)], G, W)
     out_b = out_b.view(B, C, Hkv, G, W, D).permute(0, 1, 4, 2, 3, 5)  # [B, C, W, Hkv, G, D]
     lse_b = lse_b.view(B, C, Hkv, G, W).permute(0, 1, 4, 2, 3)  # [B, C, W, Hkv, G]
 
-    if S == 0:  # no block of this chunk sees a context key
+    # Context part: the chunk's queries against its range of context keys, in key tiles (cache-sized score
+    # tiles run the matmuls and the passes over the scores faster). The mask is built per tile, without heads,
+    # and only outside the keys every block sees.
+    outs, lses = [out_b], [lse_b]
+    qc = _to_context_rows(q)
+    for start, stop in _key_tiles(S, device):
+        kc = context_key[:, start:stop].to(dtype).transpose(1, 2).contiguous()  # [B, Hkv, K, D]
+        vc = context_value[:, start:stop].to(dtype).transpose(1, 2).contiguous()
+        bands = _context_bands(anchors, starts, valid, key_offset + start, stop - start, open_keys, W, window)
+        out_c, lse_c = _grouped_masked_attention(qc, kc, vc, bands, G, W)
+        outs.append(out_c.view(B, Hkv, G, C, W, D).permute(0, 3, 4, 1, 2, 5))  # [B, C, W, Hkv, G, D]
+        lses.append(lse_c.view(B, Hkv, G, C, W).permute(0, 3, 4, 1, 2))  # [B, C, W, Hkv, G]
+
+    # Exact merge of the partial softmaxes through their log-sum-exp. The in-block part's lse is finite, so
+    # the total is finite and a part without visible keys (lse = -inf) gets weight exp(-inf) = 0.
+    if len(outs) == 1:
         out, lse = out_b, lse_b
     else:
-        # Context part: the chunk's queries against its range of context keys. The mask is built for this
-        # chunk only, as [B, C, W, S'] bool without heads.
-        qc = _to_context_rows(q)
-        kc = context_key.to(dtype).transpose(1, 2)  # [B, Hkv, S, D]
-        vc = context_value.to(dtype).transpose(1, 2)
-        visible = _context_visibility(anchors, starts, valid, key_offset, S, W, window)
-        out_c, lse_c = _grouped_masked_attention(qc, kc, vc, visible, G, W)
-        out_c = out_c.view(B, Hkv, G, C, W, D).permute(0, 3, 4, 1, 2, 5)  # [B, C, W, Hkv, G, D]
-        lse_c = lse_c.view(B, Hkv, G, C, W).permute(0, 3, 4, 1, 2)  # [B, C, W, Hkv, G]
-
-        # Exact merge of the two partial softmaxes through their log-sum-exp. lse_b is finite, so the
-        # reference point is finite and an empty context (lse_c = -inf) simply gets weight 0. The reference
-        # point only stabilises exp and cancels out, hence detached.
-        ref = torch.maximum(lse_c, lse_b).detach()
-        w_c = torch.exp(lse_c - ref).unsqueeze(-1)
-        w_b = torch.exp(lse_b - ref).unsqueeze(-1)
-        out = (w_c * out_c + w_b * out_b) / (w_c + w_b)
-        lse = torch.logaddexp(lse_c, lse_b) if return_lse else None
+        lse = torch.logsumexp(torch.stack(lses), dim=0)
+        out = sum(torch.exp(part_lse - lse).unsqueeze(-1) * part for part, part_lse in zip(outs, lses))
 
     out = out * valid.view(B, C, 1, 1, 1, 1).to(out.dtype)
     out = out.reshape(B, C, W, Hq, D).to(query.dtype)
     if return_lse:
         return out, lse.reshape(B, C, W, Hq)
     return out
+
+
+def _key_tiles(num_keys: int, device: torch.device) -> list[tuple[int, int]]:
+    """``[start, stop)`` tiles of a chunk's context keys (about `_KEY_TILE_CPU` keys each on CPU; one tile on
+    accelerators, whose kernels prefer fewer, larger matmuls). Forward and backward tile alike."""
+    if num_keys == 0:
+        return []
+    tiles = 1 if device.type != "cpu" else -(-num_keys // _KEY_TILE_CPU)
+    bounds = [round(i * num_keys / tiles) for i in range(tiles + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
 
 
 def _to_block_rows(x: torch.Tensor) -> torch.Tensor:
@@ -469,16 +498,34 @@ def _context_visibility(anchors, starts, valid, key_offset: int, S: int, W: int,
     return visible.view(B, 1, 1, C, visible.shape[2], S)
 
 
-def _part_backward(q, k, v, visible, groups: int, slots: int, lse, delta, grad_out):
+def _context_bands(anchors, starts, valid, key_offset: int, S: int, open_keys: tuple[int, int], W: int, window):
+    """The context mask of a chunk as column bands (`_mask_scores_`): keys ``open_keys = [a, b)`` are seen by
+    every valid block of the chunk and need no mask; the keys before and after them get
+    `_context_visibility`. With sorted anchors the open range is most of the chunk's keys."""
+    a, b = open_keys
+    a, b = max(a, key_offset), min(b, key_offset + S)
+    if a >= b:
+        return [(0, S, _context_visibility(anchors, starts, valid, key_offset, S, W, window))]
+    bands = []
+    if a > key_offset:
+        bands.append((0, a - key_offset, _context_visibility(anchors, starts, valid, key_offset, a - key_offset, W,
+                                                             window)))
+    if b < key_offset + S:
+        bands.append((b - key_offset, S, _context_visibility(anchors, starts, valid, b, key_offset + S - b, W,
+                                                             window)))
+    return bands
+
+
+def _part_backward(q, k, v, bands, groups: int, slots: int, lse, delta, grad_out):
     """Flash-attention backward of one part (context or in-block) of a softmax whose full log-sum-exp is known.
 
-    ``q [*, G*R, D]`` (scaled), ``k, v [*, K, D]``, ``visible`` as in `_grouped_masked_attention`, ``lse`` and
+    ``q [*, G*R, D]`` (scaled), ``k, v [*, K, D]``, ``bands`` as in `_grouped_masked_attention`, ``lse`` and
     ``delta = rowsum(dO * O)`` ``[*, G*R, 1]`` over **all** the row's keys, ``grad_out [*, G*R, D]`` ->
     ``(dq, dk, dv)``. With the full ``lse`` the probabilities ``P = exp(S - lse)`` of this part are exact
     without its partner part, so each part's scores are recomputed once and nothing else is.
     """
     probs = torch.matmul(q, k.transpose(-1, -2))  # [*, G*R, K]
-    probs.view(*probs.shape[:-2], groups, -1, slots, probs.shape[-1]).masked_fill_(~visible, float("-inf"))
+    _mask_scores_(probs, bands, groups, slots)
     probs.sub_(lse).exp_()
     grad_value = torch.matmul(probs.transpose(-1, -2), grad_out)
     grad_scores = torch.matmul(grad_out, v.transpose(-1, -2)).sub_(delta).mul_(probs)  # dS = P * (dP - delta)
@@ -501,12 +548,12 @@ class _ChunkedBlockAttention(torch.autograd.Function):
     def forward(ctx, query, context_key, context_value, block_key, block_value, anchors, starts, valid,
                 key_ranges, chunk_blocks, scale, causal, window):
         outs, lses = [], []
-        for index, (lo, hi) in enumerate(key_ranges):
+        for index, (lo, hi, *open_keys) in enumerate(key_ranges):
             blocks = slice(index * chunk_blocks, (index + 1) * chunk_blocks)
             out, lse = _chunk_attention(
                 query[:, blocks], context_key[:, lo:hi], context_value[:, lo:hi], block_key[:, blocks],
-                block_value[:, blocks], anchors[:, blocks], starts[:, blocks], valid[:, blocks], lo, scale, causal,
-                window, return_lse=True,
+                block_value[:, blocks], anchors[:, blocks], starts[:, blocks], valid[:, blocks], lo,
+                tuple(open_keys), scale, causal, window, return_lse=True,
             )
             outs.append(out)
             lses.append(lse)
@@ -532,7 +579,7 @@ class _ChunkedBlockAttention(torch.autograd.Function):
         grad_block_value = torch.empty_like(grad_block_key)
         grad_context_key = torch.zeros(context_key.shape, dtype=dtype, device=device)  # the one accumulator
         grad_context_value = torch.zeros_like(grad_context_key)
-        for index, (lo, hi) in enumerate(key_ranges):
+        for index, (lo, hi, *open_keys) in enumerate(key_ranges):
             blocks = slice(index * chunk_blocks, (index + 1) * chunk_blocks)
             C = query[:, blocks].shape[1]
             shape6 = (B, C, W, Hkv, G, D)
@@ -544,22 +591,27 @@ class _ChunkedBlockAttention(torch.autograd.Function):
 
             kb = block_key[:, blocks].to(dtype).transpose(2, 3)  # [B, C, Hkv, W, D]
             vb = block_value[:, blocks].to(dtype).transpose(2, 3)
-            dq, dk, dv = _part_backward(_to_block_rows(q), kb, vb, in_block, G, W, _to_block_rows(row_lse),
+            dq, dk, dv = _part_backward(_to_block_rows(q), kb, vb, [(0, W, in_block)], G, W, _to_block_rows(row_lse),
                                         _to_block_rows(delta), _to_block_rows(d_out))
             grad_query[:, blocks] = _from_block_rows(dq, W, G).reshape(B, C, W, Hq, D)
             grad_block_key[:, blocks] = dk.transpose(2, 3)
             grad_block_value[:, blocks] = dv.transpose(2, 3)
 
             if hi > lo:
-                kc = context_key[:, lo:hi].to(dtype).transpose(1, 2)  # [B, Hkv, S', D]
-                vc = context_value[:, lo:hi].to(dtype).transpose(1, 2)
-                visible = _context_visibility(anchors[:, blocks], starts[:, blocks], valid[:, blocks], lo, hi - lo,
-                                              W, window)
-                dq, dk, dv = _part_backward(_to_context_rows(q), kc, vc, visible, G, W, _to_context_rows(row_lse),
-                                            _to_context_rows(delta), _to_context_rows(d_out))
-                grad_query[:, blocks] += _from_context_rows(dq, C, W, G).reshape(B, C, W, Hq, D)
-                grad_context_key[:, lo:hi] += dk.transpose(1, 2)
-                grad_context_value[:, lo:hi] += dv.transpose(1, 2)
+                qc, lse_c, delta_c = _to_context_rows(q), _to_context_rows(row_lse), _to_context_rows(delta)
+                d_out_c = _to_context_rows(d_out)
+                dq_c = None
+                for start, stop in _key_tiles(hi - lo, device):
+                    keys = slice(lo + start, lo + stop)
+                    kc = context_key[:, keys].to(dtype).transpose(1, 2).contiguous()  # [B, Hkv, K, D]
+                    vc = context_value[:, keys].to(dtype).transpose(1, 2).contiguous()
+                    bands = _context_bands(anchors[:, blocks], starts[:, blocks], valid[:, blocks], lo + start,
+                                           stop - start, tuple(open_keys), W, window)
+                    dq, dk, dv = _part_backward(qc, kc, vc, bands, G, W, lse_c, delta_c, d_out_c)
+                    dq_c = dq if dq_c is None else dq_c.add_(dq)
+                    grad_context_key[:, keys] += dk.transpose(1, 2)
+                    grad_context_value[:, keys] += dv.transpose(1, 2)
+                grad_query[:, blocks] += _from_context_rows(dq_c, C, W, G).reshape(B, C, W, Hq, D)
         grad_query.mul_(scale)  # the scores used the scaled queries
         return (grad_query.to(query.dtype), grad_context_key.to(context_key.dtype),
                 grad_context_value.to(context_value.dtype), grad_block_key.to(block_key.dtype),
@@ -569,34 +621,57 @@ class _ChunkedBlockAttention(torch.autograd.Function):
 def _default_chunk_blocks(
     batch: int, heads: int, block_size: int, seq_length: int, num_blocks: int, device: torch.device
 ) -> int:
-    """Blocks per chunk so that one chunk's fp32 context-score tensor is about 32 MiB (CPU) / 128 MiB."""
-    budget = _CHUNK_SCORE_BYTES_CPU if device.type == "cpu" else _CHUNK_SCORE_BYTES_ACCELERATOR
-    bytes_per_block = 4 * batch * heads * block_size * max(seq_length, 1)
+    """Blocks per chunk so that one chunk's fp32 score tile is about 4 MiB (CPU) / 128 MiB (accelerators)."""
+    cpu = device.type == "cpu"
+    budget = _CHUNK_SCORE_BYTES_CPU if cpu else _CHUNK_SCORE_BYTES_ACCELERATOR
+    keys = min(seq_length, _KEY_TILE_CPU) if cpu else seq_length
+    bytes_per_block = 4 * batch * heads * block_size * max(keys, 1)
     return max(1, min(num_blocks, budget // bytes_per_block))
 
 
-def _chunk_key_ranges(visibility: BlockVisibility, seq_length: int, chunk_blocks: int) -> list[tuple[int, int]]:
-    """``[lo, hi)`` per chunk of blocks: the context keys any valid block of the chunk (in any row) may see.
+def _chunk_key_ranges(
+    visibility: BlockVisibility, seq_length: int, block_size: int, chunk_blocks: int
+) -> list[tuple[int, int, int, int]]:
+    """``(lo, hi, open_lo, open_hi)`` per chunk of blocks.
 
-    Keys outside the range are masked for every query of the chunk, so cropping to it is exact; with sorted
-    anchors and sliding windows it removes most of the work. Costs one host sync per call (per layer and
-    step; backward reuses the forward's ranges): reading a ``[chunks, 2]`` tensor. The chunked kernel is the
-    CPU path, where that read is free; on CUDA ``backend="auto"`` runs FlexAttention, which has no sync.
+    ``[lo, hi)``: the context keys any valid block of the chunk (in any row) may see. Keys outside it are masked
+    for every query of the chunk, so cropping to it is exact; with sorted anchors and sliding windows it removes
+    most of the work. ``[open_lo, open_hi)`` (possibly empty): the keys that every slot of every valid block of
+    the chunk sees; they need no mask, so the mask is applied only to the thin bands around them (with sorted
+    anchors, the spread of the chunk's anchors). Invalid blocks are left out of both: their output is zero and
+    they pass no gradient whatever they attend to.
+
+    Costs one host sync per call (per layer and step; backward reuses the forward's ranges): reading a
+    ``[chunks, 4]`` tensor. The chunked kernel is the CPU path, where that read is free; on CUDA
+    ``backend="auto"`` runs FlexAttention, which has no sync.
     """
     anchors = visibility.anchor_positions.clamp(0, seq_length)
     lowest = visibility.context_start
+    # The last slot of a block reaches least far back: with a sliding window it sees keys from
+    # anchor + (W - 1) - window + 1 on, slot 0 from anchor - window + 1 on.
+    lowest_all_slots = lowest
     if visibility.sliding_window is not None:
-        # Slot 0 reaches furthest back: anchor - window + 1.
         lowest = torch.maximum(lowest, anchors - (visibility.sliding_window - 1))
+        lowest_all_slots = torch.maximum(lowest_all_slots, anchors + block_size - visibility.sliding_window)
     lowest = lowest.clamp(0, seq_length)
-    valid = visibility.block_valid & (lowest < anchors)
+    sees = visibility.block_valid & (lowest < anchors)
+    valid = visibility.block_valid
     B, N = anchors.shape
     pad = (-N) % chunk_blocks
-    lo = torch.nn.functional.pad(torch.where(valid, lowest, seq_length), (0, pad), value=seq_length)
-    hi = torch.nn.functional.pad(torch.where(valid, anchors, 0), (0, pad), value=0)
-    lo = lo.view(B, -1, chunk_blocks).amin(dim=(0, 2))
-    hi = hi.view(B, -1, chunk_blocks).amax(dim=(0, 2))
-    return [(low, max(low, high)) for low, high in torch.stack([lo, hi], dim=1).tolist()]
+
+    def per_chunk(values, where, fill, reduce):
+        padded = torch.nn.functional.pad(torch.where(where, values, fill), (0, pad), value=fill)
+        return reduce(padded.view(B, -1, chunk_blocks), dim=(0, 2))
+
+    lo = per_chunk(lowest, sees, seq_length, torch.amin)
+    hi = per_chunk(anchors, sees, 0, torch.amax)
+    open_lo = per_chunk(lowest_all_slots.clamp(0, seq_length), valid, 0, torch.amax)
+    open_hi = per_chunk(anchors, valid, seq_length, torch.amin)
+    ranges = []
+    for low, high, open_low, open_high in torch.stack([lo, hi, open_lo, open_hi], dim=1).tolist():
+        high = max(low, high)
+        ranges.append((low, high, max(low, open_low), min(high, max(open_low, open_high))))
+    return ranges
 
 
 def _chunked_attention(
@@ -608,7 +683,7 @@ def _chunked_attention(
         chunk_blocks = _default_chunk_blocks(B, Hq, W, S, N, query.device)
     if N == 0:
         return query.new_zeros(query.shape)
-    key_ranges = _chunk_key_ranges(visibility, S, chunk_blocks)
+    key_ranges = _chunk_key_ranges(visibility, S, W, chunk_blocks)
     return _ChunkedBlockAttention.apply(
         query, context_key, context_value, block_key, block_value, visibility.anchor_positions,
         visibility.context_start, visibility.block_valid, key_ranges, chunk_blocks, scale, visibility.causal,
@@ -701,7 +776,8 @@ def block_attention(
         backend: ``"dense"`` (reference with the dense mask), ``"chunked"`` (exact, bounded memory),
             ``"flex"`` (FlexAttention) or ``"auto"`` (flex on CUDA when available, else chunked).
         chunk_blocks: blocks per chunk for ``"chunked"``; the default sizes one chunk's fp32 score tensor to
-            about 32 MiB on CPU and 128 MiB on accelerators (peak memory is about 2-3 times that).
+            about 4 MiB per key tile of 1024 keys on CPU and 128 MiB on accelerators (peak memory is about 2-3
+            times that).
 
     Returns:
         ``[B, N, W, Hq, D]`` in the dtype of ``query``; exactly zero for invalid blocks and never NaN

@@ -26,6 +26,7 @@ from torch import nn
 
 from .attention import BlockVisibility, block_attention
 from .config import DFlashConfig
+from .gated_mlp import gated_mlp, swiglu
 from .kv_cache import DraftKVCache
 from .norm import RMSNorm
 from .parallel import reduce_grad_over_group
@@ -179,7 +180,12 @@ class DFlashAttention(nn.Module):
 
 
 class DFlashMLP(nn.Module):
-    """SwiGLU: `down(silu(gate(x)) * up(x))`, gate/up column-parallel, down row-parallel."""
+    """SwiGLU: `down(silu(gate(x)) * up(x))`, gate/up column-parallel, down row-parallel.
+
+    The projections are megatron-core layers (weights, initialisation, tensor-parallel split);
+    forward runs them through `gated_mlp`, which keeps only `x` and the gate/up outputs for
+    backward (see that module). A family with another gated activation overrides `activation`.
+    """
 
     def __init__(self, config: DFlashConfig, parallel_config: ModelParallelConfig, tp_group):
         super().__init__()
@@ -189,8 +195,14 @@ class DFlashMLP(nn.Module):
         self.up_proj = column_parallel(H, I, **common)
         self.down_proj = row_parallel(I, H, **common)
 
+    def activation(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """Elementwise `(gate, up) [rows, I_local] -> [rows, I_local]`."""
+        return swiglu(gate, up)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)[0]) * self.up_proj(x)[0])[0]
+        """`x [..., H]` -> `[..., H]`."""
+        return gated_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight, self.activation,
+                         self.gate_proj.tp_group)
 
 
 # Builds one optional sublayer: `(config, dtype) -> nn.Module`.

@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from megatron_dflash import attention as attention_module
 from megatron_dflash.attention import BlockVisibility, block_attention, dense_block_attention_mask
 
 NAMES = ("query", "context_key", "context_value", "block_key", "block_value")
@@ -565,3 +566,58 @@ def test_flex_without_backward_on_cpu_says_so():
     inputs = make_inputs()
     with pytest.raises(ValueError, match="chunked"):
         block_attention(*(inputs[n] for n in NAMES), make_visibility(), scale=0.1, backend="flex")
+
+
+# --------------------------------------------------------------------------------------------------------
+# Key tiles and mask bands (the CPU kernel's fast paths)
+# --------------------------------------------------------------------------------------------------------
+
+
+def make_sorted_visibility(causal=False, sliding_window=None) -> BlockVisibility:
+    """B=2, N=6, S=40, W=4, anchors sorted as the batch plan samples them, so a chunk's blocks share most of
+    their context keys. Row 1 is packed (documents [0, 14) and [14, 40)) and has an invalid block inside a
+    chunk."""
+    anchors = torch.tensor([[5, 9, 14, 22, 30, 36], [3, 12, 16, 20, 27, 33]])
+    starts = torch.tensor([[0, 0, 0, 0, 0, 0], [0, 0, 14, 14, 14, 14]])
+    valid = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 1, 1]], dtype=torch.bool)
+    return BlockVisibility(anchors, starts, valid, causal=causal, sliding_window=sliding_window)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("window", [None, 3, 10], ids=["full", "window<block", "window<seq"])
+@pytest.mark.parametrize("chunk_blocks", [2, 6])
+@pytest.mark.parametrize("key_tile", [3, 7])
+def test_chunked_key_tiles_and_mask_bands_match_dense(monkeypatch, causal, window, chunk_blocks, key_tile):
+    """Context keys split into tiles merged by log-sum-exp, and masks applied only around the keys every
+    block of a chunk sees: outputs and every gradient equal the dense oracle's."""
+    monkeypatch.setattr(attention_module, "_KEY_TILE_CPU", key_tile)
+    visibility = make_sorted_visibility(causal, window)
+    inputs = make_inputs(B=2, N=6, S=40)
+    dense_out, dense_grads = run(inputs, visibility, "dense")
+    out, grads = run(inputs, visibility, "chunked", chunk_blocks=chunk_blocks)
+    torch.testing.assert_close(out, dense_out, rtol=1e-5, atol=1e-5)
+    for name in NAMES:
+        torch.testing.assert_close(grads[name], dense_grads[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("window", [None, 3, 10])
+@pytest.mark.parametrize("chunk_blocks", [1, 2, 3, 6])
+def test_open_key_range_is_seen_by_every_valid_slot(window, chunk_blocks):
+    """The keys a chunk leaves unmasked are visible, by the dense mask's rule, to every slot of every valid
+    block of the chunk; and the range is not empty where the chunk's blocks share keys."""
+    visibility = make_sorted_visibility(sliding_window=window)
+    S, W = 40, 4
+    mask = dense_block_attention_mask(visibility, S, W, torch.float32)[:, 0, :, :S]  # [B, N*W, S]
+    ranges = attention_module._chunk_key_ranges(visibility, S, W, chunk_blocks)
+    opened = 0
+    for index, (lo, hi, open_lo, open_hi) in enumerate(ranges):
+        assert lo <= open_lo and open_hi <= hi
+        blocks = range(index * chunk_blocks, min((index + 1) * chunk_blocks, visibility.num_blocks))
+        for b in range(visibility.batch_size):
+            for n in blocks:
+                if visibility.block_valid[b, n]:
+                    rows = mask[b, n * W:(n + 1) * W, open_lo:open_hi]
+                    assert bool((rows == 0).all()), (index, b, n, open_lo, open_hi)
+        opened += max(0, open_hi - open_lo)
+    if window is None and chunk_blocks <= 3:  # one chunk of the whole batch shares no key across documents
+        assert opened > 0

@@ -33,9 +33,8 @@ class KimiK3MLP(DFlashMLP):
         linear_beta = config.activation_situ_linear_beta
         self.linear_beta = None if linear_beta is None else float(linear_beta)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        activated = situ_and_mul(self.gate_proj(x)[0], self.up_proj(x)[0], self.beta, self.linear_beta)
-        return self.down_proj(activated)[0]
+    def activation(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return situ_and_mul(gate, up, self.beta, self.linear_beta)
 
 
 class KimiK3DecoderLayer(nn.Module):
