@@ -24,10 +24,12 @@ Reported per side and size: median wall time of a step, median process CPU time 
 steadier than wall time when other jobs share the machine), and the peak RSS increase of the process over
 the steps (``ru_maxrss`` minus the RSS once models and inputs exist). Ratios are nemo / ours.
 
-GFLOP/s line: our step's floating-point work counted by `torch.utils.flop_counter.FlopCounterMode` (every
-matmul the step runs: target, draft forward and backward, LM head, attention including any recomputation),
-divided by the step's CPU time per thread, against the same rate of a 2048^3 `torch.mm` measured on this
-machine with the same number of threads (best of several runs).
+GFLOP/s lines: each side's floating-point work counted by `torch.utils.flop_counter.FlopCounterMode` (every
+matmul the step runs: target, draft forward and backward, LM head, attention including any recomputation; the
+CPU flash-attention kernel of SDPA counted as the products it runs), divided by the step's CPU time per thread,
+against the same rate of a 2048^3 `torch.mm` measured on this machine with the same number of threads (best
+of several runs). The FLOP line is the ratio of the two sides' work: the CPU-time ratio the two would have at
+the same GFLOP/s, i.e. what the algorithm saves, apart from how fast either side's kernels run.
 
 ``--layer``: one draft decoder layer forward+backward instead of the step (defaults S=4096, anchors S/8,
 block 16, hidden 256, 4 heads, 2 KV heads), same random weights on both sides, random block and context
@@ -340,12 +342,32 @@ def worker(args) -> dict:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     result = {"wall": statistics.median(walls), "cpu": statistics.median(cpus), "rss": peak - rss_before}
     if args.count_flops:
-        from torch.utils.flop_counter import FlopCounterMode
-
-        with FlopCounterMode(display=False) as counter:
+        with _flop_counter() as counter:
             step(args.steps + 1)
         result["flops"] = counter.get_total_flops()
     return result
+
+
+def _flop_counter():
+    """`FlopCounterMode` that also counts the CPU flash-attention kernel SDPA runs on the CPU (NeMo's draft and
+    the targets): its forward as the two score / value products, its backward as 2.5 forwards (recomputed
+    scores, dV, dP, dQ, dK), the same products our chunked kernel runs and the counter sees as matmuls."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
+
+    def forward(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs):
+        return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+    def backward(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs):
+        return 5 * sdpa_flop_count(query_shape, key_shape, value_shape) // 2
+
+    aten = torch.ops.aten
+    mapping = {}
+    for name, formula in (("_scaled_dot_product_flash_attention_for_cpu", forward),
+                          ("_scaled_dot_product_flash_attention_for_cpu_backward", backward)):
+        if hasattr(aten, name):
+            mapping[getattr(aten, name).default] = formula
+    return FlopCounterMode(display=False, custom_mapping=mapping)
 
 
 def profile_ours(args, seq: int) -> None:
@@ -435,10 +457,15 @@ def main(argv=None) -> None:
     if not args.no_flops and "ours" in args.sides:
         peak = mm_peak(args.threads)
         for seq in args.seq:
-            counted = run_worker(args, "ours", seq, count_flops=True)
-            rate = counted["flops"] / (counted["cpu"] / args.threads) / 1e9
-            print(f"GFLOP/s S={seq}: ours {counted['flops'] / 1e9:.0f} GFLOP per step at {rate:.0f} GFLOP/s per "
-                  f"CPU-second per thread; torch.mm 2048^3 peak {peak:.0f} -> {rate / peak:.0%} of peak")
+            counted = {side: run_worker(args, side, seq, count_flops=True) for side in args.sides}
+            for side, run in counted.items():
+                rate = run["flops"] / (run["cpu"] / args.threads) / 1e9
+                print(f"GFLOP/s S={seq}: {side} {run['flops'] / 1e9:.0f} GFLOP per step at {rate:.0f} GFLOP/s per "
+                      f"CPU-second per thread; torch.mm 2048^3 peak {peak:.0f} -> {rate / peak:.0%} of peak")
+            if len(counted) == 2:
+                ratio = counted["nemo"]["flops"] / counted["ours"]["flops"]
+                print(f"FLOP S={seq}: nemo / ours {ratio:.2f}x (the CPU-time ratio both sides would have at the same "
+                      "GFLOP/s)")
 
 
 if __name__ == "__main__":
