@@ -302,6 +302,28 @@ def test_topk_vocab_parallel_single_rank():
         topk_vocab_parallel(logits, 41, 0, SingleRankGroup())
 
 
+@pytest.mark.parametrize("vocab", [32000, 151936, 4096 * 3 + 7], ids=["32000", "151936", "no-group-divides"])
+def test_topk_of_long_rows_equals_torch_topk(vocab):
+    """The two-pass top-k of long rows (group maxima, then the best groups' columns) is torch.topk's:
+    same values in the same order, same ids, on random rows and on rows whose top values crowd into
+    one group or tie; values keep their gradient."""
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(2, 3, vocab, generator=gen)
+    logits[0, 0, 128:128 + 20] += 10.0  # the whole top-k inside one or two groups
+    logits[0, 1, ::997] = 50.0  # tied top values in different groups
+    logits.requires_grad_()
+    values, ids = topk_vocab_parallel(logits, 16, 0, SingleRankGroup())
+    expected_values, expected_ids = torch.topk(logits.detach(), 16)
+    assert torch.equal(values.detach(), expected_values)
+    untied = torch.ones(2, 3, dtype=torch.bool)
+    untied[0, 1] = False
+    assert torch.equal(ids[untied], expected_ids[untied])
+    assert torch.equal(logits.detach().gather(-1, ids), values.detach())  # ties: ids of equal values
+    assert ids[0, 1].unique().numel() == 16
+    values.sum().backward()
+    assert logits.grad.sum() == 2 * 3 * 16 and bool((logits.grad.gather(-1, ids) == 1).all())
+
+
 # ================================================================================== reference parity
 
 
