@@ -366,7 +366,7 @@ def _flop_counter():
     for name, formula in (("_scaled_dot_product_flash_attention_for_cpu", forward),
                           ("_scaled_dot_product_flash_attention_for_cpu_backward", backward)):
         if hasattr(aten, name):
-            mapping[getattr(aten, name).default] = formula
+            mapping[getattr(aten, name)] = formula  # keyed by overload packet, as the counter looks ops up
     return FlopCounterMode(display=False, custom_mapping=mapping)
 
 
