@@ -31,11 +31,9 @@ rolls it back (Qwen3, Llama, ... and any transformers causal LM no family regist
 code): each verify forward recomputes the target over the committed tokens plus the block, which
 costs quadratically in the generated length, and the block's taps come from that forward.
 
-Batches: rows accept different lengths. The target's HF KV cache stays rectangular: every
-cycle appends `W` slots to every row, rejected slots become holes that a 2-D attention mask
-hides, and every row gets explicit position ids (its committed length + offset). Tail holes
-common to all rows are cropped each cycle, and the cache is compacted when holes dominate.
-Rows that hit `max_new_tokens` or a stop token are dropped from the batch; their outputs are
+Batches: rows accept different lengths. The target's HF KV cache stays rectangular (rejected
+slots become masked holes, `_CachedTarget`); a recomputed target keeps each row's tokens at their
+positions, right-padded (`_RecomputedTarget`). Rows that hit `max_new_tokens` or a stop token are dropped from the batch; their outputs are
 frozen. The draft cache is indexed by position, so a block's visibility is simply "context
 positions `< n`" (`BlockVisibility` with `anchor = n`), also for sliding-window layers.
 
@@ -54,9 +52,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from .body import DFlashBody
+from .body import DraftBody
 from .head import OutputHead
-from .kimi_k3.body import KimiK3Body
 from .kv_cache import DraftKVCache
 from .plan import DFlashBatchPlan
 from .families import resolve_text_config, target_keeps_kv_cache
@@ -247,9 +244,9 @@ def rejection_verify(
 
 
 def _check_draft(draft: nn.Module) -> None:
-    if not isinstance(draft, (DFlashBody, KimiK3Body)):
+    if not isinstance(draft, DraftBody):
         raise ValueError(
-            f"draft must be a DFlashBody (or DFlash2Body) or a KimiK3Body, got {type(draft).__name__}."
+            f"draft must be a draft body (a DFlashBody of any variant, or a KimiK3Body), got {type(draft).__name__}."
         )
     if draft.tp_group.size() != 1:
         raise ValueError(
@@ -425,7 +422,7 @@ class _CachedTarget:
         self.valid = self.valid[index]
 
     def close(self) -> None:
-        pass
+        """Nothing to release: the cache is this call's own."""
 
 
 class _RecomputedTarget:
@@ -444,8 +441,9 @@ class _RecomputedTarget:
     real tokens never see the padding after them, and each row's tokens sit at their positions.
     `tokens [B, L]` is indexed by position like the draft's cache: a verify writes the block at
     `committed + j`; slots past a row's committed length are scratch, overwritten when committed.
-    The taps come from `HFTarget` (the forward hooks training reads them with), the logits from the
-    target's LM head (`get_output_embeddings()`) at the block's positions only.
+    The taps come from `HFTarget` (the forward hooks training reads them with; it freezes the model,
+    as `spec_generate` expects of a target), the logits from the target's LM head
+    (`get_output_embeddings()`) at the block's positions only.
     """
 
     def __init__(self, target: nn.Module, target_layer_ids, pad_id: int, block_size: int):
@@ -566,7 +564,7 @@ def _stop_set(stop_token_ids) -> set:
     return {int(t) for t in ids}
 
 
-def _check_prompts(prompts: list, target: nn.Module, draft: DFlashBody) -> None:
+def _check_prompts(prompts: list, target: nn.Module, draft: DraftBody) -> None:
     """Ids inside the target's embedding, lengths inside the model's positions."""
     rows = getattr(target.get_input_embeddings(), "num_embeddings", None) or draft.config.vocab_size
     for b, prompt in enumerate(prompts):
@@ -587,7 +585,7 @@ def _check_prompts(prompts: list, target: nn.Module, draft: DFlashBody) -> None:
         )
 
 
-def _check_pair(target: nn.Module, draft: DFlashBody) -> None:
+def _check_pair(target: nn.Module, draft: DraftBody) -> None:
     cfg = draft.config
     tcfg = resolve_text_config(target.config)  # the text decoder's config of a multimodal wrapper
     layers = getattr(tcfg, "num_hidden_layers", None)
@@ -656,7 +654,7 @@ class _Rows:
 @torch.inference_mode()
 def spec_generate(
     target: nn.Module,
-    draft: DFlashBody,
+    draft: DraftBody,
     input_ids: Union[torch.Tensor, Sequence[Sequence[int]]],
     *,
     max_new_tokens: int,
