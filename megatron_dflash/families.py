@@ -356,7 +356,7 @@ def target_keeps_kv_cache(config: Any) -> bool:
     architecture no family registers is a transformers causal LM as far as decoding is concerned: its HF cache
     is used, as for every registered Qwen3-style target.
     """
-    data = config if isinstance(config, Mapping) else config.to_dict()
+    data = config if isinstance(config, Mapping) else (config.to_dict() if hasattr(config, "to_dict") else vars(config))
     try:
         return resolve_target_family(data).target_kv_cache
     except TargetFamilyError:

@@ -264,7 +264,7 @@ class HFTarget(_FrozenTarget):
 
     def remove_hooks(self) -> None:
         """Take the tap hooks off the model's layers (for a caller that borrowed the model); this
-        `HFTarget` returns no taps afterwards."""
+        `HFTarget` is not to be called afterwards."""
         for handle in self._handles:
             handle.remove()
         self._handles = []

@@ -225,6 +225,20 @@ def test_multimodal_wrappers_load_and_tap_their_text_decoder(tmp_path, model_typ
     torch.testing.assert_close(out.logits, ref.logits.float(), rtol=0, atol=1e-5)
 
 
+def test_the_family_says_whether_decoding_keeps_a_target_kv_cache():
+    """`spec_generate` asks `target_keeps_kv_cache` (dicts and config objects, wrappers and text configs): K3's
+    model code keeps none (decoding recomputes it), Qwen3-style targets and unregistered transformers LMs do."""
+    from transformers import Qwen3Config
+
+    from megatron_dflash.families import target_keeps_kv_cache
+
+    assert target_keeps_kv_cache({"architectures": ["KimiK3ForConditionalGeneration"], "text_config": {}}) is False
+    assert target_keeps_kv_cache({"model_type": "kimi_linear"}) is False  # a K3 text config without architectures
+    assert target_keeps_kv_cache(Qwen3Config()) is True
+    assert target_keeps_kv_cache({"architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": {}}) is True
+    assert target_keeps_kv_cache({"architectures": ["GPT2LMHeadModel"]}) is True  # unregistered: its HF cache
+
+
 @pytest.fixture(scope="module")
 def tiny_kimi_k3(tmp_path_factory):
     pytest.importorskip("nemo_automodel.components.models.kimi_k3.model")
