@@ -10,7 +10,8 @@ architecture names a HF ``config.json`` declares (``architectures[0]``); each en
 * which **variants** (by name, as `--dflash-variant` spells them) the draft family implements, which **draft
   attention backends** and which **target backends** it can use, whether packed sequences work,
 * how the frozen target is **loaded** in one process (the transformers auto class, or a family's own loader),
-  and whether it keeps a KV cache speculative decoding can roll back (else decoding recomputes it).
+  and whether it keeps a KV cache speculative decoding can roll back (else decoding recomputes it; also for
+  targets with linear-attention layers, `target_keeps_kv_cache`).
 
 Nothing else in the package maps architecture names to behaviour: `pretrain_dflash.py` (through
 `training/job.py`), the training loop, and `tools/evaluate_acceptance.py` ask `resolve_target_family`.
@@ -350,13 +351,19 @@ def resolve_target_family(config: Mapping) -> TargetFamily:
 
 
 def target_keeps_kv_cache(config: Any) -> bool:
-    """Whether speculative decoding keeps a KV cache of a target with this config (`TargetFamily.target_kv_cache`).
+    """Whether speculative decoding keeps a KV cache of a target with this config and rolls it back on rejection.
 
-    ``config``: a ``config.json`` dict or a loaded model's config object (a wrapper's or its text config). An
-    architecture no family registers is a transformers causal LM as far as decoding is concerned: its HF cache
-    is used, as for every registered Qwen3-style target.
+    False when its family keeps none (`TargetFamily.target_kv_cache`: Kimi K3), and when its text config has
+    linear-attention layers (``layer_types``, Qwen3.5): a recurrent state cannot drop rejected tokens. Such
+    targets are recomputed over the committed tokens every cycle (`generate.spec_generate`). An architecture
+    no family registers is a transformers causal LM as far as decoding is concerned: its HF cache is used.
+
+    Args:
+        config: a ``config.json`` dict or a loaded model's config object (a wrapper's or its text config).
     """
     data = config if isinstance(config, Mapping) else (config.to_dict() if hasattr(config, "to_dict") else vars(config))
+    if "linear_attention" in (resolve_text_config(data).get("layer_types") or ()):
+        return False
     try:
         return resolve_target_family(data).target_kv_cache
     except TargetFamilyError:

@@ -28,14 +28,16 @@ The target's side comes in two kinds, chosen by its family (`families.target_kee
 docs/design.md §17 Target families), never by its class: `_CachedTarget` keeps a HF KV cache and
 rolls it back (Qwen3, Llama, ... and any transformers causal LM no family registers);
 `_RecomputedTarget` serves targets whose model code keeps no cache (Kimi K3 on NeMo AutoModel's
-code): each verify forward recomputes the target over the committed tokens plus the block, which
-costs quadratically in the generated length, and the block's taps come from that forward.
+code) or whose recurrent layers cannot drop rejected tokens (Qwen3.5's linear attention): each
+verify forward recomputes the target over the committed tokens plus the block, which costs
+quadratically in the generated length, and the block's taps come from that forward.
 
 Batches: rows accept different lengths. The target's HF KV cache stays rectangular (rejected
 slots become masked holes, `_CachedTarget`); a recomputed target keeps each row's tokens at their
-positions, right-padded (`_RecomputedTarget`). Rows that hit `max_new_tokens` or a stop token are dropped from the batch; their outputs are
-frozen. The draft cache is indexed by position, so a block's visibility is simply "context
-positions `< n`" (`BlockVisibility` with `anchor = n`), also for sliding-window layers.
+positions, right-padded (`_RecomputedTarget`). Rows that hit `max_new_tokens` or a stop token are
+dropped from the batch; their outputs are frozen. The draft cache is indexed by position, so a
+block's visibility is simply "context positions `< n`" (`BlockVisibility` with `anchor = n`), also
+for sliding-window layers.
 
 Shapes: B batch (rows still decoding), W block size, T = W - 1 drafted slots, H hidden,
 V vocabulary, L cache length, Hq / Hkv query / KV heads, D head_dim.
@@ -282,10 +284,10 @@ def _make_target_cache(target: nn.Module):
     if any(getattr(layer, "is_sliding", False) for layer in layers) or _target_has_sliding_window(
             resolve_text_config(target.config)):
         raise ValueError(
-            "spec_generate does not support targets with sliding-window or linear-attention layers (layer_types "
-            "other than full_attention): the rectangular KV cache keeps rejected slots as masked holes, which "
-            "would shrink a window counted in cache slots, and a recurrent state cannot drop rejected tokens. "
-            "Use a target whose layers are all full attention."
+            "spec_generate does not support targets with sliding-window layers (layer_types other than "
+            "full_attention and linear_attention): it keeps the target's KV cache rectangular, rejected slots "
+            "as masked holes, which would shrink a window counted in cache slots. Use a target whose layers are "
+            "full attention (or linear attention: such targets are recomputed every cycle)."
         )
     return cache
 
@@ -426,13 +428,13 @@ class _CachedTarget:
 
 
 class _RecomputedTarget:
-    """A target without a usable KV cache (its family's `target_kv_cache` is False: Kimi K3 on NeMo
-    AutoModel's model code): every verify forward runs the target over each row's committed tokens
-    plus the block, from the first token.
+    """A target without a usable KV cache (`families.target_keeps_kv_cache` is False: Kimi K3 on NeMo
+    AutoModel's model code, targets with linear-attention layers): every verify forward runs the
+    target over each row's committed tokens plus the block, from the first token.
 
     Why: losslessness needs the target's logits for the block given exactly the committed tokens,
-    and a target whose model code keeps no cache (nor a recurrent state that could drop rejected
-    tokens) can only give them by recomputing. Cost: a cycle processes all `L` committed tokens
+    and a target whose model code keeps no cache, or whose recurrent state cannot drop rejected
+    tokens, can only give them by recomputing. Cost: a cycle processes all `L` committed tokens
     instead of `W`, so the target's work over a generation grows quadratically with its length
     (and attention inside each forward with `L^2`), where the cached path's grows linearly. Use it
     to measure acceptance and check losslessness, not to serve.
@@ -672,9 +674,10 @@ def spec_generate(
     Args:
         target: a HF causal LM (e.g. `Qwen3ForCausalLM`, `LlamaForCausalLM`), frozen, without
             sliding-window layers; its input embedding, LM head and hidden states are used. Or a
-            causal LM of a family whose targets keep no KV cache (Kimi K3, `kimi_k3_target`):
-            recomputed over the committed tokens every cycle (target work quadratic in the
-            generated length; for measuring acceptance, not for serving), any layer types.
+            causal LM of a family whose targets keep no KV cache (Kimi K3, `kimi_k3_target`) or
+            with linear-attention layers (Qwen3.5): recomputed over the committed tokens every
+            cycle (target work quadratic in the generated length; for measuring acceptance, not
+            for serving).
         draft: a `DFlashBody` (any registered variant) or a `KimiK3Body` at TP=1 for this target.
         input_ids: `[B, S]` / `[S]` token ids (with `attention_mask` `[B, S]` when padded), or a
             list of B token-id sequences of any lengths (each >= 1 token).

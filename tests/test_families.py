@@ -227,7 +227,8 @@ def test_multimodal_wrappers_load_and_tap_their_text_decoder(tmp_path, model_typ
 
 def test_the_family_says_whether_decoding_keeps_a_target_kv_cache():
     """`spec_generate` asks `target_keeps_kv_cache` (dicts and config objects, wrappers and text configs): K3's
-    model code keeps none (decoding recomputes it), Qwen3-style targets and unregistered transformers LMs do."""
+    model code keeps none and Qwen3.5's linear-attention layers cannot roll back (decoding recomputes both);
+    full-attention Qwen3-style targets and unregistered transformers LMs keep theirs."""
     from transformers import Qwen3Config
 
     from megatron_dflash.families import target_keeps_kv_cache
@@ -235,8 +236,47 @@ def test_the_family_says_whether_decoding_keeps_a_target_kv_cache():
     assert target_keeps_kv_cache({"architectures": ["KimiK3ForConditionalGeneration"], "text_config": {}}) is False
     assert target_keeps_kv_cache({"model_type": "kimi_linear"}) is False  # a K3 text config without architectures
     assert target_keeps_kv_cache(Qwen3Config()) is True
-    assert target_keeps_kv_cache({"architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": {}}) is True
+    assert target_keeps_kv_cache(Qwen3Config(num_hidden_layers=2, layer_types=["full_attention"] * 2)) is True
+    qwen3_5 = {"architectures": ["Qwen3_5ForConditionalGeneration"],
+               "text_config": {"layer_types": ["linear_attention", "full_attention"]}}
+    assert target_keeps_kv_cache(qwen3_5) is False  # a recurrent state cannot drop rejected tokens
+    assert target_keeps_kv_cache(_tiny_text("qwen3_5")) is False  # the config object, its text config inside
     assert target_keeps_kv_cache({"architectures": ["GPT2LMHeadModel"]}) is True  # unregistered: its HF cache
+
+
+def test_speculative_decoding_on_a_qwen3_5_target_recomputes_it_losslessly():
+    """Qwen3.5's linear-attention layers keep a recurrent state that cannot drop rejected tokens, so `spec_generate`
+    recomputes the target every cycle (as for K3): greedy output equals the target's own greedy decoding (one full
+    forward per token), rows of different lengths accepting different amounts."""
+    from collections import Counter
+
+    from transformers import AutoModelForCausalLM
+
+    from megatron_dflash.body import DFlashBody
+    from megatron_dflash.config import DFlashConfig
+    from megatron_dflash.generate import spec_generate
+    from test_generate import _shape_target, check_statistics
+
+    torch.manual_seed(1)
+    target = AutoModelForCausalLM.from_config(_tiny_text("qwen3_5_text")).eval()
+    assert "linear_attention" in target.config.layer_types
+    _shape_target(target, "mixed")
+    torch.manual_seed(1)
+    draft = DFlashBody(DFlashConfig(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, vocab_size=VOCAB, block_size=4, mask_token_id=VOCAB - 1, num_target_layers=8,
+        target_layer_ids=[1, 4], max_position_embeddings=512, rope_theta=10000.0), attention_backend="chunked").eval()
+    prompts, new = [[5, 17, 3, 40, 22], [9, 1, 33, 60, 2, 71, 8, 50, 11], [44, 3, 19]], 16
+    out = spec_generate(target, draft, prompts, max_new_tokens=new)
+    for b, prompt in enumerate(prompts):
+        reference = list(prompt)
+        with torch.no_grad():
+            for _ in range(new):
+                reference.append(int(target(torch.tensor([reference])).logits[0, -1].argmax()))
+        assert out.sequence(b) == reference, f"row {b}"
+    check_statistics(out, 4, new)
+    seen = Counter(a for row in out.acceptance_lengths for a in row)
+    assert seen[1] > 0 and max(seen) > 1
 
 
 @pytest.fixture(scope="module")

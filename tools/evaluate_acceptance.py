@@ -3,8 +3,8 @@
 
 Runs `megatron_dflash.generate.spec_generate` over a JSONL file of prompts and times it
 against plain autoregressive greedy decoding of the same target (HF `generate`; for a target
-family without a KV cache, Kimi K3, a loop that recomputes the target per token, as speculative
-decoding recomputes it per cycle), then prints per-prompt acceptance lengths, the means and the
+without one, Kimi K3 on NeMo AutoModel's code, a loop that recomputes the target per token, as
+speculative decoding recomputes it per cycle), then prints per-prompt acceptance lengths, the means and the
 wall-clock speedup, and writes a JSON report.
 
 Prompt lines (one JSON object per line; the format of `megatron_dflash.prompts`, shared with
@@ -330,10 +330,10 @@ def autoregressive_greedy(target, prompts: list[list[int]], max_new_tokens: int,
 
 
 def recomputing_greedy(target, prompts: list[list[int]], max_new_tokens: int, stop_tokens: list[int], device):
-    """Plain greedy decoding of a target whose model code keeps no KV cache (its family's `target_kv_cache` is
-    False, e.g. Kimi K3): every token recomputes the target over each row's whole sequence, as speculative
-    decoding does for it, so the two are compared on equal terms. Rows are right-padded (a causal target needs
-    no mask then). Returns generated ids per row."""
+    """Plain greedy decoding of a target without HF `generate` (Kimi K3 on NeMo AutoModel's code, which keeps no
+    KV cache): every token recomputes the target over each row's whole sequence, as speculative decoding
+    recomputes it every cycle. Rows are right-padded (a causal target needs no mask then). Returns generated
+    ids per row."""
     import torch
 
     pad = stop_tokens[0] if stop_tokens else 0
@@ -375,9 +375,10 @@ def evaluate(args: argparse.Namespace) -> dict:
         raise UsageError(f"--target {args.target}: cannot load a causal LM ({type(err).__name__}: "
                          f"{str(err).splitlines()[0] if str(err) else ''}).") from None
     draft = load_draft(args.draft, device, dtype, args.attention_backend)
-    # The baseline decodes the way spec_generate drives this target: with its KV cache, or recomputing.
+    # Plain decoding as the target serves it: HF `generate` (with whatever cache the model keeps, also one that
+    # speculative decoding cannot roll back); a model without one (NeMo's K3) is recomputed per token.
     target_kv_cache = target_keeps_kv_cache(target.config)
-    baseline = autoregressive_greedy if target_kv_cache else recomputing_greedy
+    baseline = autoregressive_greedy if callable(getattr(target, "generate", None)) else recomputing_greedy
     decode = tokenizer.maybe()
     if args.ignore_eos:
         stop_tokens: list[int] = []
@@ -500,7 +501,8 @@ def evaluate(args: argparse.Namespace) -> dict:
         "draft": args.draft,
         "prompts": args.prompts,
         "draft_architecture": type(draft).__name__,
-        "target_kv_cache": target_kv_cache,
+        "target_kv_cache": target_kv_cache,  # False: spec_generate recomputes the target every cycle
+        "baseline": "generate" if baseline is autoregressive_greedy else "recomputed",
         "block_size": draft.config.block_size,
         "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature,
