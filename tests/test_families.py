@@ -24,6 +24,8 @@ from megatron_dflash.training.arguments import ArgumentError, parse_args
 from megatron_dflash.training.job import prepare_job
 from megatron_dflash.embedded_job.tiny_target import SHIPPED_TARGET_DIR
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 VOCAB = 320  # the shipped tiny tokenizer's
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 TEXT = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
