@@ -761,23 +761,25 @@ def _decode(
     stop_set, generator, sampling, W, attention_backend,
 ) -> None:
     """Prefill + draft/verify cycles; fills `rows` (per original row) and `stats`."""
-    session = (_CachedTarget if target_keeps_kv_cache(target.config) else _RecomputedTarget)(
+    verifier = (_CachedTarget if target_keeps_kv_cache(target.config) else _RecomputedTarget)(
         target, draft.config.target_layer_ids, draft.config.mask_token_id, W
     )
     try:
         _cycles(
-            session, target, draft, prompts, rows, stats, device=device, max_new_tokens=max_new_tokens,
+            verifier, target, draft, prompts, rows, stats, device=device, max_new_tokens=max_new_tokens,
             temperature=temperature, top_p=top_p, top_k=top_k, stop_set=stop_set, generator=generator,
             sampling=sampling, W=W, attention_backend=attention_backend,
         )
     finally:
-        session.close()
+        verifier.close()
 
 
 def _cycles(
-    session, target, draft, prompts, rows: _Rows, stats, *, device, max_new_tokens, temperature, top_p, top_k,
+    verifier, target, draft, prompts, rows: _Rows, stats, *, device, max_new_tokens, temperature, top_p, top_k,
     stop_set, generator, sampling, W, attention_backend,
 ) -> None:
+    """The prefill and the draft / verify / commit cycles, the target's side through `verifier` (a
+    `_CachedTarget` or `_RecomputedTarget`: `prefill`, `verify`, `commit`, `select_rows`)."""
     cfg = draft.config
     B = len(prompts)
     lengths = torch.tensor([len(p) for p in prompts], dtype=torch.int64, device=device)
@@ -794,7 +796,7 @@ def _cycles(
         return sampling_probs(logits, temperature, top_p, top_k)
 
     # ---- prefill ----
-    last_logits, new_context = session.prefill(prompts, lengths)
+    last_logits, new_context = verifier.prefill(prompts, lengths)
     stats["prefill"] += 1
     first = _sample(target_dist(last_logits), generator) if sampling else last_logits.argmax(dim=-1)
 
@@ -826,7 +828,7 @@ def _cycles(
             if not keep:
                 break
             index = torch.tensor(keep, dtype=torch.int64, device=device)
-            session.select_rows(index)
+            verifier.select_rows(index)
             draft_cache.select_rows(index)
             committed, last = committed[index], last[index]
             new_context, new_start = new_context[index], new_start[index]
@@ -864,7 +866,7 @@ def _cycles(
                 block[:, 1:] = draft_logits.argmax(dim=-1)
 
         # ---- verify: the target over the block at positions committed .. committed + W - 1 ----
-        target_logits, block_taps = session.verify(block, committed)  # [B, W, V], [B, W, taps*H]
+        target_logits, block_taps = verifier.verify(block, committed)  # [B, W, V], [B, W, taps*H]
         stats["target"] += 1
         if sampling:
             accepted, bonus = rejection_verify(block[:, 1:], target_dist(target_logits), draft_probs, generator)
@@ -874,7 +876,7 @@ def _cycles(
         # ---- commit: anchor + accepted become context (all W verified slots go to the draft's
         # next forward; those past the accepted ones are scratch); the bonus is the next anchor ----
         new_context, new_start = block_taps, committed
-        session.commit(accepted)
+        verifier.commit(accepted)
         committed = committed + accepted + 1
         last = bonus
         block_host, accepted_host, bonus_host = block.tolist(), accepted.tolist(), bonus.tolist()
