@@ -1,6 +1,9 @@
-"""`DFlashBody`: the draft's decoder stack over the target context and the draft blocks.
+"""`DraftBody` and `DFlashBody`: the draft's decoder stack over the target context and the draft blocks.
 
-The body turns the concatenated target taps into one context feature
+`DraftBody` is the skeleton every draft family shares (context feature, layer loop, final norm,
+input checks, checkpoint view); a family supplies its decoder layers and what they take per
+forward: `DFlashBody` the Qwen3-style layers and their RoPE tables, `kimi_k3.KimiK3Body` K3's MLA
+layers (docs/design.md §16 Kimi K3 draft family). The body turns the concatenated target taps into one context feature
 `c = hidden_norm(fc(concat_i tap_i))`, shared by every layer, and updates all slots of
 every block at once. Each block sees the target prefix strictly before its anchor (its
 own document, its own window) and the slots of its own block, never another block. The
@@ -10,7 +13,7 @@ layer. It owns no embedding and no LM head.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from megatron.core.model_parallel_config import ModelParallelConfig
@@ -79,11 +82,20 @@ def check_body_inputs(cfg, tp_group, target_hidden, block_embeddings, plan) -> N
     agree_or_raise(error, signature, tp_group, target_hidden.device)
 
 
-class DFlashBody(nn.Module):
-    """DFlash draft body: `forward(target_hidden, block_embeddings, plan) -> hidden states`.
+class DraftBody(nn.Module):
+    """The decoder-stack skeleton every draft family shares: `forward(target_hidden, block_embeddings, plan)`.
+
+    The concatenated target taps become one context feature `c = hidden_norm(fc(concat_i tap_i))`
+    (`fc` and the norms replicated: every rank needs the full feature), shared by every layer; the
+    family's decoder layers update all slots of every block at once; the final norm closes the stack.
+    A family supplies its layers through `make_layer(layer_idx, parallel_config, tp_group)` and the
+    per-forward inputs its layers take between the context and the visibility (`layer_inputs`: the
+    RoPE tables of a rotary family, nothing for a NoPE one). Its config supplies `hidden_size`,
+    `num_taps`, `num_hidden_layers`, `rms_norm_eps`, `initializer_range`,
+    `validate_tensor_parallel(tp)` and `layer_attention(layer_idx)`.
 
     Args:
-        config: the draft's `DFlashConfig`.
+        config: the family's draft config.
         parallel_config: megatron `ModelParallelConfig` used to build the parallel linears
             (`default_parallel_config()` when None). `sequence_parallel=True` and
             `context_parallel_size > 1` are refused.
@@ -91,17 +103,17 @@ class DFlashBody(nn.Module):
             initialised, a single rank otherwise.
         attention_backend: "auto" (FlexAttention on CUDA, exact chunked kernel elsewhere),
             "chunked", "flex" or "dense" (the reference, for tests).
-        layer_submodules: the optional sublayers every decoder layer builds
-            (`layers.DFlashLayerSubmodules`; none by default). Variants pass theirs here.
+        make_layer: `(layer_idx, parallel_config, tp_group) -> decoder layer`, called for each layer
+            in order (the weights' initialisation order, hence the weights of a seed, is fixed here).
     """
 
     def __init__(
         self,
-        config: DFlashConfig,
-        parallel_config: Optional[ModelParallelConfig] = None,
-        tp_group=None,
-        attention_backend: str = "auto",
-        layer_submodules: DFlashLayerSubmodules = DFlashLayerSubmodules(),
+        config,
+        parallel_config: Optional[ModelParallelConfig],
+        tp_group,
+        attention_backend: str,
+        make_layer: Callable[[int, ModelParallelConfig, object], nn.Module],
     ):
         super().__init__()
         parallel_config = parallel_config or default_parallel_config()
@@ -112,13 +124,11 @@ class DFlashBody(nn.Module):
         self.attention_backend = attention_backend
         dtype = parallel_config.params_dtype
         H = config.hidden_size
-        # fc and the norms are replicated: every rank needs the full context feature.
         self.fc = nn.Linear(config.num_taps * H, H, bias=False, dtype=dtype)
         nn.init.normal_(self.fc.weight, mean=0.0, std=config.initializer_range)
         self.hidden_norm = RMSNorm(H, config.rms_norm_eps, dtype=dtype)
         self.layers = nn.ModuleList(
-            DFlashDecoderLayer(config, i, parallel_config, self.tp_group, layer_submodules)
-            for i in range(config.num_hidden_layers)
+            make_layer(i, parallel_config, self.tp_group) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(H, config.rms_norm_eps, dtype=dtype)
 
@@ -134,19 +144,17 @@ class DFlashBody(nn.Module):
         `sharding.load_sharded_state_dict_into(body, loaded, prefix)`.
         """
         if sharded_offsets:
-            raise ValueError("DFlashBody is not a pipeline-sharded module: sharded_offsets must be empty.")
+            raise ValueError(f"{type(self).__name__} is not a pipeline-sharded module: sharded_offsets must be empty.")
         return sharded_state_dict(self, prefix)
 
     # ------------------------------------------------------------------ forward
-    def rope(self, plan: DFlashBatchPlan, device) -> tuple[torch.Tensor, ...]:
-        """fp32 (cos_block, sin_block `[B, N, W, D]`, cos_context, sin_context `[B, S, D]`)."""
-        cfg = self.config
-        inv_freq, scale = rope_inv_freq(
-            cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings, device
-        )
-        cos_b, sin_b = rope_cos_sin(plan.position_ids.to(device), inv_freq, scale)
-        cos_c, sin_c = rope_cos_sin(plan.context_position_ids.to(device), inv_freq, scale)
-        return cos_b, sin_b, cos_c, sin_c
+    def context_feature(self, target_hidden: torch.Tensor) -> torch.Tensor:
+        """`target_hidden [B, S, taps * H]` -> the shared context feature `[B, S, H]`."""
+        return self.hidden_norm(self.fc(target_hidden.to(self.fc.weight.dtype)))
+
+    def layer_inputs(self, plan: DFlashBatchPlan, device) -> tuple:
+        """What every layer of this forward takes between the context and the visibility (none here)."""
+        return ()
 
     def forward(
         self,
@@ -193,12 +201,53 @@ class DFlashBody(nn.Module):
                 )
             kv_cache.prepare(plan)
         backend = attention_backend or self.attention_backend
-        context = self.hidden_norm(self.fc(target_hidden.to(self.fc.weight.dtype)))
-        rope = self.rope(plan, target_hidden.device)
+        context = self.context_feature(target_hidden)
+        inputs = self.layer_inputs(plan, target_hidden.device)
         hidden = block_embeddings.to(self.fc.weight.dtype)
         for layer in self.layers:
             causal, window = self.config.layer_attention(layer.self_attn.layer_idx)
             visibility = BlockVisibility.from_plan(plan, causal=causal, sliding_window=window)
-            hidden = layer(hidden, context, rope, visibility, backend, kv_cache)
+            hidden = layer(hidden, context, *inputs, visibility, backend, kv_cache)
         valid = plan.block_valid[:, :, None, None]
         return torch.where(valid, self.norm(hidden), torch.zeros((), dtype=hidden.dtype, device=hidden.device))
+
+
+class DFlashBody(DraftBody):
+    """DFlash draft body (the Qwen3-style family): `forward(target_hidden, block_embeddings, plan) -> hidden states`.
+
+    `DraftBody` with Qwen3-style decoder layers (`layers.DFlashDecoderLayer`: RoPE'd GQA block
+    attention, SwiGLU MLP); its layers take the RoPE tables of the plan's positions.
+
+    Args:
+        config: the draft's `DFlashConfig`.
+        parallel_config, tp_group, attention_backend: as `DraftBody`.
+        layer_submodules: the optional sublayers every decoder layer builds
+            (`layers.DFlashLayerSubmodules`; none by default). Variants pass theirs here.
+    """
+
+    def __init__(
+        self,
+        config: DFlashConfig,
+        parallel_config: Optional[ModelParallelConfig] = None,
+        tp_group=None,
+        attention_backend: str = "auto",
+        layer_submodules: DFlashLayerSubmodules = DFlashLayerSubmodules(),
+    ):
+        super().__init__(
+            config, parallel_config, tp_group, attention_backend,
+            make_layer=lambda i, parallel, group: DFlashDecoderLayer(config, i, parallel, group, layer_submodules),
+        )
+
+    def rope(self, plan: DFlashBatchPlan, device) -> tuple[torch.Tensor, ...]:
+        """fp32 (cos_block, sin_block `[B, N, W, D]`, cos_context, sin_context `[B, S, D]`)."""
+        cfg = self.config
+        inv_freq, scale = rope_inv_freq(
+            cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings, device
+        )
+        cos_b, sin_b = rope_cos_sin(plan.position_ids.to(device), inv_freq, scale)
+        cos_c, sin_c = rope_cos_sin(plan.context_position_ids.to(device), inv_freq, scale)
+        return cos_b, sin_b, cos_c, sin_c
+
+    def layer_inputs(self, plan: DFlashBatchPlan, device) -> tuple:
+        """The RoPE tables every layer applies (`rope`), as one argument."""
+        return (self.rope(plan, device),)

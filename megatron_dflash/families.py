@@ -10,7 +10,8 @@ architecture names a HF ``config.json`` declares (``architectures[0]``); each en
 * which **variants** (by name, as `--dflash-variant` spells them) the draft family implements, which **draft
   attention backends** and which **target backends** it can use, whether packed sequences work,
 * how the frozen target is **loaded** in one process (the transformers auto class, or a family's own loader),
-  and whether speculative decoding can drive it (it needs a KV cache).
+  and whether it keeps a KV cache speculative decoding can roll back (else decoding recomputes it; also for
+  targets with linear-attention layers, `target_keeps_kv_cache`).
 
 Nothing else in the package maps architecture names to behaviour: `pretrain_dflash.py` (through
 `training/job.py`), the training loop, and `tools/evaluate_acceptance.py` ask `resolve_target_family`.
@@ -36,6 +37,7 @@ __all__ = [
     "target_architecture",
     "resolve_target_family",
     "supported_architectures",
+    "target_keeps_kv_cache",
     "qwen3_draft_config",
     "kimi_k3_draft_config",
 ]
@@ -176,8 +178,9 @@ class TargetFamily:
         attention_backends: the `--dflash-attention-backend` values its draft can run.
         target_backends: the `--target-backend` values that can run its targets.
         packed_sequences: whether `--pack-sequences` (per-document masks and positions) works with its targets.
-        kv_cache_decoding: whether speculative decoding (`generate.spec_generate`, which keeps a HF KV cache
-            of the target) can drive its targets.
+        target_kv_cache: whether its targets keep a KV cache that speculative decoding can roll back
+            (`generate.spec_generate` then runs each verify over the block only); False: their model code keeps
+            none, and `spec_generate` recomputes the target over the committed tokens every cycle.
         load_hf_target: ``(directory, dtype) -> causal LM`` for the single-process (``hf``) target backend,
             with whatever extra loading arguments the family needs.
         default_taps: ``(num_target_layers, num_draft_layers) -> target_layer_ids``.
@@ -195,7 +198,7 @@ class TargetFamily:
     load_hf_target: Callable
     draft_variant: Optional[str] = None
     packed_sequences: bool = True
-    kv_cache_decoding: bool = True
+    target_kv_cache: bool = True
     default_taps: Callable = default_target_layer_ids
     notes: str = ""
     loader_by_architecture: Mapping = field(default_factory=dict)
@@ -304,7 +307,7 @@ KIMI_K3 = TargetFamily(
     target_backends=("hf",),
     load_hf_target=_load_kimi_k3,
     packed_sequences=False,
-    kv_cache_decoding=False,
+    target_kv_cache=False,
     notes="K3 targets run on NeMo AutoModel's K3 model code (pip install --no-deps nemo-automodel==0.7.0); "
           "its KDA layers need flash-linear-attention (CUDA).",
 )
@@ -345,3 +348,23 @@ def resolve_target_family(config: Mapping) -> TargetFamily:
             f"architectures: {supported_architectures()}."
         )
     return family
+
+
+def target_keeps_kv_cache(config: Any) -> bool:
+    """Whether speculative decoding keeps a KV cache of a target with this config and rolls it back on rejection.
+
+    False when its family keeps none (`TargetFamily.target_kv_cache`: Kimi K3), and when its text config has
+    linear-attention layers (``layer_types``, Qwen3.5): a recurrent state cannot drop rejected tokens. Such
+    targets are recomputed over the committed tokens every cycle (`generate.spec_generate`). An architecture
+    no family registers is a transformers causal LM as far as decoding is concerned: its HF cache is used.
+
+    Args:
+        config: a ``config.json`` dict or a loaded model's config object (a wrapper's or its text config).
+    """
+    data = config if isinstance(config, Mapping) else (config.to_dict() if hasattr(config, "to_dict") else vars(config))
+    if "linear_attention" in (resolve_text_config(data).get("layer_types") or ()):
+        return False
+    try:
+        return resolve_target_family(data).target_kv_cache
+    except TargetFamilyError:
+        return True

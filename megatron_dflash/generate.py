@@ -12,7 +12,8 @@ One decoding cycle per batch:
    walk their candidate selector instead of taking each slot's argmax or sample, Domino drafts
    their GRU head: a variant with a proposer (`variants.registry`, its `propose_block`) picks its
    tokens itself from the whole block's hidden states.
-2. **Verify.** The target runs once over the `W` block tokens. Greedy: the longest prefix of
+2. **Verify.** The target runs once over the `W` block tokens (with its KV cache; a target
+   without one, over the committed tokens and the block, see below). Greedy: the longest prefix of
    draft tokens equal to the target's argmax is accepted, plus the target's own token at the
    first mismatch (the bonus). Sampling: lossless rejection sampling (accept draft token `x`
    with probability `min(1, p(x) / q(x))`, on rejection sample from `max(p - q, 0)`), so the
@@ -23,13 +24,20 @@ One decoding cycle per batch:
    `k_proj`/`v_proj` of them (k_norm and RoPE at their positions) into the draft KV cache before
    its block attends. The bonus token is the next anchor.
 
-Batches: rows accept different lengths. The target's HF KV cache stays rectangular: every
-cycle appends `W` slots to every row, rejected slots become holes that a 2-D attention mask
-hides, and every row gets explicit position ids (its committed length + offset). Tail holes
-common to all rows are cropped each cycle, and the cache is compacted when holes dominate.
-Rows that hit `max_new_tokens` or a stop token are dropped from the batch; their outputs are
-frozen. The draft cache is indexed by position, so a block's visibility is simply "context
-positions `< n`" (`BlockVisibility` with `anchor = n`), also for sliding-window layers.
+The target's side comes in two kinds, chosen by its family (`families.target_keeps_kv_cache`,
+docs/design.md §17 Target families), never by its class: `_CachedTarget` keeps a HF KV cache and
+rolls it back (Qwen3, Llama, ... and any transformers causal LM no family registers);
+`_RecomputedTarget` serves targets whose model code keeps no cache (Kimi K3 on NeMo AutoModel's
+code) or whose recurrent layers cannot drop rejected tokens (Qwen3.5's linear attention): each
+verify forward recomputes the target over the committed tokens plus the block, which costs
+quadratically in the generated length, and the block's taps come from that forward.
+
+Batches: rows accept different lengths. The target's HF KV cache stays rectangular (rejected
+slots become masked holes, `_CachedTarget`); a recomputed target keeps each row's tokens at their
+positions, right-padded (`_RecomputedTarget`). Rows that hit `max_new_tokens` or a stop token are
+dropped from the batch; their outputs are frozen. The draft cache is indexed by position, so a
+block's visibility is simply "context positions `< n`" (`BlockVisibility` with `anchor = n`), also
+for sliding-window layers.
 
 Shapes: B batch (rows still decoding), W block size, T = W - 1 drafted slots, H hidden,
 V vocabulary, L cache length, Hq / Hkv query / KV heads, D head_dim.
@@ -46,12 +54,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from .body import DFlashBody
+from .body import DraftBody
 from .head import OutputHead
-from .kimi_k3.body import KimiK3Body
 from .kv_cache import DraftKVCache
 from .plan import DFlashBatchPlan
-from .families import resolve_text_config
+from .families import resolve_text_config, target_keeps_kv_cache
 from .target import taps_from_hidden_states
 from .variants.registry import variant_of
 
@@ -239,9 +246,9 @@ def rejection_verify(
 
 
 def _check_draft(draft: nn.Module) -> None:
-    if not isinstance(draft, (DFlashBody, KimiK3Body)):
+    if not isinstance(draft, DraftBody):
         raise ValueError(
-            f"draft must be a DFlashBody (or DFlash2Body) or a KimiK3Body, got {type(draft).__name__}."
+            f"draft must be a draft body (a DFlashBody of any variant, or a KimiK3Body), got {type(draft).__name__}."
         )
     if draft.tp_group.size() != 1:
         raise ValueError(
@@ -277,10 +284,10 @@ def _make_target_cache(target: nn.Module):
     if any(getattr(layer, "is_sliding", False) for layer in layers) or _target_has_sliding_window(
             resolve_text_config(target.config)):
         raise ValueError(
-            "spec_generate does not support targets with sliding-window or linear-attention layers (layer_types "
-            "other than full_attention): the rectangular KV cache keeps rejected slots as masked holes, which "
-            "would shrink a window counted in cache slots, and a recurrent state cannot drop rejected tokens. "
-            "Use a target whose layers are all full attention."
+            "spec_generate does not support targets with sliding-window layers (layer_types other than "
+            "full_attention and linear_attention): it keeps the target's KV cache rectangular, rejected slots "
+            "as masked holes, which would shrink a window counted in cache slots. Use a target whose layers are "
+            "full attention (or linear attention: such targets are recomputed every cycle)."
         )
     return cache
 
@@ -327,6 +334,167 @@ def _compact_target_cache(cache, valid: torch.Tensor) -> Optional[torch.Tensor]:
         layer.keys = layer.keys.gather(2, index)
         layer.values = layer.values.gather(2, index.expand(-1, layer.values.shape[1], -1, layer.values.shape[-1]))
     return torch.arange(keep, device=valid.device)[None, :] < counts[:, None]
+
+
+class _CachedTarget:
+    """The target with a HF KV cache (Qwen3, Llama, ...): a verify forward runs over the `W` block
+    slots only, attending to the cache.
+
+    The cache stays rectangular: every verify appends `W` slots to every row, rejected slots become
+    holes that a 2-D attention mask (`valid [B, L]`) hides, and every row gets explicit position
+    ids. Tail holes common to all rows are cropped each cycle; the cache is compacted when holes
+    dominate. Prompts are left-padded, so each row's last prompt token is the last column.
+    """
+
+    def __init__(self, target: nn.Module, target_layer_ids, pad_id: int, block_size: int):
+        self.target = target
+        self.target_layer_ids = list(target_layer_ids)
+        self.pad_id = pad_id
+        self.W = block_size
+        self.cache_arg = _cache_argument(target)
+        self.cache = _make_target_cache(target)
+        self.valid: Optional[torch.Tensor] = None  # [B, L] which cache slots hold committed tokens
+
+    def _taps(self, hidden_states) -> torch.Tensor:
+        return taps_from_hidden_states(hidden_states, self.target_layer_ids)
+
+    def prefill(self, prompts: list, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(logits [B, V] fp32 after each row's last prompt token, taps [B, S, taps*H] at index = position)`;
+        a short row's entries past its length are scratch."""
+        device = lengths.device
+        B, S = len(prompts), int(lengths.max())
+        offsets = S - lengths  # [B] left padding per row
+        ids = torch.full((B, S), self.pad_id, dtype=torch.int64)
+        for b, prompt in enumerate(prompts):
+            ids[b, S - len(prompt) :] = torch.tensor(prompt, dtype=torch.int64)
+        ids = ids.to(device)
+        columns = torch.arange(S, device=device)[None, :]
+        self.valid = columns >= offsets[:, None]
+        positions = (columns - offsets[:, None]).clamp_min(0)
+        out = self.target(
+            input_ids=ids,
+            attention_mask=self.valid.to(torch.int64),
+            position_ids=positions,
+            use_cache=True,
+            output_hidden_states=True,
+            logits_to_keep=1,
+            **{self.cache_arg: self.cache},
+        )
+        taps = self._taps(out.hidden_states)  # [B, S, taps*H]
+        # Position t of row b sits in column t + offset (the left padding undone; the clamped tail of
+        # a short row is scratch past its committed length).
+        gather = (columns + offsets[:, None]).clamp(max=S - 1)
+        return out.logits[:, -1].float(), taps.gather(1, gather[:, :, None].expand(-1, -1, taps.shape[-1]))
+
+    def verify(self, block: torch.Tensor, committed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(logits [B, W, V] fp32, taps [B, W, taps*H])` of `block [B, W]` at positions `committed + j`."""
+        B, W = block.shape
+        attn_mask = torch.cat([self.valid, torch.ones(B, W, dtype=torch.bool, device=block.device)], dim=1)
+        out = self.target(
+            input_ids=block,
+            attention_mask=attn_mask.to(torch.int64),
+            position_ids=committed[:, None] + torch.arange(W, device=block.device),
+            use_cache=True,
+            output_hidden_states=True,
+            **{self.cache_arg: self.cache},
+        )
+        return out.logits.float(), self._taps(out.hidden_states)
+
+    def commit(self, accepted: torch.Tensor) -> None:
+        """Slots `0..accepted` of the last verified block stay; the rest become holes."""
+        new_slots = torch.arange(self.W, device=accepted.device)[None, :] <= accepted[:, None]  # [B, W]
+        valid = torch.cat([self.valid, new_slots], dim=1)
+        # Keep the cache small: crop common tail holes, compact when holes dominate.
+        used = valid.any(dim=0).nonzero()
+        new_length = int(used.max()) + 1 if used.numel() else 0
+        if new_length < valid.shape[1]:
+            self.cache.crop(new_length - valid.shape[1])
+            valid = valid[:, :new_length]
+        # Compaction copies the whole cache, so only when holes are a good part of it; every
+        # later forward then attends over fewer slots.
+        longest = int(valid.sum(dim=1).max())
+        if valid.shape[1] - longest > max(longest // 2, 2 * self.W):
+            compacted = _compact_target_cache(self.cache, valid)
+            if compacted is not None:
+                valid = compacted
+        self.valid = valid
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        self.cache.batch_select_indices(index)
+        self.valid = self.valid[index]
+
+    def close(self) -> None:
+        """Nothing to release: the cache is this call's own."""
+
+
+class _RecomputedTarget:
+    """A target without a usable KV cache (`families.target_keeps_kv_cache` is False: Kimi K3 on NeMo
+    AutoModel's model code, targets with linear-attention layers): every verify forward runs the
+    target over each row's committed tokens plus the block, from the first token.
+
+    Why: losslessness needs the target's logits for the block given exactly the committed tokens,
+    and a target whose model code keeps no cache, or whose recurrent state cannot drop rejected
+    tokens, can only give them by recomputing. Cost: a cycle processes all `L` committed tokens
+    instead of `W`, so the target's work over a generation grows quadratically with its length
+    (and attention inside each forward with `L^2`), where the cached path's grows linearly. Use it
+    to measure acceptance and check losslessness, not to serve.
+
+    Rows are right-padded, so no attention mask and no position ids are needed: a causal target's
+    real tokens never see the padding after them, and each row's tokens sit at their positions.
+    `tokens [B, L]` is indexed by position like the draft's cache: a verify writes the block at
+    `committed + j`; slots past a row's committed length are scratch, overwritten when committed.
+    The taps come from `HFTarget` (the forward hooks training reads them with; it freezes the model,
+    as `spec_generate` expects of a target), the logits from the target's LM head
+    (`get_output_embeddings()`) at the block's positions only.
+    """
+
+    def __init__(self, target: nn.Module, target_layer_ids, pad_id: int, block_size: int):
+        from .target import HFTarget  # the training-side tap reader
+
+        self.tapped = HFTarget(target, target_layer_ids)
+        self.pad_id = pad_id
+        self.W = block_size
+        self.tokens: Optional[torch.Tensor] = None  # [B, L] token at each position (scratch past committed)
+
+    def _logits(self, final_hidden: torch.Tensor) -> torch.Tensor:
+        return self.tapped.output_head.local_logits(final_hidden)
+
+    def prefill(self, prompts: list, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """See `_CachedTarget.prefill`."""
+        device = lengths.device
+        B, S = len(prompts), int(lengths.max())
+        tokens = torch.full((B, S), self.pad_id, dtype=torch.int64)
+        for b, prompt in enumerate(prompts):
+            tokens[b, : len(prompt)] = torch.tensor(prompt, dtype=torch.int64)
+        self.tokens = tokens.to(device)
+        out = self.tapped(self.tokens)
+        last = out.final_hidden[torch.arange(B, device=device), lengths - 1]  # [B, H]
+        return self._logits(last), out.taps
+
+    def verify(self, block: torch.Tensor, committed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """See `_CachedTarget.verify`."""
+        B, W = block.shape
+        end = int(committed.max()) + W
+        if end > self.tokens.shape[1]:  # grow by doubling, as the draft's cache does
+            grown = self.tokens.new_full((B, max(end, 2 * self.tokens.shape[1])), self.pad_id)
+            grown[:, : self.tokens.shape[1]] = self.tokens
+            self.tokens = grown
+        index = committed[:, None] + torch.arange(W, device=block.device)  # [B, W] positions of the block
+        self.tokens.scatter_(1, index, block)
+        out = self.tapped(self.tokens[:, :end])
+        final = out.final_hidden.gather(1, index[:, :, None].expand(-1, -1, out.final_hidden.shape[-1]))
+        taps = out.taps.gather(1, index[:, :, None].expand(-1, -1, out.taps.shape[-1]))
+        return self._logits(final), taps
+
+    def commit(self, accepted: torch.Tensor) -> None:
+        """Nothing to do: the accepted slots already sit at their positions, the rest is scratch."""
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        self.tokens = self.tokens[index]
+
+    def close(self) -> None:
+        """Detach the tap hooks from the caller's model."""
+        self.tapped.remove_hooks()
 
 
 # ================================================================================== inputs
@@ -398,7 +566,7 @@ def _stop_set(stop_token_ids) -> set:
     return {int(t) for t in ids}
 
 
-def _check_prompts(prompts: list, target: nn.Module, draft: DFlashBody) -> None:
+def _check_prompts(prompts: list, target: nn.Module, draft: DraftBody) -> None:
     """Ids inside the target's embedding, lengths inside the model's positions."""
     rows = getattr(target.get_input_embeddings(), "num_embeddings", None) or draft.config.vocab_size
     for b, prompt in enumerate(prompts):
@@ -419,7 +587,7 @@ def _check_prompts(prompts: list, target: nn.Module, draft: DFlashBody) -> None:
         )
 
 
-def _check_pair(target: nn.Module, draft: DFlashBody) -> None:
+def _check_pair(target: nn.Module, draft: DraftBody) -> None:
     cfg = draft.config
     tcfg = resolve_text_config(target.config)  # the text decoder's config of a multimodal wrapper
     layers = getattr(tcfg, "num_hidden_layers", None)
@@ -488,7 +656,7 @@ class _Rows:
 @torch.inference_mode()
 def spec_generate(
     target: nn.Module,
-    draft: DFlashBody,
+    draft: DraftBody,
     input_ids: Union[torch.Tensor, Sequence[Sequence[int]]],
     *,
     max_new_tokens: int,
@@ -505,8 +673,12 @@ def spec_generate(
 
     Args:
         target: a HF causal LM (e.g. `Qwen3ForCausalLM`, `LlamaForCausalLM`), frozen, without
-            sliding-window layers; its input embedding, LM head and hidden states are used.
-        draft: a `DFlashBody` or `DFlash2Body` at TP=1 for this target.
+            sliding-window layers; its input embedding, LM head and hidden states are used. Or a
+            causal LM of a family whose targets keep no KV cache (Kimi K3, `kimi_k3_target`) or
+            with linear-attention layers (Qwen3.5): recomputed over the committed tokens every
+            cycle (target work quadratic in the generated length; for measuring acceptance, not
+            for serving).
+        draft: a `DFlashBody` (any registered variant) or a `KimiK3Body` at TP=1 for this target.
         input_ids: `[B, S]` / `[S]` token ids (with `attention_mask` `[B, S]` when padded), or a
             list of B token-id sequences of any lengths (each >= 1 token).
         max_new_tokens: tokens to generate per row at most.
@@ -589,12 +761,29 @@ def _decode(
     stop_set, generator, sampling, W, attention_backend,
 ) -> None:
     """Prefill + draft/verify cycles; fills `rows` (per original row) and `stats`."""
+    verifier = (_CachedTarget if target_keeps_kv_cache(target.config) else _RecomputedTarget)(
+        target, draft.config.target_layer_ids, draft.config.mask_token_id, W
+    )
+    try:
+        _cycles(
+            verifier, target, draft, prompts, rows, stats, device=device, max_new_tokens=max_new_tokens,
+            temperature=temperature, top_p=top_p, top_k=top_k, stop_set=stop_set, generator=generator,
+            sampling=sampling, W=W, attention_backend=attention_backend,
+        )
+    finally:
+        verifier.close()
+
+
+def _cycles(
+    verifier, target, draft, prompts, rows: _Rows, stats, *, device, max_new_tokens, temperature, top_p, top_k,
+    stop_set, generator, sampling, W, attention_backend,
+) -> None:
+    """The prefill and the draft / verify / commit cycles, the target's side through `verifier` (a
+    `_CachedTarget` or `_RecomputedTarget`: `prefill`, `verify`, `commit`, `select_rows`)."""
     cfg = draft.config
     B = len(prompts)
     lengths = torch.tensor([len(p) for p in prompts], dtype=torch.int64, device=device)
     S = int(lengths.max())
-    cache_arg = _cache_argument(target)
-    cache = _make_target_cache(target)
     embedding = target.get_input_embeddings()
     head_layer = target.get_output_embeddings()
     head = OutputHead.from_config(head_layer, cfg)
@@ -603,32 +792,12 @@ def _decode(
     # draft_probs [B, W-1, V] or None)`, see `_propose`; None: each slot proposes its own token.
     propose = variant_of(draft).propose_fn(draft)
 
-    def taps_of(hidden_states) -> torch.Tensor:
-        return taps_from_hidden_states(hidden_states, cfg.target_layer_ids)
-
     def target_dist(logits: torch.Tensor) -> torch.Tensor:
         return sampling_probs(logits, temperature, top_p, top_k)
 
-    # ---- prefill: left-padded prompts, so every row's last prompt token is the last column ----
-    offsets = S - lengths  # [B] left padding per row
-    ids = torch.full((B, S), cfg.mask_token_id, dtype=torch.int64)
-    for b, prompt in enumerate(prompts):
-        ids[b, S - len(prompt) :] = torch.tensor(prompt, dtype=torch.int64)
-    ids = ids.to(device)
-    columns = torch.arange(S, device=device)[None, :]
-    valid = columns >= offsets[:, None]  # [B, L] which target cache slots hold committed tokens
-    positions = (columns - offsets[:, None]).clamp_min(0)
-    out = target(
-        input_ids=ids,
-        attention_mask=valid.to(torch.int64),
-        position_ids=positions,
-        use_cache=True,
-        output_hidden_states=True,
-        logits_to_keep=1,
-        **{cache_arg: cache},
-    )
+    # ---- prefill ----
+    last_logits, new_context = verifier.prefill(prompts, lengths)
     stats["prefill"] += 1
-    last_logits = out.logits[:, -1].float()
     first = _sample(target_dist(last_logits), generator) if sampling else last_logits.argmax(dim=-1)
 
     # The draft's KV cache, sized for the first cycles only; a forward that writes past its end
@@ -636,13 +805,8 @@ def _decode(
     draft_cache = DraftKVCache(draft, B, S + W + min(max_new_tokens, 4 * W))
     # Context committed but not yet seen by the draft: the next draft forward writes it into the
     # cache (at positions `new_start[b] + j`) before its block attends over the cache. First the
-    # prompt, at index = position (the left padding undone; the clamped tail of a short row is
-    # scratch past its committed length).
-    taps = taps_of(out.hidden_states)  # [B, S, taps*H]
-    gather = (columns + offsets[:, None]).clamp(max=S - 1)  # position t of row b sits in column t + offset
-    new_context = taps.gather(1, gather[:, :, None].expand(-1, -1, taps.shape[-1]))
+    # prompt's taps, at index = position.
     new_start = torch.zeros(B, dtype=torch.int64, device=device)
-    del out, taps
 
     committed = lengths.clone()  # [B] committed length = position of the next block's slot 0
     row_ids = list(range(B))  # original row of each batch row
@@ -656,7 +820,6 @@ def _decode(
     last = first
     scale = float(cfg.input_embedding_scale)
     mask_id = cfg.mask_token_id
-    arange_w = torch.arange(W, device=device)
 
     while True:
         # ---- drop finished rows from every piece of state ----
@@ -665,9 +828,9 @@ def _decode(
             if not keep:
                 break
             index = torch.tensor(keep, dtype=torch.int64, device=device)
-            cache.batch_select_indices(index)
+            verifier.select_rows(index)
             draft_cache.select_rows(index)
-            valid, committed, last = valid[index], committed[index], last[index]
+            committed, last = committed[index], last[index]
             new_context, new_start = new_context[index], new_start[index]
             row_ids = [row_ids[i] for i in keep]
             active = [True] * len(keep)
@@ -702,18 +865,9 @@ def _decode(
             else:
                 block[:, 1:] = draft_logits.argmax(dim=-1)
 
-        # ---- verify: W new slots per row, holes stay masked ----
-        attn_mask = torch.cat([valid, torch.ones(B, W, dtype=torch.bool, device=device)], dim=1)
-        out = target(
-            input_ids=block,
-            attention_mask=attn_mask.to(torch.int64),
-            position_ids=committed[:, None] + arange_w,
-            use_cache=True,
-            output_hidden_states=True,
-            **{cache_arg: cache},
-        )
+        # ---- verify: the target over the block at positions committed .. committed + W - 1 ----
+        target_logits, block_taps = verifier.verify(block, committed)  # [B, W, V], [B, W, taps*H]
         stats["target"] += 1
-        target_logits = out.logits.float()  # [B, W, V]
         if sampling:
             accepted, bonus = rejection_verify(block[:, 1:], target_dist(target_logits), draft_probs, generator)
         else:
@@ -721,10 +875,8 @@ def _decode(
 
         # ---- commit: anchor + accepted become context (all W verified slots go to the draft's
         # next forward; those past the accepted ones are scratch); the bonus is the next anchor ----
-        new_context, new_start = taps_of(out.hidden_states), committed
-        del out
-        new_slots = arange_w[None, :] <= accepted[:, None]  # [B, W]
-        valid = torch.cat([valid, new_slots], dim=1)
+        new_context, new_start = block_taps, committed
+        verifier.commit(accepted)
         committed = committed + accepted + 1
         last = bonus
         block_host, accepted_host, bonus_host = block.tolist(), accepted.tolist(), bonus.tolist()
@@ -740,17 +892,3 @@ def _decode(
             rows.generated[row].extend(produced)
             rows.acceptance[row].append(len(produced))
             active[i] = not rows.stopped[row] and len(rows.generated[row]) < max_new_tokens
-
-        # ---- keep the target cache small: crop common tail holes, compact when holes dominate ----
-        used = valid.any(dim=0).nonzero()
-        new_length = int(used.max()) + 1 if used.numel() else 0
-        if new_length < valid.shape[1]:
-            cache.crop(new_length - valid.shape[1])
-            valid = valid[:, :new_length]
-        # Compaction copies the whole cache, so only when holes are a good part of it; every
-        # later forward then attends over fewer slots.
-        longest = int(valid.sum(dim=1).max())
-        if valid.shape[1] - longest > max(longest // 2, 2 * W):
-            compacted = _compact_target_cache(cache, valid)
-            if compacted is not None:
-                valid = compacted

@@ -262,6 +262,13 @@ class HFTarget(_FrozenTarget):
         """The target's input embedding module (``model.get_input_embeddings()``)."""
         return self.model.get_input_embeddings()
 
+    def remove_hooks(self) -> None:
+        """Take the tap hooks off the model's layers (for a caller that borrowed the model); this
+        `HFTarget` is not to be called afterwards."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
     @torch.no_grad()
     def forward(
         self,

@@ -24,6 +24,8 @@ from megatron_dflash.training.arguments import ArgumentError, parse_args
 from megatron_dflash.training.job import prepare_job
 from megatron_dflash.embedded_job.tiny_target import SHIPPED_TARGET_DIR
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 VOCAB = 320  # the shipped tiny tokenizer's
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 TEXT = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
@@ -225,6 +227,60 @@ def test_multimodal_wrappers_load_and_tap_their_text_decoder(tmp_path, model_typ
     torch.testing.assert_close(out.logits, ref.logits.float(), rtol=0, atol=1e-5)
 
 
+def test_the_family_says_whether_decoding_keeps_a_target_kv_cache():
+    """`spec_generate` asks `target_keeps_kv_cache` (dicts and config objects, wrappers and text configs): K3's
+    model code keeps none and Qwen3.5's linear-attention layers cannot roll back (decoding recomputes both);
+    full-attention Qwen3-style targets and unregistered transformers LMs keep theirs."""
+    from transformers import Qwen3Config
+
+    from megatron_dflash.families import target_keeps_kv_cache
+
+    assert target_keeps_kv_cache({"architectures": ["KimiK3ForConditionalGeneration"], "text_config": {}}) is False
+    assert target_keeps_kv_cache({"model_type": "kimi_linear"}) is False  # a K3 text config without architectures
+    assert target_keeps_kv_cache(Qwen3Config()) is True
+    assert target_keeps_kv_cache(Qwen3Config(num_hidden_layers=2, layer_types=["full_attention"] * 2)) is True
+    qwen3_5 = {"architectures": ["Qwen3_5ForConditionalGeneration"],
+               "text_config": {"layer_types": ["linear_attention", "full_attention"]}}
+    assert target_keeps_kv_cache(qwen3_5) is False  # a recurrent state cannot drop rejected tokens
+    assert target_keeps_kv_cache(_tiny_text("qwen3_5")) is False  # the config object, its text config inside
+    assert target_keeps_kv_cache({"architectures": ["GPT2LMHeadModel"]}) is True  # unregistered: its HF cache
+
+
+def test_speculative_decoding_on_a_qwen3_5_target_recomputes_it_losslessly():
+    """Qwen3.5's linear-attention layers keep a recurrent state that cannot drop rejected tokens, so `spec_generate`
+    recomputes the target every cycle (as for K3): greedy output equals the target's own greedy decoding (one full
+    forward per token), rows of different lengths accepting different amounts."""
+    from collections import Counter
+
+    from transformers import AutoModelForCausalLM
+
+    from megatron_dflash.body import DFlashBody
+    from megatron_dflash.config import DFlashConfig
+    from megatron_dflash.generate import spec_generate
+    from test_generate import _shape_target, check_statistics
+
+    torch.manual_seed(1)
+    target = AutoModelForCausalLM.from_config(_tiny_text("qwen3_5_text")).eval()
+    assert "linear_attention" in target.config.layer_types
+    _shape_target(target, "mixed")
+    torch.manual_seed(1)
+    draft = DFlashBody(DFlashConfig(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, vocab_size=VOCAB, block_size=4, mask_token_id=VOCAB - 1, num_target_layers=8,
+        target_layer_ids=[1, 4], max_position_embeddings=512, rope_theta=10000.0), attention_backend="chunked").eval()
+    prompts, new = [[5, 17, 3, 40, 22], [9, 1, 33, 60, 2, 71, 8, 50, 11], [44, 3, 19]], 16
+    out = spec_generate(target, draft, prompts, max_new_tokens=new)
+    for b, prompt in enumerate(prompts):
+        reference = list(prompt)
+        with torch.no_grad():
+            for _ in range(new):
+                reference.append(int(target(torch.tensor([reference])).logits[0, -1].argmax()))
+        assert out.sequence(b) == reference, f"row {b}"
+    check_statistics(out, 4, new)
+    seen = Counter(a for row in out.acceptance_lengths for a in row)
+    assert seen[1] > 0 and max(seen) > 1
+
+
 @pytest.fixture(scope="module")
 def tiny_kimi_k3(tmp_path_factory):
     pytest.importorskip("nemo_automodel.components.models.kimi_k3.model")
@@ -262,41 +318,35 @@ def test_tiny_kimi_k3_target_is_tapped_as_the_reference_model_computes_it(tiny_k
     torch.testing.assert_close(out.logits, logits.float(), rtol=0, atol=1e-6)
 
 
-def test_the_evaluation_tool_refuses_a_target_it_cannot_decode_with(tiny_kimi_k3):
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
-    try:
-        from evaluate_acceptance import load_target
-    finally:
-        sys.path.pop(0)
-    from megatron_dflash.cli import UsageError
-
-    with pytest.raises(UsageError, match="kimi_k3 targets do not provide"):
-        load_target(tiny_kimi_k3, torch.device("cpu"), torch.float32)
-
-
-def test_a_kimi_k3_draft_trains_on_the_tiny_k3_target_exports_and_reloads_as_nemo_reads_it(tiny_kimi_k3, tmp_path):
-    """pretrain_dflash.py's training path on the K3 target's taps: a few iterations, the HF export, reloaded here
-    and by NeMo AutoModel's `KimiK3DFlashDraftModel`, which compute the same block hidden states."""
+def test_a_kimi_k3_draft_trains_on_the_tiny_k3_target_converts_reloads_and_decodes_losslessly(tiny_kimi_k3, tmp_path):
+    """The public entry points end to end on a K3 target: pretrain_dflash.py's main trains a few iterations (its
+    acceptance evaluation decodes on the K3 target), the converter writes the HF draft from the megatron checkpoint,
+    the variant registry's HF reader reloads it (NeMo AutoModel's `KimiK3DFlashDraftModel` reads the same files and
+    computes the same block hidden states), and speculative decoding on the K3 target is lossless."""
     from safetensors.torch import load_file
 
     from megatron_dflash.checkpoint import load_hf_checkpoint
+    from megatron_dflash.convert import main as convert
+    from megatron_dflash.generate import spec_generate
     from megatron_dflash.kimi_k3 import KimiK3Body
     from megatron_dflash.plan import DFlashBatchPlan
-    from megatron_dflash.training.loop import run
+    from megatron_dflash.training.loop import main
     from test_interop import ANCHORS, SEQ, nemo, training_forward
 
     draft_module = nemo("draft_kimi_k3")
+    code = main(["--target", tiny_kimi_k3, "--data-format", "synthetic", "--dflash-num-layers", "2",
+                 "--dflash-block-size", "4", "--seq-length", "48", "--dflash-anchors-per-sample", "4",
+                 "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "4", "--lr", "2e-3",
+                 "--synthetic-train-samples", "16", "--synthetic-valid-samples", "4", "--eval-iters", "1",
+                 "--dflash-eval-prompts", "2", "--no-progress-bar", "--run-dir", str(tmp_path / "run"),
+                 "--save", str(tmp_path / "ckpt")])
+    assert code == 0
+    with open(tmp_path / "run" / "summary.json") as f:
+        summary = json.load(f)
+    assert summary["final_acceptance"]["acceptance_length"] >= 1.0  # decoded on the K3 target while training
+
     export = tmp_path / "hf"
-    result = run(["--target", tiny_kimi_k3, "--data-format", "synthetic", "--dflash-num-layers", "2",
-                  "--dflash-block-size", "4", "--seq-length", "48", "--dflash-anchors-per-sample", "4",
-                  "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "4", "--lr", "2e-3",
-                  "--synthetic-train-samples", "16", "--synthetic-valid-samples", "4", "--eval-iters", "1",
-                  "--no-progress-bar", "--run-dir", str(tmp_path / "run"), "--dflash-export", str(export)],
-                 world_size=1)
-    assert result.iterations == 4 and all(torch.isfinite(torch.tensor(result.losses)))
-    assert result.final_acceptance is None  # decoding needs a target KV cache (docs/design.md §17 Target families)
+    assert convert(["to-hf", "--load", str(tmp_path / "ckpt"), "--output", str(export), "--validate"]) == 0
     with open(export / "config.json") as f:
         exported = json.load(f)
     assert exported["architectures"] == ["KimiK3DFlashDraftModel"] and exported["num_target_layers"] == 6
@@ -309,9 +359,11 @@ def test_a_kimi_k3_draft_trains_on_the_tiny_k3_target_exports_and_reloads_as_nem
     missing, unexpected = ref.load_state_dict(load_file(str(export / "model.safetensors")), strict=True)
     assert not missing and not unexpected
 
-    target = HFTarget(_load(tiny_kimi_k3), body.config.target_layer_ids)
+    model = _load(tiny_kimi_k3)
+    target = HFTarget(model, body.config.target_layer_ids)
     ids = torch.randint(0, VOCAB, (ANCHORS.shape[0], SEQ), generator=torch.Generator().manual_seed(5))
     taps = target(ids).taps
+    target.remove_hooks()
     plan = DFlashBatchPlan.from_anchors(ANCHORS, block_size=4, seq_length=SEQ)
     blocks = target.embedding(torch.where(torch.arange(4) == 0, ids.gather(1, ANCHORS)[..., None],
                                             body.config.mask_token_id))  # [anchor, MASK, ...] per block
@@ -320,3 +372,13 @@ def test_a_kimi_k3_draft_trains_on_the_tiny_k3_target_exports_and_reloads_as_nem
         expected = training_forward(ref, taps, blocks, plan, causal=False)
     assert expected.abs().max() > 0.1
     torch.testing.assert_close(ours, expected, rtol=0, atol=1e-5)
+
+    prompts, new = [[3, 10, 20, 7, 41], [5, 9, 11]], 10
+    out = spec_generate(model, body, prompts, max_new_tokens=new)
+    for b, prompt in enumerate(prompts):  # the target's own greedy continuation, recomputed per token
+        reference = list(prompt)
+        with torch.no_grad():
+            for _ in range(new):
+                reference.append(int(model(torch.tensor([reference])).logits[0, -1].argmax()))
+        assert out.sequence(b) == reference, f"row {b}"
+    assert all(1 + sum(a) == new for a in out.acceptance_lengths)

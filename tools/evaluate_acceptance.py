@@ -2,8 +2,10 @@
 """Measure a DFlash draft on a HF target: acceptance length, tokens per target forward, speedup.
 
 Runs `megatron_dflash.generate.spec_generate` over a JSONL file of prompts and times it
-against plain autoregressive greedy decoding of the same target (HF `generate`), then prints
-per-prompt acceptance lengths, the means and the wall-clock speedup, and writes a JSON report.
+against plain autoregressive greedy decoding of the same target (HF `generate`; for a target
+without one, Kimi K3 on NeMo AutoModel's code, a loop that recomputes the target per token, as
+speculative decoding recomputes it per cycle), then prints per-prompt acceptance lengths, the means and the
+wall-clock speedup, and writes a JSON report.
 
 Prompt lines (one JSON object per line; the format of `megatron_dflash.prompts`, shared with
 `pretrain_dflash.py --dflash-eval-prompts`):
@@ -227,8 +229,9 @@ def read_prompts(path: str, limit: Optional[int], tokenizer: _Tokenizer) -> tupl
 
 
 def load_target(path: str, device, dtype):
-    """The target causal LM, loaded as its family says (`megatron_dflash.families`); refused when speculative
-    decoding cannot drive it (it needs a KV cache of the target)."""
+    """The target causal LM, loaded as its family says (`megatron_dflash.families`: the transformers auto class, or
+    the family's own loader; a family whose targets keep no KV cache is decoded by recomputing, see
+    `generate.spec_generate`)."""
     from transformers import PretrainedConfig
 
     from megatron_dflash.families import TargetFamilyError, resolve_target_family, target_architecture
@@ -238,9 +241,6 @@ def load_target(path: str, device, dtype):
         family = resolve_target_family(config)
     except TargetFamilyError as err:
         raise UsageError(f"--target {path}: {err}") from None
-    if not family.kv_cache_decoding:
-        raise UsageError(f"--target {path}: speculative decoding keeps a KV cache of the target, which "
-                         f"{family.name} targets do not provide here; acceptance cannot be measured on it yet.")
     return family.loader(target_architecture(config))(path, dtype).to(device).eval()
 
 
@@ -329,9 +329,37 @@ def autoregressive_greedy(target, prompts: list[list[int]], max_new_tokens: int,
     return generated
 
 
+def recomputing_greedy(target, prompts: list[list[int]], max_new_tokens: int, stop_tokens: list[int], device):
+    """Plain greedy decoding of a target without HF `generate` (Kimi K3 on NeMo AutoModel's code, which keeps no
+    KV cache): every token recomputes the target over each row's whole sequence, as speculative decoding
+    recomputes it every cycle. Rows are right-padded (a causal target needs no mask then). Returns generated
+    ids per row."""
+    import torch
+
+    pad = stop_tokens[0] if stop_tokens else 0
+    sequences = [list(p) for p in prompts]
+    generated: list[list[int]] = [[] for _ in prompts]
+    live = list(range(len(prompts)))
+    with torch.inference_mode():
+        while live:
+            width = max(len(sequences[b]) for b in live)
+            ids = torch.full((len(live), width), pad, dtype=torch.long)
+            for i, b in enumerate(live):
+                ids[i, : len(sequences[b])] = torch.tensor(sequences[b])
+            last = torch.tensor([len(sequences[b]) - 1 for b in live], device=device)
+            logits = target(ids.to(device)).logits  # [B, width, V]
+            tokens = logits[torch.arange(len(live), device=device), last].argmax(dim=-1).tolist()
+            for b, token in zip(live, tokens):
+                sequences[b].append(token)
+                generated[b].append(token)
+            live = [b for b in live if generated[b][-1] not in stop_tokens and len(generated[b]) < max_new_tokens]
+    return generated
+
+
 def evaluate(args: argparse.Namespace) -> dict:
     import torch
 
+    from megatron_dflash.families import target_keeps_kv_cache
     from megatron_dflash.generate import spec_generate
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -347,6 +375,10 @@ def evaluate(args: argparse.Namespace) -> dict:
         raise UsageError(f"--target {args.target}: cannot load a causal LM ({type(err).__name__}: "
                          f"{str(err).splitlines()[0] if str(err) else ''}).") from None
     draft = load_draft(args.draft, device, dtype, args.attention_backend)
+    # Plain decoding as the target serves it: HF `generate` (with whatever cache the model keeps, also one that
+    # speculative decoding cannot roll back); a model without one (NeMo's K3) is recomputed per token.
+    target_kv_cache = target_keeps_kv_cache(target.config)
+    baseline = autoregressive_greedy if callable(getattr(target, "generate", None)) else recomputing_greedy
     decode = tokenizer.maybe()
     if args.ignore_eos:
         stop_tokens: list[int] = []
@@ -367,7 +399,7 @@ def evaluate(args: argparse.Namespace) -> dict:
     for _, batch in list(batches(prompts, args.batch_size))[: args.warmup]:
         run_spec([p for p in batch])
         if not args.no_baseline:
-            autoregressive_greedy(target, batch, min(8, args.max_new_tokens), stop_tokens, device)
+            baseline(target, batch, min(8, args.max_new_tokens), stop_tokens, device)
 
     per_prompt = []
     spec_time = 0.0
@@ -415,7 +447,7 @@ def evaluate(args: argparse.Namespace) -> dict:
         for start, batch in batches(prompts, args.batch_size):
             _sync(device)
             began = time.perf_counter()
-            generated = autoregressive_greedy(target, batch, args.max_new_tokens, stop_tokens, device)
+            generated = baseline(target, batch, args.max_new_tokens, stop_tokens, device)
             _sync(device)
             ar_time += time.perf_counter() - began
             for row, ids in enumerate(generated):
@@ -469,6 +501,8 @@ def evaluate(args: argparse.Namespace) -> dict:
         "draft": args.draft,
         "prompts": args.prompts,
         "draft_architecture": type(draft).__name__,
+        "target_kv_cache": target_kv_cache,  # False: spec_generate recomputes the target every cycle
+        "baseline": "generate" if baseline is autoregressive_greedy else "recomputed",
         "block_size": draft.config.block_size,
         "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature,

@@ -4,7 +4,7 @@ Entry points (docs/design.md §16 Kimi K3 draft family):
 
 * `KimiK3DraftConfig` (`to_hf_dict` / `from_hf_dict`, `from_target_config`): the config and its
   `config.json` as NeMo AutoModel writes `KimiK3DFlashDraftModel`.
-* `KimiK3Body`: the body, with `DFlashBody`'s constructor and forward signature.
+* `KimiK3Body`: the body, a `body.DraftBody` with K3's layers (`DFlashBody`'s constructor and forward signature).
 * HF directories at any TP size through the one writer and reader (`checkpoint.save_hf_checkpoint` /
   `load_hf_checkpoint`): the variant registry knows the family as `kimi_k3` (docs/design.md §12 Variants).
 """

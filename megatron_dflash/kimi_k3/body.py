@@ -1,13 +1,13 @@
-"""`KimiK3Body`: the Kimi K3 MLA draft's decoder stack, with `DFlashBody`'s interface.
+"""`KimiK3Body`: the Kimi K3 MLA draft's decoder stack, on the shared `body.DraftBody` skeleton.
 
 The same contract as the Qwen3-style body (docs/design.md §2 Conventions, §3 Block attention):
 the concatenated target taps become one context feature `c = hidden_norm(fc(concat_i tap_i))`
 shared by every layer, and all slots of every block are updated at once, each block seeing the
 target context strictly before its anchor and its own slots (bidirectionally), never another
-block. The layers are Kimi K3's
-full-attention layers (`layers.KimiK3DecoderLayer`); no rotary is applied, so positions play no
-part. The body returns hidden states; the caller turns them into logits with the target's
-output layer. It owns no embedding and no LM head.
+block. The family supplies only its layers: Kimi K3's full-attention layers
+(`layers.KimiK3DecoderLayer`); no rotary is applied, so positions play no part and its layers
+take no per-forward inputs besides the context. The body returns hidden states; the caller turns
+them into logits with the target's output layer. It owns no embedding and no LM head.
 """
 
 from __future__ import annotations
@@ -16,18 +16,15 @@ from typing import Optional
 
 import torch
 from megatron.core.model_parallel_config import ModelParallelConfig
-from torch import nn
 
-from ..attention import BlockVisibility
-from ..body import check_body_inputs, default_parallel_config
+from ..body import DraftBody
 from ..kv_cache import DraftKVCache
-from ..norm import RMSNorm
-from ..parallel import check_parallel_layout, tensor_parallel_group
 from ..plan import DFlashBatchPlan
 from .config import KimiK3DraftConfig
 from .layers import KimiK3DecoderLayer
 
-class KimiK3Body(nn.Module):
+
+class KimiK3Body(DraftBody):
     """Kimi K3 MLA draft body: `forward(target_hidden, block_embeddings, plan) -> hidden states`.
 
     Args:
@@ -49,40 +46,12 @@ class KimiK3Body(nn.Module):
         tp_group=None,
         attention_backend: str = "auto",
     ):
-        super().__init__()
         if not isinstance(config, KimiK3DraftConfig):
             raise TypeError(f"KimiK3Body needs a KimiK3DraftConfig, got {type(config).__name__}.")
-        parallel_config = parallel_config or default_parallel_config()
-        check_parallel_layout(parallel_config.sequence_parallel, parallel_config.context_parallel_size)
-        self.tp_group = tensor_parallel_group(tp_group)
-        config.validate_tensor_parallel(self.tp_group.size())
-        self.config = config
-        self.attention_backend = attention_backend
-        dtype = parallel_config.params_dtype
-        H = config.hidden_size
-        # fc and the norms are replicated: every rank needs the full context feature.
-        self.fc = nn.Linear(config.num_taps * H, H, bias=False, dtype=dtype)
-        nn.init.normal_(self.fc.weight, mean=0.0, std=config.initializer_range)
-        self.hidden_norm = RMSNorm(H, config.rms_norm_eps, dtype=dtype)
-        self.layers = nn.ModuleList(
-            KimiK3DecoderLayer(config, i, parallel_config, self.tp_group) for i in range(config.num_hidden_layers)
+        super().__init__(
+            config, parallel_config, tp_group, attention_backend,
+            make_layer=lambda i, parallel, group: KimiK3DecoderLayer(config, i, parallel, group),
         )
-        self.norm = RMSNorm(H, config.rms_norm_eps, dtype=dtype)
-
-    # ------------------------------------------------------------------ checkpointing
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None) -> dict:
-        """Megatron `dist_checkpointing` view of the weights, keyed by the HF names (as
-        `DFlashBody.sharded_state_dict`)."""
-        if sharded_offsets:
-            raise ValueError("KimiK3Body is not a pipeline-sharded module: sharded_offsets must be empty.")
-        from ..checkpoint import sharded_state_dict  # checkpoint.py builds bodies: import lazily
-
-        return sharded_state_dict(self, prefix)
-
-    # ------------------------------------------------------------------ forward
-    def context_feature(self, target_hidden: torch.Tensor) -> torch.Tensor:
-        """`target_hidden [B, S, taps * H]` -> the shared context feature `[B, S, H]`."""
-        return self.hidden_norm(self.fc(target_hidden.to(self.fc.weight.dtype)))
 
     def forward(
         self,
@@ -93,40 +62,11 @@ class KimiK3Body(nn.Module):
         attention_backend: Optional[str] = None,
         position_ids: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """Draft hidden states for every block slot.
-
-        Args:
-            target_hidden: `[B, S, taps * H]`, the target's chosen layer outputs
-                concatenated in `target_layer_ids` order.
-            block_embeddings: `[B, N, W, H]`, the target's input embedding of
-                `[anchor, MASK, ...]` per block (times `input_embedding_scale`).
-            plan: the `DFlashBatchPlan` of this batch.
-            kv_cache: decoding: the `DraftKVCache` of the context committed so far, exactly as in
-                `DFlashBody.forward` (`target_hidden` is then only the newly committed context).
-            attention_backend: overrides the body's `attention_backend` for this call.
-            position_ids: accepted for call compatibility and ignored: the draft has no rotary
-                embedding (the plan's positions are not used either).
+        """`DraftBody.forward`; `position_ids` is accepted for call compatibility and ignored: the
+        draft has no rotary embedding (the plan's positions are not used either).
 
         Returns:
-            `[B, N, W, H]` after the final norm; exactly zero at invalid blocks (all slots of a
-            valid block are returned, supervised or not, as `DFlashBody.forward`).
+            `[B, N, W, H]` after the final norm; exactly zero at invalid blocks.
         """
         del position_ids
-        check_body_inputs(self.config, self.tp_group, target_hidden, block_embeddings, plan)
-        plan = plan.to(target_hidden.device)
-        if kv_cache is not None:
-            if kv_cache.num_layers != len(self.layers):
-                raise ValueError(
-                    f"the KV cache holds {kv_cache.num_layers} layers but the draft has {len(self.layers)}; "
-                    "build it with DraftKVCache(draft, ...) for this draft."
-                )
-            kv_cache.prepare(plan)
-        backend = attention_backend or self.attention_backend
-        context = self.context_feature(target_hidden)
-        hidden = block_embeddings.to(self.fc.weight.dtype)
-        for i, layer in enumerate(self.layers):
-            causal, window = self.config.layer_attention(i)
-            visibility = BlockVisibility.from_plan(plan, causal=causal, sliding_window=window)
-            hidden = layer(hidden, context, visibility, backend, kv_cache)
-        valid = plan.block_valid[:, :, None, None]
-        return torch.where(valid, self.norm(hidden), torch.zeros((), dtype=hidden.dtype, device=hidden.device))
+        return super().forward(target_hidden, block_embeddings, plan, kv_cache, attention_backend)

@@ -400,10 +400,6 @@ def prepare_job(
         skip = ("the target runs as a megatron model (--target-backend megatron); measure acceptance with "
                 f"tools/evaluate_acceptance.py --target {target_dir} --draft {export_dir}")
         eval_prompts = None
-    if eval_prompts is not None and not family.kv_cache_decoding:
-        skip = (f"speculative decoding keeps a KV cache of the target, which {family.name} targets do not provide "
-                "here")
-        eval_prompts = None
     if eval_prompts is not None:
         _check_prompt_ids(eval_prompts, vocab, source)
     if args.target_backend == "megatron" and not _megatron_can_run(args.use_cuda):
