@@ -390,7 +390,6 @@ def _chunk_attention(
     scale: float,
     causal: bool,
     window: int | None,
-    return_lse: bool = False,
 ):
     """Exact attention for a chunk of ``C`` blocks.
 
@@ -398,8 +397,8 @@ def _chunk_attention(
     ``key_offset .. key_offset + S' - 1``, a range that holds every key the chunk may see; ``open_keys`` is the
     sub-range every valid block of the chunk sees whole, see `_chunk_key_ranges`),
     block_key/value ``[B, C, W, Hkv, D]``, anchors/starts/valid ``[B, C]`` -> ``[B, C, W, Hq, D]`` in
-    query's dtype; with ``return_lse`` also the log-sum-exp of every row over all the keys it sees,
-    ``[B, C, W, Hq]`` in the compute dtype (finite: a slot always sees itself).
+    query's dtype, and the log-sum-exp of every row over all the keys it sees, ``[B, C, W, Hq]`` in the
+    compute dtype (finite: a slot always sees itself).
     """
     B, C, W, Hq, D = query.shape
     S, Hkv = context_key.shape[1], context_key.shape[2]
@@ -442,9 +441,7 @@ def _chunk_attention(
 
     out = out * valid.view(B, C, 1, 1, 1, 1).to(out.dtype)
     out = out.reshape(B, C, W, Hq, D).to(query.dtype)
-    if return_lse:
-        return out, lse.reshape(B, C, W, Hq)
-    return out
+    return out, lse.reshape(B, C, W, Hq)
 
 
 def _key_tiles(num_keys: int, device: torch.device) -> list[tuple[int, int]]:
@@ -553,7 +550,7 @@ class _ChunkedBlockAttention(torch.autograd.Function):
             out, lse = _chunk_attention(
                 query[:, blocks], context_key[:, lo:hi], context_value[:, lo:hi], block_key[:, blocks],
                 block_value[:, blocks], anchors[:, blocks], starts[:, blocks], valid[:, blocks], lo,
-                tuple(open_keys), scale, causal, window, return_lse=True,
+                tuple(open_keys), scale, causal, window,
             )
             outs.append(out)
             lses.append(lse)

@@ -109,6 +109,38 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
     return ids
 
 
+def check_draft_fields(config) -> None:
+    """Check the fields every draft family shares (block, MASK token, target taps, the target head's
+    output transform) and normalise `mask_token_id` to an int; `ValueError` naming the field otherwise."""
+    block_size = config.block_size
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 2:
+        raise ValueError(
+            f"block_size={block_size!r} must be an integer >= 2 (one anchor slot plus at least one predicted slot)."
+        )
+    if config.mask_token_id is None:
+        raise ValueError(
+            "mask_token_id is required: pass the id of an existing row of the target's input "
+            "embedding to use as the MASK token (it is never guessed)."
+        )
+    if not (0 <= int(config.mask_token_id) < config.vocab_size):
+        raise ValueError(
+            f"mask_token_id={config.mask_token_id} is not a row of the target embedding "
+            f"(vocab_size={config.vocab_size})."
+        )
+    config.mask_token_id = int(config.mask_token_id)
+    check_target_layer_ids(config.target_layer_ids, config.num_target_layers)
+    if not (config.input_embedding_scale > 0):
+        raise ValueError(f"input_embedding_scale={config.input_embedding_scale} must be > 0.")
+    if not (math.isfinite(config.output_multiplier) and config.output_multiplier > 0):
+        raise ValueError(
+            f"output_multiplier={config.output_multiplier} must be finite and > 0: the draft's logits are "
+            "multiplied by it, and a negative factor reverses every argmax (zero flattens them). Use the "
+            "target's own positive multiplier, or 1.0 when it has none."
+        )
+    if config.final_logit_softcapping is not None and not (config.final_logit_softcapping > 0):
+        raise ValueError(f"final_logit_softcapping={config.final_logit_softcapping} must be > 0 or None.")
+
+
 def check_target_layer_ids(ids: list[int], num_target_layers: int) -> None:
     if len(ids) == 0:
         raise ValueError("target_layer_ids is empty; at least one target layer must be tapped.")
@@ -215,23 +247,7 @@ class DFlashConfig:
         if not (self.rope_theta > 0):
             raise ValueError(f"rope_theta={self.rope_theta} must be > 0.")
         _validate_rope_scaling(self.rope_scaling)
-        if not isinstance(self.block_size, int) or self.block_size < 2:
-            raise ValueError(
-                f"block_size={self.block_size!r} must be an integer >= 2 (one anchor slot plus at "
-                "least one predicted slot)."
-            )
-        if self.mask_token_id is None:
-            raise ValueError(
-                "mask_token_id is required: pass the id of an existing row of the target's input "
-                "embedding to use as the MASK token (it is never guessed)."
-            )
-        if not (0 <= int(self.mask_token_id) < self.vocab_size):
-            raise ValueError(
-                f"mask_token_id={self.mask_token_id} is not a row of the target embedding "
-                f"(vocab_size={self.vocab_size})."
-            )
-        self.mask_token_id = int(self.mask_token_id)
-        check_target_layer_ids(self.target_layer_ids, self.num_target_layers)
+        check_draft_fields(self)
         if len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(
                 f"layer_types has {len(self.layer_types)} entries but num_hidden_layers="
@@ -250,18 +266,6 @@ class DFlashConfig:
             raise ValueError(f"causal={self.causal!r} must be True, False or None.")
         if self.hidden_act != "silu":
             raise ValueError(f"hidden_act={self.hidden_act!r}: only 'silu' (SwiGLU) is supported.")
-        if not (self.input_embedding_scale > 0):
-            raise ValueError(f"input_embedding_scale={self.input_embedding_scale} must be > 0.")
-        if not (math.isfinite(self.output_multiplier) and self.output_multiplier > 0):
-            raise ValueError(
-                f"output_multiplier={self.output_multiplier} must be finite and > 0: the draft's logits are "
-                "multiplied by it, and a negative factor reverses every argmax (zero flattens them). Use the "
-                "target's own positive multiplier, or 1.0 when it has none."
-            )
-        if self.final_logit_softcapping is not None and not (self.final_logit_softcapping > 0):
-            raise ValueError(
-                f"final_logit_softcapping={self.final_logit_softcapping} must be > 0 or None."
-            )
 
     def validate_tensor_parallel(self, tp_size: int) -> None:
         """Check that `tp_size` splits heads, KV heads and the MLP evenly."""

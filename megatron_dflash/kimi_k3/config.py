@@ -28,7 +28,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
-from ..config import check_target_layer_ids, default_target_layer_ids, read_config_json, write_config_json
+from ..config import check_draft_fields, default_target_layer_ids, read_config_json, write_config_json
 
 KIMI_K3_DRAFT_ARCHITECTURE = "KimiK3DFlashDraftModel"
 KIMI_K3_MODEL_TYPE = "kimi_linear"
@@ -172,29 +172,7 @@ class KimiK3DraftConfig:
             raise ValueError(f"rms_norm_eps={self.rms_norm_eps} must be > 0.")
         if self.attention_dropout != 0:
             raise ValueError(f"attention_dropout={self.attention_dropout}: the draft trains without dropout; set 0.")
-        if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size < 2:
-            raise ValueError(
-                f"block_size={self.block_size!r} must be an integer >= 2 (one anchor slot plus at least "
-                "one predicted slot)."
-            )
-        if self.mask_token_id is None:
-            raise ValueError(
-                "mask_token_id is required: pass the id of an existing row of the target's input "
-                "embedding to use as the MASK token (it is never guessed)."
-            )
-        if not (0 <= int(self.mask_token_id) < self.vocab_size):
-            raise ValueError(
-                f"mask_token_id={self.mask_token_id} is not a row of the target embedding "
-                f"(vocab_size={self.vocab_size})."
-            )
-        self.mask_token_id = int(self.mask_token_id)
-        check_target_layer_ids(self.target_layer_ids, self.num_target_layers)
-        if not (self.input_embedding_scale > 0):
-            raise ValueError(f"input_embedding_scale={self.input_embedding_scale} must be > 0.")
-        if not (math.isfinite(self.output_multiplier) and self.output_multiplier > 0):
-            raise ValueError(f"output_multiplier={self.output_multiplier} must be finite and > 0.")
-        if self.final_logit_softcapping is not None and not (self.final_logit_softcapping > 0):
-            raise ValueError(f"final_logit_softcapping={self.final_logit_softcapping} must be > 0 or null.")
+        check_draft_fields(self)
 
     def validate_tensor_parallel(self, tp_size: int) -> None:
         """Check that `tp_size` splits the heads and the MLP evenly (the low-rank A projections
