@@ -686,3 +686,47 @@ def test_fused_loss_never_materialises_more_than_one_chunk_of_logits():
         dflash2_loss(hidden, plan, input_ids, OutputHead(head, vocab), selector, chunk_slots=chunk).loss_sum.backward()
     assert tracker.largest <= chunk * vocab, (tracker.largest, tracker.op)
     assert hidden.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("frozen_codebooks", [False, True])
+def test_selector_loss_kernel_against_autograd(frozen_codebooks):
+    """`_SelectorLoss` forms its gradients in forward: against autograd through the plain expression in
+    fp64 (the kernel's scores are fp32), with chunks that split the rows, repeated predecessors and candidates across rows, slots whose
+    label is not a candidate and slots of weight 0."""
+    from megatron_dflash.variants.dflash2 import _SelectorLoss
+
+    gen = torch.Generator().manual_seed(3)
+    M, K, R, V = 11, 4, 5, 9
+    dt = torch.float64
+    projected = torch.randn(M, R, generator=gen, dtype=dt, requires_grad=True)
+    unary = torch.randn(M, K, generator=gen, dtype=dt, requires_grad=True)
+    codebook_a = torch.randn(V, R, generator=gen, dtype=dt, requires_grad=not frozen_codebooks)
+    codebook_b = torch.randn(V, R, generator=gen, dtype=dt, requires_grad=not frozen_codebooks)
+    ids = torch.stack([torch.randperm(V, generator=gen)[:K] for _ in range(M)])
+    predecessor = torch.randint(V, (M,), generator=gen)
+    label = torch.where(torch.arange(M) % 3 == 0, torch.randint(V, (M,), generator=gen), ids[:, 1])
+    weight = torch.rand(M, generator=gen, dtype=dt)
+    weight[4] = 0.0
+    total, hit, top1 = _SelectorLoss.apply(projected, unary, codebook_a, codebook_b, ids, predecessor, label,
+                                           weight, 4)
+    (2.5 * total).backward()
+    inputs = [projected, unary] + ([] if frozen_codebooks else [codebook_a, codebook_b])
+    got = [t.grad.clone() for t in inputs]
+    for t in inputs:
+        t.grad = None
+
+    scores = unary + torch.einsum("mr,mkr->mk", codebook_a[predecessor] * projected, codebook_b[ids])
+    match = ids == label[:, None]
+    expected_hit = match.any(dim=-1)
+    nll = torch.logsumexp(scores, dim=-1) - (scores * match).sum(dim=-1)
+    expected = (nll * weight * expected_hit).sum()
+    (2.5 * expected).backward()
+    assert 0 < int(expected_hit.sum()) < M
+    assert torch.equal(hit, expected_hit)
+    assert torch.equal(top1, (scores.argmax(dim=-1) == match.to(dt).argmax(dim=-1)) & expected_hit)
+    # The scores and their softmax run in fp32, as `CandidateSelector.score` returns them.
+    torch.testing.assert_close(total.double(), expected.detach(), rtol=1e-5, atol=1e-6)
+    for a, b in zip(got, [t.grad for t in inputs]):
+        assert a.dtype == dt
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert float(got[1][4].abs().sum()) == 0.0  # weight 0: no gradient

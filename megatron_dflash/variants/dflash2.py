@@ -36,7 +36,6 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from ..body import DFlashBody
 from ..config import DFLASH_ARCHITECTURE, DFlashConfig, resolve_causal
@@ -279,6 +278,19 @@ class GroupedDynamicCausalConv(nn.Module):
 # ================================================================================== selector
 
 
+def _pair_terms(predecessor_codebook, successor_codebook, projected, candidate_ids, predecessor_ids):
+    """The selector's pair term and its factors, in the codebooks' dtype.
+
+    `projected [..., R]`, `candidate_ids [..., K]`, `predecessor_ids [...]` -> `(A[a] [..., R],
+    gate = A[a] * P h [..., R], B[b] [..., K, R], pair [..., K])`.
+    """
+    predecessor = F.embedding(predecessor_ids, predecessor_codebook)
+    gate = predecessor * projected
+    successor = F.embedding(candidate_ids, successor_codebook)
+    pair = torch.einsum("...r,...kr->...k", gate, successor)
+    return predecessor, gate, successor, pair
+
+
 class CandidateSelector(nn.Module):
     """Pairwise rescoring of each drafted position's top-k candidates given its predecessor.
 
@@ -346,9 +358,8 @@ class CandidateSelector(nn.Module):
         predecessor_ids: torch.Tensor,
     ) -> torch.Tensor:
         """Scores from the projected hidden `[..., R]`; see `score`. Returns fp32 `[..., K]`."""
-        gate = F.embedding(predecessor_ids, self.predecessor_codebook) * projected  # [..., R]
-        successor = F.embedding(candidate_ids, self.successor_codebook)  # [..., K, R]
-        pair = torch.einsum("...r,...kr->...k", gate, successor)
+        pair = _pair_terms(self.predecessor_codebook, self.successor_codebook, projected, candidate_ids,
+                           predecessor_ids)[-1]
         return candidate_logits.float() + pair.float()
 
     def score(
@@ -595,26 +606,82 @@ class DFlash2LossOutput:
     metrics: DFlash2Metrics
 
 
-def _selector_chunk(selector: CandidateSelector):
-    """Teacher-forced selector CE of one chunk of slots.
+class _SelectorLoss(torch.autograd.Function):
+    """Teacher-forced selector CE over the flattened slots, chunk by chunk, with its gradients formed in
+    forward (the scheme of `head_loss`'s fused kernel: the term is a plain weighted sum, so backward only
+    scales what forward computed).
 
-    `(h [c, H], unary [c, K], ids [c, K], predecessor [c], label [c], weight [c])` ->
-    `(weighted CE sum, label among candidates [c], teacher-forced top-1 correct [c])`.
+    Per chunk of `c` slots: the codebook rows `A[a] [c, R]` and `B[b] [c, K, R]`, the scores
+    `U + <A[a] * P h, B[b]>` (`_pair_terms`, the arithmetic `CandidateSelector.score` uses), the CE of the
+    candidate equal to the label, and `G = (softmax - onehot) * w [c, K]`, from which
+    `dU = G`, `d(P h) = (G B[b]) * A[a]`, `dA[a] += (G B[b]) * P h`, `dB[b] += G (x) (A[a] * P h)`.
+    The codebook gradients go into one fp32 `[V, R]` buffer each (deterministic `index_put_` with
+    accumulation), not a zero-filled `[V, R]` per chunk as an embedding backward would make, and nothing
+    is recomputed in backward.
+
+    Inputs: projected `[M, R]` (`P h`), unary `[M, K]` fp32 (the candidates' backbone logits), the two
+    codebooks `[V, R]`, ids `[M, K]`, predecessor `[M]`, label `[M]`, weight `[M]` fp32, chunk (rows).
+    Outputs: the weighted CE sum (fp32 scalar; slots whose label is not a candidate count 0) and,
+    non-differentiable, `[M]` bool: the label is a candidate, the top-scored candidate is the label.
     """
 
-    def run(h, unary, ids, predecessor, label, weight):
-        scores = selector.score(h, unary, ids, predecessor)  # [c, K] fp32
-        match = ids == label[:, None]
-        has_target = match.any(dim=-1)
-        target = match.to(torch.float32).argmax(dim=-1)  # candidates are distinct: one match at most
-        nll = torch.logsumexp(scores, dim=-1) - scores.gather(-1, target[:, None]).squeeze(-1)
-        weight = torch.where(has_target, weight, torch.zeros((), device=weight.device))
-        # `where`, not a product: the nll of an excluded slot is finite but must not count.
-        part = torch.where(weight > 0, nll * weight, torch.zeros((), device=nll.device)).sum()
-        top1 = (scores.detach().argmax(dim=-1) == target) & has_target
-        return part, has_target, top1
+    @staticmethod
+    def forward(ctx, projected, unary, predecessor_codebook, successor_codebook, ids, predecessor, label, weight,
+                chunk):
+        M, K = ids.shape
+        R = projected.shape[-1]
+        device = projected.device
+        needs = ctx.needs_input_grad
+        zero = torch.zeros((), device=device)
+        total = torch.zeros((), dtype=torch.float32, device=device)
+        has_target = torch.empty(M, dtype=torch.bool, device=device)
+        top1 = torch.empty(M, dtype=torch.bool, device=device)
+        grad_projected = torch.empty(M, R, dtype=torch.float32, device=device) if needs[0] else None
+        grad_unary = torch.empty(M, K, dtype=torch.float32, device=device) if needs[1] else None
+        grad_a = torch.zeros(predecessor_codebook.shape, dtype=torch.float32, device=device) if needs[2] else None
+        grad_b = torch.zeros(successor_codebook.shape, dtype=torch.float32, device=device) if needs[3] else None
+        with_grad = any(needs[:4])
+        for lo in range(0, M, chunk):
+            rows = slice(lo, min(lo + chunk, M))
+            p, i, a_ids = projected[rows], ids[rows], predecessor[rows]
+            a, gate, b, pair = _pair_terms(predecessor_codebook, successor_codebook, p, i, a_ids)
+            scores = unary[rows].float() + pair.float()  # [c, K]
+            match = i == label[rows, None]
+            hit = match.any(dim=-1)
+            target = match.to(torch.float32).argmax(dim=-1)  # candidates are distinct: one match at most
+            lse = torch.logsumexp(scores, dim=-1)
+            nll = lse - scores.gather(-1, target[:, None]).squeeze(-1)
+            w = torch.where(hit, weight[rows], zero)
+            # `where`, not a product: the nll of an excluded slot is finite but must not count.
+            total += torch.where(w > 0, nll * w, zero).sum()
+            has_target[rows] = hit
+            top1[rows] = (scores.argmax(dim=-1) == target) & hit
+            if not with_grad:
+                continue
+            g = scores.sub_(lse[:, None]).exp_()  # softmax, in the scores' buffer
+            g.scatter_add_(1, target[:, None], -hit.to(g.dtype)[:, None])
+            g.mul_(w[:, None])  # excluded slots (w = 0) pass no gradient
+            if grad_unary is not None:
+                grad_unary[rows] = g
+            grad_gate = torch.bmm(g.unsqueeze(1), b.float()).squeeze(1)  # [c, R]
+            if grad_projected is not None:
+                torch.mul(grad_gate, a.float(), out=grad_projected[rows])
+            if grad_a is not None:
+                grad_a.index_put_((a_ids,), grad_gate * p.float(), accumulate=True)
+            if grad_b is not None:
+                grad_b.index_put_((i.reshape(-1),), (g.unsqueeze(-1) * gate.float().unsqueeze(1)).view(-1, R),
+                                  accumulate=True)
+        ctx.save_for_backward(*(t if t is not None else zero for t in (grad_projected, grad_unary, grad_a, grad_b)))
+        ctx.dtypes = (projected.dtype, unary.dtype, predecessor_codebook.dtype, successor_codebook.dtype)
+        ctx.mark_non_differentiable(has_target, top1)
+        return total, has_target, top1
 
-    return run
+    @staticmethod
+    def backward(ctx, grad_total, grad_has_target, grad_top1):
+        grads = []
+        for saved, needed, dtype in zip(ctx.saved_tensors, ctx.needs_input_grad, ctx.dtypes):
+            grads.append(saved.mul_(grad_total).to(dtype) if needed else None)  # saved once, used once
+        return (*grads, None, None, None, None, None)
 
 
 def dflash2_loss(
@@ -661,8 +728,8 @@ def dflash2_loss(
 
     Memory and compute: the head runs once per chunk for the backbone CE and the candidates together
     (the fused kernel takes the top-k from the logits before they turn into the gradient, and routes
-    the candidates' gradient through their K rows of the head's weight); the selector's `[chunk, K, R]`
-    codebook rows are recomputed chunk by chunk in backward.
+    the candidates' gradient through their K rows of the head's weight); the selector term forms its
+    gradients in the same forward pass, chunk by chunk (`_SelectorLoss`), and recomputes nothing.
     """
     check_block_hidden(hidden, plan)
     check_loss_options(head, chunk_slots, fused)
@@ -693,28 +760,16 @@ def dflash2_loss(
     flat_label = labels[:, :, 1:].reshape(-1)
     flat_weight = targets.flat_weights
 
-    size = flat_h.shape[0] if chunk_slots is None else min(chunk_slots, flat_h.shape[0])
-    selector_trains = any(p.requires_grad for p in selector.parameters())
-    recompute = torch.is_grad_enabled() and (unary_all.requires_grad or flat_h.requires_grad or selector_trains)
-    rescore = _selector_chunk(selector)
-    hit_parts, top1_parts = [], []
-    selector_sum = hidden.new_zeros((), dtype=torch.float32)
-    for h_c, unary_c, ids_c, pred_c, label_c, weight_c in zip(
-        flat_h.split(size), unary_all.split(size), ids_all.split(size), flat_predecessor.split(size),
-        flat_label.split(size), flat_weight.split(size),
-    ):
-        if recompute:
-            part, hit_c, top1_c = checkpoint(rescore, h_c, unary_c, ids_c, pred_c, label_c, weight_c, use_reentrant=False)
-        else:
-            part, hit_c, top1_c = rescore(h_c, unary_c, ids_c, pred_c, label_c, weight_c)
-        selector_sum = selector_sum + part
-        hit_parts.append(hit_c)
-        top1_parts.append(top1_c)
+    size = max(1, flat_h.shape[0] if chunk_slots is None else min(chunk_slots, flat_h.shape[0]))
+    selector_sum, hit, top1 = _SelectorLoss.apply(
+        selector.project(flat_h), unary_all, selector.predecessor_codebook, selector.successor_codebook, ids_all,
+        flat_predecessor, flat_label, flat_weight, size,
+    )
 
     weight_sum = targets.weight_sum
     with torch.no_grad():
         supervised = targets.supervised
-        hits = torch.cat(hit_parts).view(B, N, T) & supervised
+        hits = hit.view(B, N, T) & supervised
         selector_weight_sum = torch.where(hits, targets.weights, torch.zeros((), device=device)).sum()
         # No slot with its label among the candidates: the selector term is zero (selector_sum is 0).
         scale = weight_sum / selector_weight_sum.clamp(min=1e-12)
@@ -722,7 +777,7 @@ def dflash2_loss(
 
     with torch.no_grad():
         base = dflash_metrics(targets, terms.base_correct, plan)
-        top1 = torch.cat(top1_parts).view(B, N, T) & supervised
+        top1 = top1.view(B, N, T) & supervised
         # The decode-time walk: each step after the walk's own previous pick.
         path, _, _ = selector.walk_candidates(
             selector.project(hidden[:, :, 1:, :].detach()), unary_all.detach().view(B, N, T, K),
