@@ -65,6 +65,7 @@ sys.path.insert(0, _package_root(sys.argv))
 # `objectives.OutputHead`: the name both this checkout and older commits export.
 from megatron_dflash.objectives import OutputHead, decay_weights, dflash_loss  # noqa: E402
 from megatron_dflash.plan import DFlashBatchPlan  # noqa: E402
+from peak_memory import alloc_peak  # noqa: E402  (benchmarks/peak_memory.py)
 
 MIB = 2**20
 IMPLS = ("fused", "unfused", "full", "baseline")
@@ -203,20 +204,6 @@ class RssPeak:
     @property
     def delta(self) -> int:
         return self.peak - self.baseline
-
-
-def alloc_peak(step) -> int:
-    """CPU: high-water mark of torch-allocated bytes during ``step`` from the profiler's memory events."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
-    live = peak = 0
-    for _, nbytes in events:
-        live += nbytes
-        peak = max(peak, live)
-    return peak
 
 
 def worker(args) -> dict:

@@ -22,7 +22,10 @@ rounds alternate which side goes first, so neither side profits from a warmer ma
 
 Reported per side and size: median wall time of a step, median process CPU time of a step (all threads;
 steadier than wall time when other jobs share the machine), and the peak RSS increase of the process over
-the steps (``ru_maxrss`` minus the RSS once models and inputs exist). Ratios are nemo / ours.
+the steps (``ru_maxrss`` minus the RSS once models and inputs exist), and the live peak: the high-water mark of
+the bytes torch allocates during one more (untimed, profiled) step beyond what was live before it
+(`peak_memory.alloc_peak`; the tensors the step needs, without what the C allocator keeps after frees, the
+CPU counterpart of ``torch.cuda.max_memory_allocated``). Ratios are nemo / ours.
 
 GFLOP/s lines: each side's floating-point work counted by `torch.utils.flop_counter.FlopCounterMode` (every
 matmul the step runs: target, draft forward and backward, LM head, attention including any recomputation; the
@@ -341,6 +344,9 @@ def worker(args) -> dict:
         walls.append(time.perf_counter() - wall)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     result = {"wall": statistics.median(walls), "cpu": statistics.median(cpus), "rss": peak - rss_before}
+    from peak_memory import alloc_peak  # after the RSS reading: the profiler has its own memory
+
+    result["live"] = alloc_peak(lambda: step(args.steps + 1))
     if args.count_flops:
         with _flop_counter() as counter:
             step(args.steps + 1)
@@ -435,7 +441,8 @@ def main(argv=None) -> None:
     print(f"# {what}: batch 1, anchors S/{args.anchor_ratio}, block {args.block_size}, hidden "
           f"{args.hidden}, target {args.target_layers} layers, vocab {args.vocab}, fp32, {args.threads} threads, "
           f"{args.rounds} alternating rounds x {args.steps} steps")
-    print(f"{'S':>6} {'anchors':>7} {'side':>5} {'wall s':>8} {'cpu s':>8} {'peak RSS +MiB':>14}", flush=True)
+    print(f"{'S':>6} {'anchors':>7} {'side':>5} {'wall s':>8} {'cpu s':>8} {'peak RSS +MiB':>14} {'live peak +MiB':>14}",
+          flush=True)
     for seq in args.seq:
         per_side = {side: [] for side in args.sides}
         for round_index in range(args.rounds):
@@ -444,16 +451,17 @@ def main(argv=None) -> None:
                 r = run_worker(args, side, seq)
                 per_side[side].append(r)
                 print(f"# round {round_index} S={seq} {side}: wall {r['wall']:.3f} s, cpu {r['cpu']:.3f} s, "
-                      f"RSS +{r['rss'] / 2**20:.0f} MiB", flush=True)
-        sides = {side: {key: statistics.median(r[key] for r in runs) for key in ("wall", "cpu", "rss")}
+                      f"RSS +{r['rss'] / 2**20:.0f} MiB, live +{r['live'] / 2**20:.0f} MiB", flush=True)
+        sides = {side: {key: statistics.median(r[key] for r in runs) for key in ("wall", "cpu", "rss", "live")}
                  for side, runs in per_side.items()}
         for side, r in sides.items():
             print(f"{seq:>6} {seq // args.anchor_ratio:>7} {side:>5} {r['wall']:8.3f} {r['cpu']:8.3f} "
-                  f"{r['rss'] / 2**20:14.0f}")
+                  f"{r['rss'] / 2**20:14.0f} {r['live'] / 2**20:14.0f}")
         if len(sides) == 2:
             ours, nemo = sides["ours"], sides["nemo"]
             print(f"{seq:>6} {'':>7} {'ratio':>5} {nemo['wall'] / ours['wall']:7.2f}x {nemo['cpu'] / ours['cpu']:7.2f}x "
-                  f"{nemo['rss'] / max(ours['rss'], 1):13.2f}x   (nemo / ours)", flush=True)
+                  f"{nemo['rss'] / max(ours['rss'], 1):13.2f}x {nemo['live'] / max(ours['live'], 1):13.2f}x   "
+                  "(nemo / ours)", flush=True)
     if not args.no_flops and "ours" in args.sides:
         peak = mm_peak(args.threads)
         for seq in args.seq:
