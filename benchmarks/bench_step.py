@@ -10,11 +10,13 @@ Both sides run the same step on identical shapes, random weights and random toke
 supervised): the frozen target's forward with its layer taps, the draft's forward, the decay-weighted block
 cross entropy over the target's frozen LM head, the backward, one AdamW step.
 
-    ours  `HFTarget` (taps by forward hooks) -> `embed_blocks` -> `DFlashBody` (attention "auto": the exact
-          chunked kernel on the CPU) -> `dflash_loss` (the fused LM-head loss) -> backward -> AdamW.
-    nemo  NeMo AutoModel's `HFDFlashTargetModel.generate_batch` -> `DFlashTrainerModule.forward` (its
-          `Qwen3DFlashDraftModel` with SDPA and the dense block mask: its flex-attention path has no CPU
-          backward; full-vocabulary logits, `DFlashDecayLoss`) -> backward -> AdamW.
+    ours  `HFTarget` (taps by forward hooks; the forward stops after the last tap, as training does when no
+          loss reads the target's final hidden state) -> `embed_blocks` -> `DFlashBody` (attention "auto":
+          the exact chunked kernel on the CPU) -> `dflash_loss` (the fused LM-head loss) -> backward -> AdamW.
+    nemo  NeMo AutoModel's `HFDFlashTargetModel.generate_batch` (the whole causal LM, its logits included)
+          -> `DFlashTrainerModule.forward` (its `Qwen3DFlashDraftModel` with SDPA and the dense block mask:
+          its flex-attention path has no CPU backward; full-vocabulary logits, `DFlashDecayLoss`) ->
+          backward -> AdamW.
 
 Both targets are the same randomly initialised 4-layer Qwen3 (transformers, SDPA), tapped at layers 0 and 2;
 both drafts have 2 layers of the target's width. Every (side, size) runs in its own fresh process, and the
@@ -155,7 +157,7 @@ def build_ours(args, seq: int):
     def step(index: int):
         plan = build_dflash_batch_plan(mask, torch.tensor([0]), anchors_per_sample=anchors,
                                        block_size=args.block_size, optimizer_step=index, seed=0)
-        out = target(input_ids)
+        out = target(input_ids, need_final_hidden=False)
         blocks = embed_blocks(input_ids, plan, target.embedding, mask_token_id=config.mask_token_id)
         hidden = body(out.taps, blocks, plan)
         loss = dflash_loss(hidden, plan, input_ids, target.output_head, decay_gamma=args.decay_gamma)

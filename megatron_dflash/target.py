@@ -154,8 +154,20 @@ class TargetOutput:
     logits: Optional[torch.Tensor] = None
 
 
+class _TapsCaptured(Exception):
+    """Raised by the hook of the last tapped layer to end a forward whose later layers nobody reads."""
+
+
 class _FrozenTarget(nn.Module):
-    """Shared freezing: no parameter requires grad, eval mode always, hooks store only while capturing."""
+    """Shared freezing: no parameter requires grad, eval mode always, hooks store only while capturing.
+
+    A forward that needs only the taps (``need_final_hidden=False``) sets ``_stop_after`` to the last tapped
+    layer: its hook raises `_TapsCaptured` once the tap is stored, so the layers after it and the final norm
+    never run. The tapped layer is never
+    the last one (`check_target_layer_ids`), so this always saves at least one decoder layer.
+    """
+
+    _stop_after: Optional[int] = None
 
     def _freeze(self, model: nn.Module) -> None:
         model.requires_grad_(False)
@@ -179,6 +191,8 @@ class _FrozenTarget(nn.Module):
             # Always a (contiguous) copy, also where the transpose is a no-op (B = 1): nothing the model
             # does after this layer (megatron adds residuals in place in eval mode) may change the tap.
             self._captured[layer_id] = hidden.clone(memory_format=torch.contiguous_format)
+            if layer_id == self._stop_after:
+                raise _TapsCaptured
 
         return hook
 
@@ -277,12 +291,21 @@ class HFTarget(_FrozenTarget):
         position_ids: Optional[torch.Tensor] = None,
         *,
         return_logits: bool = False,
+        need_final_hidden: bool = True,
     ) -> TargetOutput:
-        """Run the target on ``input_ids [B, S]``; ``attention_mask``/``position_ids`` go to HF unchanged."""
+        """Run the target on ``input_ids [B, S]``; ``attention_mask``/``position_ids`` go to HF unchanged.
+
+        ``need_final_hidden=False``: the forward stops after the last tapped layer (``final_hidden`` is None),
+        what training needs when no loss reads the target's own prediction.
+        """
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
             raise ValueError(f"HFTarget: input_ids must be a [batch, seq_length] tensor, got {shape}.")
-        self._captured = {}
+        if return_logits and not need_final_hidden:
+            raise ValueError("HFTarget: return_logits=True needs the final hidden states (need_final_hidden=True).")
+        captured = self._captured = {}
+        self._stop_after = None if need_final_hidden else max(self.target_layer_ids)
+        out = None
         try:
             out = self._decoder(
                 input_ids=input_ids,
@@ -290,10 +313,14 @@ class HFTarget(_FrozenTarget):
                 position_ids=position_ids,
                 **self._decoder_kwargs,
             )
-            captured = self._captured
+        except _TapsCaptured:
+            pass
         finally:
             self._captured = None
+            self._stop_after = None
         taps = torch.cat([captured[i] for i in self.target_layer_ids], dim=-1)
+        if out is None:
+            return TargetOutput(taps=taps)
         final_hidden = out if isinstance(out, torch.Tensor) else out.last_hidden_state
         logits = self.output_head.local_logits(final_hidden) if return_logits else None
         return TargetOutput(taps=taps, final_hidden=final_hidden, logits=logits)
@@ -1285,6 +1312,7 @@ class MegatronTarget(_FrozenTarget):
         *,
         input_tensor: Optional[torch.Tensor] = None,
         return_logits: bool = False,
+        need_final_hidden: bool = True,
     ) -> MegatronTargetOutput:
         """Run this stage.
 
@@ -1295,7 +1323,12 @@ class MegatronTarget(_FrozenTarget):
             position_ids: ``[B, S]`` RoPE positions (e.g. per document when packed); default ``0..S-1``.
             input_tensor: ``[S, B, H]`` activations from the previous stage (stages after the first).
             return_logits: also return this rank's fp32 logit shard (last stage).
+            need_final_hidden: False on the last stage: stop after the last tapped layer this stage owns
+                (``final_hidden`` is None), what training needs when no loss reads the target's prediction.
+                Earlier stages always run whole (the next stage needs their output).
         """
+        if return_logits and not need_final_hidden:
+            raise ValueError("MegatronTarget: return_logits=True needs the final hidden states (need_final_hidden=True).")
         model = self.model
         if self.pre_process:
             if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
@@ -1318,17 +1351,24 @@ class MegatronTarget(_FrozenTarget):
             hidden = None
         rotary = self._rotary(seq_length, batch, position_ids, device)
         mask = self._attention_mask(attention_mask, batch, seq_length, device)
-        self._captured = {}
+        captured = self._captured = {}
+        stop = not need_final_hidden and self.post_process and self.owned_tap_ids
+        self._stop_after = max(self.owned_tap_ids) if stop else None
         if not self.pre_process:
             model.decoder.set_input_tensor(input_tensor)
+        out = None
         try:
             out = model.decoder(hidden_states=hidden, attention_mask=mask, rotary_pos_emb=rotary)
-            captured = self._captured
+        except _TapsCaptured:
+            pass
         finally:
             self._captured = None
+            self._stop_after = None
             if not self.pre_process:
                 model.decoder.set_input_tensor(None)
         result = MegatronTargetOutput(taps={i: captured[i] for i in self.owned_tap_ids})
+        if out is None:
+            return result
         if self.post_process:
             result.final_hidden = self._full_sequence(out).transpose(0, 1).contiguous()
             if return_logits:

@@ -119,6 +119,42 @@ def test_hf_target_taps_are_hidden_states_i_plus_1(tiny):
         torch.testing.assert_close(rev.taps, torch.cat([ref2["hidden"][i + 1] for i in TAPS[::-1]], -1), rtol=0, atol=0)
 
 
+def _count_calls(modules) -> tuple[list, list]:
+    """Forward pre-hooks that count the calls of ``modules``; returns (counts, handles)."""
+    counts = [0] * len(modules)
+
+    def hook(index):
+        def count(module, args):
+            counts[index] += 1
+        return count
+
+    return counts, [m.register_forward_pre_hook(hook(i)) for i, m in enumerate(modules)]
+
+
+def test_hf_target_without_final_hidden_stops_after_the_last_tap(tiny):
+    """Training without a distillation loss reads only the taps: the layers after the last tapped one and the
+    final norm never run, and the taps are those of the full forward, bit for bit."""
+    ids, positions, keep = _inputs()
+    for name, (model, _) in tiny.items():
+        target = HFTarget(model, TAPS)
+        full = target(ids, attention_mask=keep, position_ids=positions)
+        layers = list(model.model.layers)
+        counts, handles = _count_calls(layers + [model.model.norm])
+        try:
+            short = target(ids, attention_mask=keep, position_ids=positions, need_final_hidden=False)
+        finally:
+            for handle in handles:
+                handle.remove()
+        assert counts == [1] * (max(TAPS) + 1) + [0] * (LAYERS - max(TAPS) - 1) + [0], (name, counts)
+        assert short.final_hidden is None and short.logits is None
+        torch.testing.assert_close(short.taps, full.taps, rtol=0, atol=0)
+        # The hooks are disarmed afterwards: a full forward runs every layer again.
+        torch.testing.assert_close(target(ids).final_hidden, _hf_reference(model, input_ids=ids)["hidden"][-1],
+                                   rtol=0, atol=0)
+        with pytest.raises(ValueError, match="need_final_hidden=True"):
+            target(ids, return_logits=True, need_final_hidden=False)
+
+
 def test_hf_target_is_frozen_and_exposes_embedding_and_head(tiny):
     model, _ = tiny["qwen3"]
     target = HFTarget(model, TAPS, output_multiplier=0.5, final_logit_softcapping=3.0)
@@ -286,6 +322,17 @@ def _on_ranks_tp(rank: int, world_size: int, cases: dict) -> dict:
             logits = _gather_vocab(out.logits)[..., :VOCAB]
             r["positions_and_padding"] = _maxdiff(logits[valid], case["logits_pos"][valid])
             r["positions_taps"] = max(_maxdiff(out.taps[i][valid], case["hidden_pos"][i + 1][valid]) for i in TAPS)
+            # Taps only: the forward stops after the last tapped layer (no final norm, no output tensor).
+            layers = list(target.model.decoder.layers)
+            counts, handles = _count_calls(layers + [target.model.decoder.final_layernorm])
+            try:
+                short = target(ids, attention_mask=mask, need_final_hidden=False)
+            finally:
+                for handle in handles:
+                    handle.remove()
+            r["short_calls"] = counts
+            r["short_empty"] = short.final_hidden is None and short.output_tensor is None and short.logits is None
+            r["short_taps"] = max(_maxdiff(short.taps[i], case["hidden"][i + 1]) for i in TAPS)
             # The vocab-parallel embedding looks up full rows (its own all-reduce).
             r["embedding"] = _maxdiff(target.embedding(ids), case["hidden"][0])
             r["head_weight_tied"] = target.output_head.weight is not None
@@ -343,7 +390,10 @@ def test_megatron_target_tp2_and_pp2_match_transformers(tiny, tp_pool):
             where = f"rank {rank} {name}: {r}"
             assert r["frozen"] and r["padding_is_-inf"] and r["local_vocab"] == 256, where
             assert r["tap_ids"] == TAPS and all(s == (BATCH, SEQ, 32) for s in r["tap_layouts"]), where
-            for key in ("logits", "final_hidden", "taps", "concat", "positions_and_padding", "positions_taps", "embedding"):
+            assert r["short_calls"] == [1] * (max(TAPS) + 1) + [0] * (LAYERS - max(TAPS) - 1) + [0], where
+            assert r["short_empty"], where
+            for key in ("logits", "final_hidden", "taps", "concat", "positions_and_padding", "positions_taps", "embedding",
+                        "short_taps"):
                 assert r[key] < ATOL, f"{key} differs by {r[key]:.2e}; {where}"
             assert r["head_weight_tied"] == (name != "llama"), where
 

@@ -190,7 +190,8 @@ class _Target:
                 allowed = _packed_allowed(batch["document_ids"])  # [B, 1, S, S] True = attend
                 mask = torch.zeros(allowed.shape, dtype=self.dtype, device=tokens.device)
                 mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
-            out = self.module(tokens, attention_mask=mask, position_ids=positions)
+            out = self.module(tokens, attention_mask=mask, position_ids=positions,
+                              need_final_hidden=self.need_final_hidden)
             return out.taps, out.final_hidden
         # megatron: True = masked. Explicit masks on CPU (megatron builds its default on CUDA only).
         if self.pack:
@@ -205,7 +206,7 @@ class _Target:
             out = run_target_pipeline(self.module, batch, draft_stage=self.placement, attention_mask=mask,
                                       need_final_hidden=self.need_final_hidden)
             return None if out is None else (out.taps, out.final_hidden)
-        out = self.module(tokens, attention_mask=mask, position_ids=positions)
+        out = self.module(tokens, attention_mask=mask, position_ids=positions, need_final_hidden=self.need_final_hidden)
         from ..target import concat_taps
 
         return concat_taps(out.taps, self.module.target_layer_ids), out.final_hidden
