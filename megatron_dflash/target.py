@@ -161,12 +161,13 @@ class _TapsCaptured(Exception):
 class _FrozenTarget(nn.Module):
     """Shared freezing: no parameter requires grad, eval mode always, hooks store only while capturing.
 
-    A forward that needs only the taps (``need_final_hidden=False``) sets ``_stop_after`` to the last tapped
-    layer: its hook raises `_TapsCaptured` once the tap is stored, so the layers after it and the final norm
-    never run. The tapped layer is never
+    Subclasses run their model through `_capture`. A forward that needs only the taps
+    (``need_final_hidden=False``) stops after the last tapped layer: that layer's hook raises `_TapsCaptured`
+    once the tap is stored, so the layers after it and the final norm never run. The tapped layer is never
     the last one (`check_target_layer_ids`), so this always saves at least one decoder layer.
     """
 
+    _captured: Optional[dict] = None
     _stop_after: Optional[int] = None
 
     def _freeze(self, model: nn.Module) -> None:
@@ -195,6 +196,19 @@ class _FrozenTarget(nn.Module):
                 raise _TapsCaptured
 
         return hook
+
+    def _capture(self, run, stop_after: Optional[int]) -> tuple[dict, Any]:
+        """Run ``run()`` with the tap hooks armed; returns (layer id -> tap, its output). With ``stop_after``
+        a layer id, the forward ends at that layer's hook and the output is None."""
+        captured = self._captured = {}
+        self._stop_after = stop_after
+        try:
+            return captured, run()
+        except _TapsCaptured:
+            return captured, None
+        finally:
+            self._captured = None
+            self._stop_after = None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -240,7 +254,6 @@ class HFTarget(_FrozenTarget):
         ids = list(target_layer_ids)
         check_target_layer_ids(ids, self.num_layers)
         self.target_layer_ids = ids
-        self._captured: Optional[dict] = None
         self._handles = [layers[i].register_forward_hook(self._hook(i, transpose=False)) for i in self.target_layer_ids]
         lm_head = model.get_output_embeddings()
         self.output_head = OutputHead(
@@ -303,21 +316,12 @@ class HFTarget(_FrozenTarget):
             raise ValueError(f"HFTarget: input_ids must be a [batch, seq_length] tensor, got {shape}.")
         if return_logits and not need_final_hidden:
             raise ValueError("HFTarget: return_logits=True needs the final hidden states (need_final_hidden=True).")
-        captured = self._captured = {}
-        self._stop_after = None if need_final_hidden else max(self.target_layer_ids)
-        out = None
-        try:
-            out = self._decoder(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                **self._decoder_kwargs,
-            )
-        except _TapsCaptured:
-            pass
-        finally:
-            self._captured = None
-            self._stop_after = None
+        captured, out = self._capture(
+            lambda: self._decoder(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **self._decoder_kwargs
+            ),
+            stop_after=None if need_final_hidden else max(self.target_layer_ids),
+        )
         taps = torch.cat([captured[i] for i in self.target_layer_ids], dim=-1)
         if out is None:
             return TargetOutput(taps=taps)
@@ -1166,7 +1170,6 @@ class MegatronTarget(_FrozenTarget):
                     f"{offset + local + 1} (stage offset {offset})."
                 )
         self.owned_tap_ids = [i for i in ids if i in self.layer_ids]
-        self._captured: Optional[dict] = None
         self._handles = [
             layers[i - offset].register_forward_hook(self._hook(i, transpose=True)) for i in self.owned_tap_ids
         ]
@@ -1351,19 +1354,15 @@ class MegatronTarget(_FrozenTarget):
             hidden = None
         rotary = self._rotary(seq_length, batch, position_ids, device)
         mask = self._attention_mask(attention_mask, batch, seq_length, device)
-        captured = self._captured = {}
-        stop = not need_final_hidden and self.post_process and self.owned_tap_ids
-        self._stop_after = max(self.owned_tap_ids) if stop else None
+        stop = not need_final_hidden and self.post_process and len(self.owned_tap_ids) > 0
         if not self.pre_process:
             model.decoder.set_input_tensor(input_tensor)
-        out = None
         try:
-            out = model.decoder(hidden_states=hidden, attention_mask=mask, rotary_pos_emb=rotary)
-        except _TapsCaptured:
-            pass
+            captured, out = self._capture(
+                lambda: model.decoder(hidden_states=hidden, attention_mask=mask, rotary_pos_emb=rotary),
+                stop_after=max(self.owned_tap_ids) if stop else None,
+            )
         finally:
-            self._captured = None
-            self._stop_after = None
             if not self.pre_process:
                 model.decoder.set_input_tensor(None)
         result = MegatronTargetOutput(taps={i: captured[i] for i in self.owned_tap_ids})
