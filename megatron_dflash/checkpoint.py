@@ -46,6 +46,7 @@ __all__ = [
     "load_hf_checkpoint",
     "load_hf_state_dict_into",
     "read_safetensors",
+    "safetensors_index_files",
     "check_tensor_shapes",
     "sharded_state_dict",
     "load_sharded_state_dict_into",
@@ -158,17 +159,41 @@ def save_hf_checkpoint(
 # ---------------------------------------------------------------------------------- HF import
 
 
+def safetensors_index_files(index: str) -> list[str]:
+    """The shard files that the sharded-save index `index` (`model.safetensors.index.json`) names, as
+    paths in its directory.
+
+    Raises:
+        ValueError: an entry of its `weight_map` is an absolute path or leads out of the directory
+            (`..`): a checkpoint only reads its own files. (The entries themselves may be symbolic
+            links, as in the HF hub cache, whose snapshot files link to its blob store.)
+    """
+    directory = os.path.dirname(index)
+    with open(index) as f:
+        weight_map = json.load(f).get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{index} has no weight_map object; not a safetensors index.")
+    files = []
+    for name in sorted(set(weight_map.values()), key=str):
+        normal = os.path.normpath(name) if isinstance(name, str) and name else ""
+        if not normal or os.path.isabs(normal) or normal == os.curdir or normal.split(os.sep)[0] == os.pardir:
+            raise ValueError(
+                f"{index} names the shard {name!r}, which is not a file in {directory or os.curdir}; refusing to "
+                "read it (the weight_map may only name files of the checkpoint directory)."
+            )
+        files.append(os.path.join(directory, name))
+    return files
+
+
 def read_safetensors(directory: str) -> dict[str, torch.Tensor]:
     single = os.path.join(directory, SAFETENSORS_NAME)
     index = os.path.join(directory, SAFETENSORS_INDEX_NAME)
     if os.path.isfile(single):
         return _load_safetensors_file(single)
     if os.path.isfile(index):  # a sharded HF save
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
         out: dict[str, torch.Tensor] = {}
-        for name in files:
-            out.update(_load_safetensors_file(os.path.join(directory, name)))
+        for path in safetensors_index_files(index):
+            out.update(_load_safetensors_file(path))
         return out
     raise FileNotFoundError(
         f"{directory} has neither {SAFETENSORS_NAME} nor {SAFETENSORS_INDEX_NAME}: not a HF draft "

@@ -21,7 +21,6 @@ split like a dense MLP over the expert-tensor-parallel group).
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
@@ -200,12 +199,12 @@ def convert_with_plan(plan: Sequence[MegatronWeight], hf: Mapping[str, torch.Ten
 
 def safetensors_files(directory: str) -> list[str]:
     """The safetensors files of a HF directory (sharded with an index, or a single ``model.safetensors``)."""
+    from .checkpoint import safetensors_index_files  # the one reader of the index (entries stay inside `directory`)
+
     index = os.path.join(directory, "model.safetensors.index.json")
     single = os.path.join(directory, "model.safetensors")
     if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-        return [os.path.join(directory, name) for name in sorted(set(weight_map.values()))]
+        return safetensors_index_files(index)
     if os.path.isfile(single):
         return [single]
     raise FileNotFoundError(

@@ -338,6 +338,33 @@ def test_missing_files(tmp_path):
         load_hf_checkpoint(str(tmp_path))
 
 
+def test_a_sharded_index_names_only_files_of_its_directory(tmp_path):
+    """A model.safetensors.index.json whose weight_map leads out of the directory (`..`, an absolute path) is
+    refused naming the entry, before any file is read; the draft and the target readers share the check."""
+    import re
+
+    from megatron_dflash.checkpoint import read_safetensors
+    from megatron_dflash.target_weights import safetensors_files
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    save_file({"fc.weight": torch.ones(2, 2)}, str(outside / "x.safetensors"))
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    save_file({"fc.bias": torch.ones(2)}, str(draft / "model-00001.safetensors"))
+    for entry in ("../outside/x.safetensors", str(outside / "x.safetensors"), "sub/../../outside/x.safetensors"):
+        weight_map = {"fc.bias": "model-00001.safetensors", "fc.weight": entry}
+        (draft / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+        for read in (read_safetensors, safetensors_files):
+            with pytest.raises(ValueError, match=re.escape(f"names the shard '{entry}', which is not a file in")) as info:
+                read(str(draft))
+            assert "\n" not in str(info.value)
+    # entries inside the directory are read as before
+    (draft / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"fc.bias": "model-00001.safetensors"}}))
+    assert sorted(read_safetensors(str(draft))) == ["fc.bias"]
+    assert safetensors_files(str(draft)) == [str(draft / "model-00001.safetensors")]
+
+
 # ------------------------------------------------------------------------------ megatron dist_checkpointing
 
 
