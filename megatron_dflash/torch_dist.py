@@ -35,7 +35,8 @@ find its tensors, its config and the newest complete checkpoint (docs/design.md 
   `release` starts a new run from these weights at iteration 0 with a fresh optimizer.
 
 Saving never needs CUDA and never starts processes (`torch_dist_save.py`); loading is megatron's
-default `torch_dist` loader, which runs on CPU as is.
+`torch_dist` loader with every pickled file read against an allow-list of the format's types
+(`torch_dist_load.py`: nothing planted in a checkpoint runs), on CPU as is.
 
 Library use::
 
@@ -316,14 +317,14 @@ def read_draft_config(iteration_dir: str, config_path: Optional[str] = None):
 def megatron_draft_tensors(iteration_dir: str, prefix: str = MODEL_PREFIX) -> dict:
     """`{published name: (global shape, dtype)}` of the draft tensors in a torch_dist checkpoint
     (read from its metadata, no data loaded). Needs `torch.distributed` initialised."""
-    from megatron.core import dist_checkpointing
+    from .torch_dist_load import load_tensors_metadata
 
     if not os.path.isfile(os.path.join(iteration_dir, MEGATRON_METADATA)):
         raise FileNotFoundError(
             f"{iteration_dir} has no {MEGATRON_METADATA}: not a megatron dist_checkpointing checkpoint "
             "(legacy per-rank torch checkpoints are not supported)."
         )
-    metadata = dist_checkpointing.load_tensors_metadata(iteration_dir)
+    metadata = load_tensors_metadata(iteration_dir)
     out = {}
     for key, sharded in metadata.items():
         if key.startswith(prefix):
@@ -342,15 +343,16 @@ def read_megatron_draft_state(iteration_dir: str, prefix: str = MODEL_PREFIX) ->
     directly from the checkpoint (no body involved: the independent view `--validate` uses).
     Needs `torch.distributed` initialised; every calling rank reads every tensor whole."""
     import torch
-    from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from .torch_dist_load import load
 
     stored = megatron_draft_tensors(iteration_dir, prefix)
     request = {
         prefix + name: ShardedTensor.from_rank_offsets(prefix + name, torch.empty(shape, dtype=dtype))
         for name, (shape, dtype) in stored.items()
     }
-    loaded = dist_checkpointing.load(request, iteration_dir)
+    loaded = load(request, iteration_dir)
     return {name: loaded[prefix + name] for name in stored}
 
 
@@ -424,9 +426,8 @@ def load_megatron_draft_into(body, iteration_dir: str) -> None:
             checkpoint's metadata before anything is read), with a hint when the config and
             the weights disagree.
     """
-    from megatron.core import dist_checkpointing
-
     from .checkpoint import load_sharded_state_dict_into
+    from .torch_dist_load import load
 
     with single_process_group():
         stored = megatron_draft_tensors(iteration_dir)
@@ -435,7 +436,7 @@ def load_megatron_draft_into(body, iteration_dir: str) -> None:
             _registered_architecture(body),
         )
         request = body.sharded_state_dict(prefix=MODEL_PREFIX)
-        loaded = dist_checkpointing.load(request, iteration_dir)
+        loaded = load(request, iteration_dir)
     # The common (non-sharded) state of the checkpoint comes back too: keep the draft's keys.
     load_sharded_state_dict_into(body, {key: loaded[key] for key in request}, prefix=MODEL_PREFIX)
 

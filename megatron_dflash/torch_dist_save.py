@@ -11,9 +11,10 @@ each shard and give it its sharded key, translate megatron `ShardedTensor`s into
 torch's synchronous `FileSystemWriter` (`thread_count` writer threads, files fsync'ed). The result
 is the `torch_dist` backend, version 1, read by megatron's default loader.
 
-This module is the only place that uses megatron's private helpers (names starting with `_`) or
-internals of the `torch_dist` strategy; `tests/test_convert.py::test_megatron_private_save_helpers`
-pins the signatures used here and fails loudly when a megatron release changes them.
+This module and its reading counterpart `torch_dist_load.py` are the only places that use megatron's
+private helpers (names starting with `_`) or internals of the `torch_dist` strategy;
+`tests/test_convert.py::test_megatron_private_save_helpers` pins the signatures used there and fails
+loudly when a megatron release changes them.
 """
 
 from __future__ import annotations

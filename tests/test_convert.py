@@ -593,9 +593,10 @@ def test_console_script_entry_point():
 
 def test_megatron_private_save_helpers():
     """`torch_dist_save.py` builds megatron's `torch_dist` format from megatron-core helpers that are
-    private (`_replace_state_dict_keys_with_sharded_keys`) or internals of its save strategy. This
-    pins what it relies on, so a megatron release that changes them fails here, by name, instead of
-    writing checkpoints that megatron's own loader cannot read."""
+    private (`_replace_state_dict_keys_with_sharded_keys`) or internals of its save strategy, and
+    `torch_dist_load.py` reads it with the helpers of its load strategy. This pins what they rely on,
+    so a megatron release that changes them fails here, by name, instead of writing checkpoints that
+    megatron's own loader cannot read (or reading them wrong)."""
     import inspect
 
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
@@ -619,6 +620,22 @@ def test_megatron_private_save_helpers():
     with torch_dist.single_process_group():
         pyt = mcore_torch.mcore_to_pyt_state_dict(grouped, False)
     assert list(pyt) == ["model.w"] and tuple(pyt["model.w"].size()) == (2, 3)
+
+    # torch_dist_load.py repeats the steps of megatron's torch_dist load with its own reader and planner
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    for name, parameters in (("_unwrap_pyt_sharded_tensor", ["sh_ten"]),
+                             ("_replace_sharded_keys_with_state_dict_keys", ["state_dict", "flat_mapping", "rename_mapping"]),
+                             ("_restore_dict_types", ["x", "keys_template"])):
+        helper = getattr(mcore_torch, name, None)
+        assert helper is not None, f"megatron-core removed {name} (torch_dist_load.py)"
+        assert list(inspect.signature(helper).parameters) == parameters, name
+    planner_parameters = inspect.signature(mcore_torch.MCoreLoadPlanner.__init__).parameters
+    assert {"shapes_validation_sharded_tensors", "allow_shape_mismatch_sharded_tensors"} <= set(planner_parameters)
+    # the two places where torch unpickles, which torch_dist_load.py overrides
+    assert list(inspect.signature(DefaultLoadPlanner.load_bytes).parameters) == ["self", "read_item", "value"]
+    assert "read_metadata" in vars(FileSystemReader)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -265,14 +265,15 @@ def test_damaged_checkpoints_end_in_one_line(tiny_target, tmp_path, trained, cap
     bad = _copy(trained, tmp_path, "bad")
     (bad / "iter_0000002" / shard).write_bytes(b"not a torch file")
     for directory, expected in ((zero, f"{shard} is empty"), (common, "is incomplete"), (binary, "not a text file"),
-                                (bad, f"cannot load {bad / 'iter_0000002'}: EOFError")):
+                                (bad, f"cannot load {bad / 'iter_0000002'}: ValueError: {bad / 'iter_0000002' / shard} "
+                                      "cannot be read (UnpicklingError: not tensor data")):
         status, err = _main(_base(tiny_target, tmp_path, *SHORT, "--load", str(directory)), capsys, monkeypatch)
         lines = err.strip().splitlines()
         assert status == 1 and "Traceback" not in err, err[-2000:]
         assert lines[-1].startswith("pretrain_dflash.py: error:") and expected in lines[-1], err[-2000:]
     # --debug (or MEGATRON_DFLASH_DEBUG=1) shows the traceback as well
     status, err = _main(_base(tiny_target, tmp_path, *SHORT, "--load", str(bad)), capsys, monkeypatch, debug=True)
-    assert status == 1 and "Traceback" in err and "EOFError" in err
+    assert status == 1 and "Traceback" in err and "UnpicklingError" in err
 
 
 # ------------------------------------------------------------------------------------------ 8. housekeeping
@@ -670,3 +671,212 @@ def test_tensor_parallel_ranks_with_different_data_stop_alike(tp_pool, tiny_targ
     results = tp_pool(2).run(_tp_rank_with_other_data, tiny_target, str(tmp_path), tp=2, timeout=MULTI_RANK_TIMEOUT_S)
     assert results[0] is not None and results[1] is not None, results
     assert all("tokens" in r and "read different data" in r for r in results), results
+
+
+# ------------------------------------------------------------------------------------------ 9. trust
+
+
+def _plant(marker, value):
+    """What a planted pickle runs when it is unpickled: it writes `marker`, then hands back the real content,
+    so that the load would go on as if nothing happened."""
+    with open(marker, "w") as f:
+        f.write("planted code ran\n")
+    return value
+
+
+class _Planted:
+    def __init__(self, marker, value):
+        self.marker, self.value = marker, value
+
+    def __reduce__(self):
+        return _plant, (str(self.marker), self.value)
+
+
+def _plant_in_metadata(iteration_dir, marker):
+    import pickle
+
+    path = iteration_dir / ".metadata"
+    real = pickle.loads(path.read_bytes())
+    path.write_bytes(pickle.dumps(_Planted(marker, real)))
+    return path
+
+
+def _plant_in_common(iteration_dir, marker):
+    path = iteration_dir / "common.pt"
+    real = torch.load(path, weights_only=False)
+    torch.save(_Planted(marker, real), path)
+    return path
+
+
+def _rewrite_byte_item(iteration_dir, key_prefix: str, rewrite):
+    """Replace the byte item `key_prefix*` of a torch_dist checkpoint by `rewrite(old bytes)`: splice it into its
+    `.distcp` file and move the offsets of the items behind it (as someone editing the files would).
+    Returns the `.distcp` file."""
+    import dataclasses
+    import pickle
+
+    meta_path = iteration_dir / ".metadata"
+    metadata = pickle.loads(meta_path.read_bytes())
+    index, info = next((i, s) for i, s in metadata.storage_data.items() if i.fqn.startswith(key_prefix))
+    path = iteration_dir / info.relative_path
+    data = path.read_bytes()
+    new = rewrite(data[info.offset:info.offset + info.length])
+    path.write_bytes(data[:info.offset] + new + data[info.offset + info.length:])
+    shift = len(new) - info.length
+    for i, s in list(metadata.storage_data.items()):
+        if s.relative_path == info.relative_path and s.offset > info.offset:
+            metadata.storage_data[i] = dataclasses.replace(s, offset=s.offset + shift)
+    metadata.storage_data[index] = dataclasses.replace(info, length=len(new))
+    meta_path.write_bytes(pickle.dumps(metadata))
+    return path
+
+
+def _plant_in_rng_item(iteration_dir, marker):
+    """The pickled RNG state of a version-2 checkpoint (a byte item of its .distcp) wrapped into a planted pickle."""
+    import io
+
+    def planted(old: bytes) -> bytes:
+        (state,) = torch.load(io.BytesIO(old), weights_only=False)
+        out = io.BytesIO()
+        torch.save([_Planted(marker, state)], out)
+        return out.getvalue()
+
+    return _rewrite_byte_item(iteration_dir, "rng_state", planted)
+
+
+@pytest.fixture(scope="module")
+def previous_version(tiny_target, tmp_path_factory):
+    """A save directory in the layout of checkpoint version 2: the RNG state one pickled object per rank (a byte
+    item of the .distcp). Returns (save directory, the RNG state pickled into its checkpoint of iteration 2)."""
+    import random
+
+    import numpy as np
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    from megatron_dflash.training import checkpointing
+
+    pickled = []
+
+    def pickled_rng(state, legacy=False):
+        pickled.append({"random": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()})
+        return ShardedObject("rng_state", pickled[-1], (1,), (0,), replica_id=0)
+
+    root = tmp_path_factory.mktemp("previous")
+    save = root / "ckpt"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(checkpointing, "CHECKPOINT_VERSION", 2)
+        patch.setattr(checkpointing, "_rng_sharded", pickled_rng)
+        _run(_base(tiny_target, root, *SHORT, "--save", str(save), "--save-interval", "2"))
+    return save, pickled[-1]
+
+
+def _one_line_refusal(status, err, path, planted="test_faults._plant"):
+    lines = err.strip().splitlines()
+    assert status == 1 and "Traceback" not in err, err[-3000:]
+    assert f"refusing to load {path}" in lines[-1] and f"pickled {planted}," in lines[-1], err[-3000:]
+
+
+def _convert_to_hf(load, output, capsys):
+    from megatron_dflash.convert import main
+
+    capsys.readouterr()
+    status = main(["to-hf", "--load", str(load), "--output", str(output)], prog="convert_checkpoint.py")
+    return status, capsys.readouterr().err
+
+
+def _evaluate(tiny_target, draft, tmp_path, capsys, monkeypatch):
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+    import evaluate_acceptance
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"input_ids": [1, 2, 3, 4]}) + "\n")
+    monkeypatch.setenv("MEGATRON_DFLASH_DEBUG", "0")
+    capsys.readouterr()
+    status = evaluate_acceptance.main(["--target", tiny_target, "--draft", str(draft), "--prompts", str(prompts),
+                                       "--max-new-tokens", "2", "--device", "cpu", "--dtype", "float32"])
+    return status, capsys.readouterr().err
+
+
+def test_planted_pickles_never_run(tiny_target, tmp_path, trained, previous_version, capsys, monkeypatch):
+    """A pickle planted in .metadata, common.pt or (version 2) the pickled RNG state of a .distcp would run code on
+    load: --load, to-hf and evaluate_acceptance --draft refuse it in one line naming the file and the type, and
+    nothing of it runs."""
+    marker = tmp_path / "planted-code-ran"
+    cases = [("metadata", _copy(trained, tmp_path, "metadata"), _plant_in_metadata),
+             ("common", _copy(trained, tmp_path, "common"), _plant_in_common),
+             ("rng", _copy(previous_version[0], tmp_path, "rng"), _plant_in_rng_item)]
+    for name, save, plant in cases:
+        planted = plant(save / "iter_0000002", marker)
+        status, err = _main(_base(tiny_target, tmp_path, *SHORT, "--load", str(save)), capsys, monkeypatch)
+        _one_line_refusal(status, err, planted)
+        assert not marker.exists(), name
+        if name == "rng":
+            continue  # the weights-only readers never read the training state of a checkpoint
+        status, err = _convert_to_hf(save, tmp_path / f"hf-{name}", capsys)
+        _one_line_refusal(status, err, planted)
+        assert not marker.exists() and not (tmp_path / f"hf-{name}").exists(), name
+        status, err = _evaluate(tiny_target, save, tmp_path, capsys, monkeypatch)
+        _one_line_refusal(status, err, planted)
+        assert not marker.exists(), name
+
+
+def test_checkpoint_metadata_may_name_only_its_own_files(tiny_target, tmp_path, trained, capsys, monkeypatch):
+    """The storage files that .metadata names are files of the checkpoint directory, never paths out of it."""
+    import dataclasses
+    import pickle
+
+    for name, outside in (("dotdot", "../outside.distcp"), ("absolute", str(tmp_path / "outside.distcp"))):
+        save = _copy(trained, tmp_path, name)
+        meta_path = save / "iter_0000002" / ".metadata"
+        metadata = pickle.loads(meta_path.read_bytes())
+        for index, info in list(metadata.storage_data.items()):
+            metadata.storage_data[index] = dataclasses.replace(info, relative_path=outside)
+        meta_path.write_bytes(pickle.dumps(metadata))
+        status, err = _main(_base(tiny_target, tmp_path, *SHORT, "--load", str(save)), capsys, monkeypatch)
+        assert status == 1 and "Traceback" not in err, err[-3000:]
+        assert f"names the storage file {outside!r}" in err.strip().splitlines()[-1], err[-3000:]
+
+
+def test_rng_state_is_saved_as_tensors_and_restored(tiny_target, tmp_path, trained):
+    """The checkpoint holds no pickled object but common.pt: the RNG states are tensors (one row per rank),
+    restored on resume."""
+    import pickle
+
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    from megatron_dflash.torch_dist import single_process_group
+    from megatron_dflash.torch_dist_load import load
+
+    iteration_dir = trained / "iter_0000002"
+    metadata = pickle.loads((iteration_dir / ".metadata").read_bytes())
+    assert not [k for k, v in metadata.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)]
+    rng_keys = sorted(k for k in metadata.state_dict_metadata if k.startswith("rng_state."))
+    assert {"rng_state.python", "rng_state.numpy", "rng_state.torch"} <= set(rng_keys)
+    size = metadata.state_dict_metadata["rng_state.torch"].size
+    assert size[0] == 1  # (world size, n)
+    with single_process_group():
+        stored = load({"torch": ShardedTensor.from_rank_offsets(
+            "rng_state.torch", torch.empty(size[1:], dtype=torch.uint8), (0, 0, 1), replica_id=0, prepend_axis_num=1)},
+            str(iteration_dir))["torch"]
+    torch.manual_seed(1234)  # anything else: the resume must restore the stored state
+    resumed = _run(_base(tiny_target, tmp_path, *SHORT, "--load", str(_copy(trained, tmp_path))))
+    assert resumed.start_iteration == 2
+    assert torch.equal(torch.get_rng_state(), stored)
+
+
+def test_a_checkpoint_of_the_previous_version_resumes(tiny_target, tmp_path, previous_version):
+    """Version 2 pickled the RNG state into the .distcp: it still resumes, that object read through the allow-list."""
+    import random
+
+    import numpy as np
+
+    save, pickled = previous_version
+    random.seed(99)
+    np.random.seed(99)
+    more = [a if a != "2" else "3" for a in SHORT]
+    resumed = _run(_base(tiny_target, tmp_path, *more, "--load", str(_copy(save, tmp_path))))
+    assert resumed.start_iteration == 2 and resumed.iterations == 3
+    assert random.getstate() == pickled["random"]
+    assert np.array_equal(np.random.get_state()[1], pickled["numpy"][1])
+

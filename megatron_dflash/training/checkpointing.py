@@ -10,7 +10,7 @@ checkpoint layout), so `megatron-dflash-convert to-hf` reads a training checkpoi
                                                Adam moments and fp32 main weights sharded like their
                                                parameter, or (--use-distributed-optimizer) each DP rank's
                                                shard of megatron's gradient buckets (`dp_reshardable`)
-        rng_state                              one object per rank
+        rng_state.*                            the RNG states as tensors, one row per rank (`_rng_state`)
         common.pt                              iteration, scheduler, optimizer step, data position, args
         dflash_config.json                     the draft config (HF layout)
 
@@ -42,9 +42,9 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 import torch.distributed as dist
-from megatron.core import dist_checkpointing, parallel_state
+from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.dict_utils import extract_matching_values
-from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedObject
+from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedObject, ShardedTensor
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
 from ..atomic import publish_directory, remove_stale_siblings, staged_path, temporary_of
@@ -59,6 +59,7 @@ from ..torch_dist import (
     write_tracker,
 )
 from ..checkpoint import load_sharded_state_dict_into
+from ..torch_dist_load import load, load_common_state_dict, load_tensors_metadata
 from .errors import CheckpointError
 from .optim import optimizer_layout
 from .resume import ResumePoint, find_resume_point, is_stale_temporary
@@ -73,7 +74,8 @@ __all__ = [
 
 LATEST_FILE = TRACKER_FILENAME
 # 2: megatron's optimizer state on every device (version 1 CPU runs stored a layout of their own)
-CHECKPOINT_VERSION = 2
+# 3: the RNG state as tensors (versions 1 and 2 pickled it; still read, through the allow-list)
+CHECKPOINT_VERSION = 3
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -111,21 +113,62 @@ def read_latest_iteration(directory: str):
 
 
 def _rng_state() -> dict:
+    """This rank's RNG states as tensors, so that a checkpoint holds no pickled object
+    (docs/design.md §14 Reliability guarantees):
+
+        python        int64 [625]   `random`'s Mersenne Twister words and position
+        python_gauss  float64 [2]   whether `random` holds a cached gauss value, and that value
+        numpy         int64 [626]   numpy's legacy Mersenne Twister words, position and has-gauss flag
+        numpy_gauss   float64 [1]   numpy's cached gauss value
+        torch         uint8 [n]     `torch.get_rng_state()`
+        cuda          uint8 [m]     `torch.cuda.get_rng_state()` (with CUDA)
+        tracker.NAME  uint8 [k]     megatron's CUDA RNG tracker states (with CUDA, once initialised)
+    """
+    version, words, gauss = random.getstate()
+    if version != 3:
+        raise RuntimeError(f"random.getstate() has version {version}; this code stores version 3.")
+    _, np_words, np_pos, np_has_gauss, np_gauss = np.random.get_state(legacy=True)
     state = {
-        "random": random.getstate(),
-        "numpy": np.random.get_state(),
+        "python": torch.tensor(words, dtype=torch.int64),
+        "python_gauss": torch.tensor([0.0 if gauss is None else 1.0, gauss or 0.0], dtype=torch.float64),
+        "numpy": torch.cat([torch.from_numpy(np_words.astype(np.int64)), torch.tensor([np_pos, np_has_gauss])]),
+        "numpy_gauss": torch.tensor([np_gauss], dtype=torch.float64),
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
+        state["cuda"] = torch.cuda.get_rng_state().cpu()
         try:
-            state["tracker"] = get_cuda_rng_tracker().get_states()
+            tracker = get_cuda_rng_tracker().get_states()
         except Exception:  # noqa: BLE001 - tracker not initialised
-            pass
+            tracker = {}
+        # megatron's tracker keeps byte tensors; a graph-safe one (Transformer Engine) keeps generators, which
+        # then start again from their seeds (nothing in the training loop draws from them: no dropout)
+        state.update({f"tracker.{name}": value.cpu() for name, value in tracker.items() if isinstance(value, torch.Tensor)})
     return state
 
 
 def _set_rng_state(state: dict) -> None:
+    """Restore the RNG states of `_rng_state` (or the pickled dict of checkpoints of version 2 and earlier)."""
+    if "python" not in state:
+        _set_legacy_rng_state(state)
+        return
+    gauss = state["python_gauss"].tolist()
+    random.setstate((3, tuple(state["python"].tolist()), gauss[1] if gauss[0] else None))
+    numpy = state["numpy"]
+    np.random.set_state(("MT19937", numpy[:624].numpy().astype(np.uint32), int(numpy[624]), int(numpy[625]),
+                         float(state["numpy_gauss"][0])))
+    torch.set_rng_state(state["torch"])
+    if torch.cuda.is_available() and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"])
+        tracker = {key.removeprefix("tracker."): value for key, value in state.items() if key.startswith("tracker.")}
+        if tracker:
+            states = dict(get_cuda_rng_tracker().get_states())  # keeps the states that were not saved (generators)
+            states.update(tracker)
+            get_cuda_rng_tracker().set_states(states)
+
+
+def _set_legacy_rng_state(state: dict) -> None:
+    """The RNG states as checkpoints of version 2 and earlier pickled them (`random` / numpy state tuples)."""
     random.setstate(state["random"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
@@ -135,8 +178,19 @@ def _set_rng_state(state: dict) -> None:
             get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def _rng_sharded(state: Optional[dict]):
-    return ShardedObject("rng_state", state, (_world(),), (_rank(),), replica_id=0)
+def _rng_sharded(state: Optional[dict], legacy: bool = False):
+    """The checkpoint entry of this rank's RNG state: each tensor of `_rng_state` one row of a
+    `(world size, n)` tensor (`rng_state.<name>`, row = global rank). `state=None` (loading): the
+    current state gives the shapes. `legacy`: the one pickled object of checkpoints of version 2
+    and earlier (loading only)."""
+    if legacy:
+        return ShardedObject("rng_state", None, (_world(),), (_rank(),), replica_id=0)
+    state = _rng_state() if state is None else state
+    return {
+        name: ShardedTensor.from_rank_offsets(f"rng_state.{name}", tensor, (0, _rank(), _world()),
+                                              replica_id=0, prepend_axis_num=1)
+        for name, tensor in state.items()
+    }
 
 
 def _pipeline_parallel() -> bool:
@@ -158,7 +212,8 @@ def _from_a_draft_rank(payload, holds_draft: bool):
     return box[0]
 
 
-def _extra_state(body, engine, *, common: dict, for_load: bool = False, include_rng: bool = True) -> dict:
+def _extra_state(body, engine, *, common: dict, for_load: bool = False, include_rng: bool = True,
+                 rng_request: Optional[dict] = None) -> dict:
     """Everything of a training checkpoint besides the draft weights (optimizer, RNG, common state).
 
     The optimizer state is sharded like the parameters it belongs to, so it is described from the
@@ -170,7 +225,7 @@ def _extra_state(body, engine, *, common: dict, for_load: bool = False, include_
     else:
         state.update(engine.sharded_state_dict(model_sd, prefix=MODEL_PREFIX))
     if include_rng:
-        state["rng_state"] = _rng_sharded(None if for_load else _rng_state())
+        state["rng_state"] = rng_request if rng_request is not None else _rng_sharded(None if for_load else _rng_state())
     state.update(common)
     return state
 
@@ -316,7 +371,7 @@ def _load(directory: str, iteration, body, engine, log: Callable, optimizer_layo
         load_megatron_draft_into(body, directory)
         log(f"[checkpoint] loaded the draft weights of {directory} (release: new run, fresh optimizer)")
         return {"iteration": 0, "directory": directory, "release": True}
-    common = dist_checkpointing.load_common_state_dict(directory)
+    common = load_common_state_dict(directory)
     if "scheduler" not in common:
         raise CheckpointError(
             f"{directory} holds draft weights but no training state (no optimizer/scheduler); start a new run "
@@ -328,8 +383,9 @@ def _load(directory: str, iteration, body, engine, log: Callable, optimizer_layo
         log(f"[checkpoint] {directory} was written by {common.get('world_size')} ranks, this run has "
             f"{_world()}: the RNG states are not restored (everything else is).")
     request = {"model": body.sharded_state_dict(prefix=MODEL_PREFIX)}
-    request.update(_extra_state(body, engine, common={}, for_load=True, include_rng=same_world))
-    loaded = dist_checkpointing.load(request, directory)
+    request.update(_extra_state(body, engine, common={}, for_load=True, include_rng=same_world,
+                                rng_request=_rng_request(directory, common) if same_world else None))
+    loaded = load(request, directory)
     model = {k: loaded["model"][k] for k in request["model"]}
     load_sharded_state_dict_into(body, model, prefix=MODEL_PREFIX)
     engine.load_state(loaded)
@@ -339,6 +395,16 @@ def _load(directory: str, iteration, body, engine, log: Callable, optimizer_layo
     out = {k: v for k, v in loaded.items() if k not in ("model", "rng_state", "optimizer")}
     out["directory"] = directory
     return out
+
+
+def _rng_request(directory: str, common: dict):
+    """What to load of the RNG state of the checkpoint `directory` (its common state `common`): the tensors of
+    this process's RNGs that it holds (one written without CUDA has no CUDA states), or, from checkpoints of
+    version 2 and earlier, the one pickled object (unpickled against `restricted_unpickle.LEGACY_RNG`)."""
+    if int(common.get("checkpoint_version", 1)) < 3:
+        return _rng_sharded(None, legacy=True)
+    stored = load_tensors_metadata(directory)
+    return {name: entry for name, entry in _rng_sharded(None).items() if entry.key in stored}
 
 
 def _check_optimizer_layout(common: dict, directory: str, expected: Optional[str]) -> None:
@@ -364,14 +430,15 @@ def _check_optimizer_layout(common: dict, directory: str, expected: Optional[str
 def _load_off_draft_stage(directory: str, iteration, optimizer_layout: Optional[str] = None) -> dict:
     """`load_checkpoint` on a pipeline stage without the draft: the same collectives, only the RNG state."""
     if iteration == RELEASE:
-        dist_checkpointing.load({}, directory)
+        load({}, directory)
         return {"iteration": 0, "directory": directory, "release": True}
-    common = dist_checkpointing.load_common_state_dict(directory)
+    common = load_common_state_dict(directory)
     if "scheduler" not in common:
         raise CheckpointError(f"{directory} holds draft weights but no training state (no optimizer/scheduler).")
     _check_optimizer_layout(common, directory, optimizer_layout)
     same_world = common.get("world_size") == _world()
-    loaded = dist_checkpointing.load({"rng_state": _rng_sharded(None)} if same_world else {}, directory)
+    request = {"rng_state": _rng_request(directory, common)} if same_world else {}
+    loaded = load(request, directory)
     if same_world and loaded.get("rng_state") is not None:
         _set_rng_state(loaded["rng_state"])
     out = {k: v for k, v in loaded.items() if k not in ("model", "rng_state", "optimizer")}
