@@ -35,6 +35,7 @@ __all__ = [
     "remove_stale_siblings",
     "temporary_of",
     "check_destination",
+    "check_not_a_link",
 ]
 
 _STAGED, _ASIDE = "tmp", "old"
@@ -231,11 +232,24 @@ def remove_stale_siblings(output: str) -> None:
 
 
 
+def check_not_a_link(output: str, flag: Optional[str] = None) -> None:
+    """Refuse a destination that is a symbolic link: publishing renames the staged directory onto the
+    path itself, which replaces a link (or fails on it) instead of writing where it points. `flag`
+    names the option in the message (`--dflash-export=PATH`)."""
+    if os.path.islink(output):
+        name = f"{flag}={output}" if flag else output
+        raise ValueError(
+            f"{name} is a symbolic link (to {os.readlink(output)}); an output directory is moved into place by a "
+            f"rename, which cannot go through a link: pass the directory itself ({os.path.realpath(output)})."
+        )
+
+
 def check_destination(output: str, *, replace: bool, source: Optional[str] = None,
                       replace_flag: str = "replace=True") -> None:
     """Refuse, before anything is written, a destination that a publish of `output` could not
-    take: one that overlaps `source`, a file, or a non-empty directory without `replace`
+    take: a symbolic link, one that overlaps `source`, a file, or a non-empty directory without `replace`
     (`replace_flag` names the switch that allows it, e.g. `--force`)."""
+    check_not_a_link(output)
     if source is not None:
         a, b = os.path.realpath(output), os.path.realpath(source)
         if a == b or a.startswith(b + os.sep) or b.startswith(a + os.sep):

@@ -880,3 +880,23 @@ def test_a_checkpoint_of_the_previous_version_resumes(tiny_target, tmp_path, pre
     assert random.getstate() == pickled["random"]
     assert np.array_equal(np.random.get_state()[1], pickled["numpy"][1])
 
+
+# ------------------------------------------------------------------------------------------ 10. output paths
+
+
+def test_an_output_that_is_a_symbolic_link_is_refused_before_any_work(tiny_target, tmp_path, trained, capsys):
+    """The export (and to-hf's --output) is renamed onto its path: a symbolic link there is refused up front."""
+    real = tmp_path / "real-export"
+    real.mkdir()
+    link = tmp_path / "export-link"
+    link.symlink_to(real)
+    message = _job_error(tiny_target, tmp_path, "--dflash-export", str(link))
+    assert f"--dflash-export={link} is a symbolic link" in message
+    started = []
+    with pytest.raises(ArgumentError, match="is a symbolic link"):
+        _run(_base(tiny_target, tmp_path, *SHORT, "--dflash-export", str(link)),
+             hooks={"on_step": lambda *a, **k: started.append(1)})
+    assert started == [] and os.listdir(real) == []
+    status, err = _convert_to_hf(trained, link, capsys)
+    assert status == 2 and f"{link} is a symbolic link" in err.strip().splitlines()[-1], err
+    assert os.listdir(real) == [] and not [n for n in os.listdir(tmp_path) if n.startswith(".export-link")]

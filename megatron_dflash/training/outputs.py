@@ -1,7 +1,7 @@
 """Output paths of a run, checked before training: nothing the run did not write is replaced.
 
 The HF export at the end of training replaces its directory in one rename, so that directory must
-be new, empty, or hold a previous export of the same run (a run is named by its `--save`
+be no symbolic link, and new, empty, or hold a previous export of the same run (a run is named by its `--save`
 directory; `EXPORT_MARKER` records it). It must not be or contain the checkpoint directory, nor any
 input of the run (target, tokenizer, drafter, data). Every output directory must be creatable:
 no regular file on its path, a writable existing ancestor. `check_outputs` runs in `prepare_job`
@@ -15,7 +15,7 @@ import json
 import os
 from typing import Optional
 
-from ..atomic import write_file
+from ..atomic import check_not_a_link, write_file
 from .arguments import ArgumentError
 
 __all__ = ["EXPORT_MARKER", "check_outputs", "check_export_directory", "mark_export", "run_name"]
@@ -57,7 +57,12 @@ def _check_creatable(flag: str, path: str) -> None:
 
 
 def check_export_directory(export_dir: str, run: Optional[str], flag: str = "--dflash-export") -> None:
-    """Raise unless `export_dir` is absent, empty, or a previous export of the run `run`."""
+    """Raise unless `export_dir` is absent, empty, or a previous export of the run `run`, and no symbolic
+    link (the export is renamed onto the path itself: `atomic.check_not_a_link`)."""
+    try:
+        check_not_a_link(export_dir, flag)
+    except ValueError as err:
+        raise ArgumentError(str(err)) from None
     if not os.path.isdir(export_dir) or not os.listdir(export_dir):
         return
     marker = os.path.join(export_dir, EXPORT_MARKER)
