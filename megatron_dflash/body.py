@@ -140,7 +140,7 @@ class DraftBody(nn.Module):
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None) -> dict:
         """Megatron `dist_checkpointing` view of the weights, keyed by the HF names.
 
-        Load the result of `dist_checkpointing.load` with
+        Load the result of `torch_dist_load.load` (megatron's `dist_checkpointing.load`, restricted) with
         `sharding.load_sharded_state_dict_into(body, loaded, prefix)`.
         """
         if sharded_offsets:

@@ -258,7 +258,8 @@ def sharded_state_dict(body: nn.Module, prefix: str = "") -> dict:
     data-parallel) rank but the first, so each tensor is written once. Because offsets are
     stated in the full tensor, a checkpoint written at one TP size loads at another.
 
-    Load with `megatron.core.dist_checkpointing.load(sharded_state_dict(body), dir)` and then
+    Load with `torch_dist_load.load(sharded_state_dict(body), dir)` (megatron's `dist_checkpointing.load`
+    with every pickle of the checkpoint read through an allow-list) and then
     `load_sharded_state_dict_into(body, loaded)`.
     """
     tp, tp_rank = _tp_size_rank(body)
