@@ -106,6 +106,7 @@ class RestrictedFileSystemReader(dcp.FileSystemReader):
             )
 
     def read_data(self, plan, planner):
+        """torch's read of the planned items; a file it cannot read is named (`ValueError`), a refusal passes as is."""
         try:
             return super().read_data(plan, planner)
         except CheckpointError:
