@@ -4,7 +4,8 @@ Reference: transformers' own forward of tiny random Qwen3-MoE models (fp32), sav
 shards so the shard-by-shard loader is exercised. Two routings are covered: ``norm_topk_prob=True`` (Qwen3-
 30B-A3B / 235B-A22B) with a dense first layer (``mlp_only_layers``), and ``norm_topk_prob=False`` with
 ``decoder_sparse_step=2`` and tied embeddings; and DeepSeek-V3 (MLA + MoE) with plain RoPE and with YaRN
-``rope_scaling`` used past ``original_max_position_embeddings``. On 4 gloo ranks, logits, final hidden states
+``rope_scaling`` used past ``original_max_position_embeddings``, and with ``rms_norm_eps`` 1e-5 (its latent norms keep
+transformers' 1e-6). On 4 gloo ranks, logits, final hidden states
 and every tap must equal transformers to 1e-5 relative at TP=2 x EP=2 (sequence parallelism off and on),
 PP=2 x EP=2 and TP=2 x PP=2 x EP=2 (expert TP 1, sequence parallelism on). Training a draft for a few steps
 next to a Qwen3-MoE or a YaRN DeepSeek-V3 target at TP=2 x PP=2 x EP=2 with sequence parallelism gives the
@@ -60,7 +61,10 @@ def _tiny_moe_models(root: str) -> dict:
     # mscale != mscale_all_dim, so both the cos/sin factor and the softmax-scale correction differ from 1.
     configs["deepseek_v3_yarn"] = DeepseekV3Config(**{
         **deepseek, "qk_rope_head_dim": 8, "max_position_embeddings": 320, "rope_scaling": YARN})
-    classes = {"deepseek_v3": DeepseekV3ForCausalLM, "deepseek_v3_yarn": DeepseekV3ForCausalLM}
+    # rms_norm_eps 1e-5 (as Kimi K2 ships it): transformers builds the latent norms q_a_layernorm / kv_a_layernorm
+    # with 1e-6 whatever rms_norm_eps says, the other norms with rms_norm_eps.
+    configs["deepseek_v3_eps"] = DeepseekV3Config(**{**deepseek, "rms_norm_eps": 1e-5})
+    classes = {name: DeepseekV3ForCausalLM for name in configs if name.startswith("deepseek_v3")}
     models = {}
     for seed, (name, config) in enumerate(configs.items()):
         torch.manual_seed(100 + seed)
@@ -219,9 +223,9 @@ def _keys(path: str) -> str:
 # to fit 4 ranks (megatron's expert grid is ETP x EP x PP). Every model runs at TP=2 x PP=2 x EP=2 with SP; the
 # other layouts take one Qwen3-MoE and one DeepSeek-V3 model each, so each family is seen with SP off and on, and
 # each model in at least two layouts.
-ALL_MODELS = ("renormalised", "raw_topk", "deepseek_v3", "deepseek_v3_yarn")
+ALL_MODELS = ("renormalised", "raw_topk", "deepseek_v3", "deepseek_v3_yarn", "deepseek_v3_eps")
 LAYOUTS = [
-    (dict(tp=2, pp=1, ep=2, etp=None, sp=False), ("renormalised", "deepseek_v3")),
+    (dict(tp=2, pp=1, ep=2, etp=None, sp=False), ("renormalised", "deepseek_v3", "deepseek_v3_eps")),
     (dict(tp=2, pp=1, ep=2, etp=None, sp=True), ("raw_topk", "deepseek_v3_yarn")),
     (dict(tp=1, pp=2, ep=2, etp=None, sp=False), ("renormalised", "deepseek_v3_yarn")),
     (dict(tp=2, pp=2, ep=2, etp=1, sp=True), ALL_MODELS),
