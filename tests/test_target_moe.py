@@ -19,7 +19,6 @@ import os
 import pytest
 import torch
 
-import megatron_cpu
 from megatron_dflash.target import (
     convert_hf_to_megatron_state_dict,
     hf_target_spec,
@@ -27,6 +26,7 @@ from megatron_dflash.target import (
     megatron_target_config,
 )
 from megatron_dflash.target_weights import megatron_weight_plan, safetensors_files, stream_with_plan
+from megatron_dflash.training.device_shim import causal_mask, megatron_target_on_cpu
 
 VOCAB, LAYERS, HIDDEN, SEQ, BATCH = 300, 4, 32, 12, 2
 TAPS = [0, 1, 2]
@@ -259,7 +259,7 @@ def _on_ranks_moe(rank: int, world_size: int, cases: dict, layouts: list) -> lis
             expert_model_parallel_size=layout["ep"], expert_tensor_parallel_size=layout["etp"],
         )
         try:
-            with megatron_cpu.patched(skip_embedding_group_sync=True):
+            with megatron_target_on_cpu():
                 for name in names:
                     case = cases[name]
                     target = MegatronTarget.from_pretrained(case["path"], TAPS, use_cpu_initialization=True,
@@ -268,7 +268,7 @@ def _on_ranks_moe(rank: int, world_size: int, cases: dict, layouts: list) -> lis
                     r = {"layout": layout, "model": name, "rank": rank,
                          "param_bytes": sum(p.numel() * p.element_size() for p in target.parameters())}
                     if layout["pp"] == 1:
-                        out = target(ids, attention_mask=megatron_cpu.causal_mask(SEQ), return_logits=True)
+                        out = target(ids, attention_mask=causal_mask(SEQ), return_logits=True)
                         taps, final_hidden = out.taps, out.final_hidden
                         logits = _gather_vocab(out.logits)
                     else:
@@ -366,14 +366,12 @@ def tiny_moe_targets(tmp_path_factory) -> dict:
 
 
 def _train_moe(rank, world_size, target, out_dir, *extra):
-    import megatron_cpu
     from megatron_dflash.training.loop import run
 
     argv = ["--target", target, "--dflash-export", os.path.join(out_dir, "hf"), *TRAIN_ARGS,
             "--target-backend", "megatron", *extra]
     torch.set_num_threads(1)
-    with megatron_cpu.patched(skip_embedding_group_sync=True):  # tied embeddings under PP
-        result = run(argv)
+    result = run(argv)  # without CUDA the loop runs the megatron target under device_shim.megatron_target_on_cpu
     return result.losses, result.grad_norms
 
 
