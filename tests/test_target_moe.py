@@ -9,7 +9,7 @@ transformers' 1e-6). On 4 gloo ranks, logits, final hidden states
 and every tap must equal transformers to 1e-5 relative at TP=2 x EP=2 (sequence parallelism off and on),
 PP=2 x EP=2 and TP=2 x PP=2 x EP=2 (expert TP 1, sequence parallelism on). Training a draft for a few steps
 next to a Qwen3-MoE or a YaRN DeepSeek-V3 target at TP=2 x PP=2 x EP=2 with sequence parallelism gives the
-losses of the HF-adapter target.
+losses of the HF-adapter target, and so does `torchrun` of pretrain_dflash.py at TP=2 x EP=2 on two CPU ranks.
 """
 
 from __future__ import annotations
@@ -375,18 +375,32 @@ def _train_moe(rank, world_size, target, out_dir, *extra):
     return result.losses, result.grad_norms
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
-def test_training_with_a_megatron_moe_target_equals_the_hf_target(family, tiny_moe_targets, tmp_path, tp_pool):
+@pytest.fixture(scope="module")
+def hf_target_runs(tiny_moe_targets, tmp_path_factory):
+    """`hf_target_runs(family)` -> the training result of TRAIN_ARGS with the transformers target, run once."""
     from megatron_dflash.training.loop import run
 
-    tiny_moe_target = tiny_moe_targets[family]
+    results = {}
 
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        reference = run(["--target", tiny_moe_target, "--dflash-export", str(tmp_path / "hf_ref"), *TRAIN_ARGS])
-    finally:
-        torch.set_num_threads(saved)
+    def result(family: str):
+        if family not in results:
+            saved = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                export = str(tmp_path_factory.mktemp(f"hf_{family}") / "hf")
+                results[family] = run(["--target", tiny_moe_targets[family], "--dflash-export", export, *TRAIN_ARGS])
+            finally:
+                torch.set_num_threads(saved)
+        return results[family]
+
+    return result
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_training_with_a_megatron_moe_target_equals_the_hf_target(family, tiny_moe_targets, hf_target_runs, tmp_path,
+                                                                  tp_pool):
+    tiny_moe_target = tiny_moe_targets[family]
+    reference = hf_target_runs(family)
     layout = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
               "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1", "--sequence-parallel"]
     results = tp_pool(4).run(_train_moe, tiny_moe_target, str(tmp_path / "moe"), *layout, tp=None, timeout=300)
@@ -397,6 +411,33 @@ def test_training_with_a_megatron_moe_target_equals_the_hf_target(family, tiny_m
         assert abs(a - b) < 1e-5, (reference.losses, losses)
     for a, b in zip(reference.grad_norms, norms):
         assert abs(a - b) < 1e-4 * max(1.0, a), (reference.grad_norms, norms)
+
+
+def test_torchrun_with_an_expert_parallel_target_on_cpu_ranks(tiny_moe_targets, hf_target_runs, tmp_path):
+    """`torchrun --nproc-per-node 2 pretrain_dflash.py --target-backend megatron` with a DeepSeek-V3 target at
+    TP=2 x EP=2 (expert TP 1) without CUDA: the losses (metrics.jsonl, every iteration) are the transformers
+    target's."""
+    import json
+    import subprocess
+    import sys
+
+    pretrain = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pretrain_dflash.py")
+    argv = ["--target", tiny_moe_targets["deepseek_v3"], "--dflash-export", str(tmp_path / "hf"), *TRAIN_ARGS,
+            "--run-dir", str(tmp_path), "--target-backend", "megatron", "--tensor-model-parallel-size", "2",
+            "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"]
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           pretrain, *argv], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "(megatron); world 2 = TP 2 x PP 1 x DP 1;" in done.stdout and "device cpu" in done.stdout, done.stdout
+    train = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in train if r["split"] == "train"]
+    reference = hf_target_runs("deepseek_v3").losses
+    assert [r["iteration"] for r in train] == [1, 2, 3]
+    losses = [r["loss"] for r in train]
+    print("torchrun TP=2 x EP=2 vs HF losses, max relative difference",
+          max(abs(a - b) / abs(b) for a, b in zip(losses, reference)))
+    assert losses == pytest.approx(reference, rel=1e-5, abs=0), (losses, reference)
 
 
 def test_training_arguments_for_expert_and_sequence_parallelism(tiny_moe_targets, tmp_path):

@@ -343,9 +343,9 @@ def hf_backend_losses(tiny_target, tmp_path_factory):
     return _run(_base(tiny_target, tmp_path_factory.mktemp("hf_backend"), *LAUNCH_ARGS)).losses
 
 
-@pytest.mark.parametrize("layout", [["--tensor-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"]],
-                         ids=["tp2", "pp2"])
-def test_torchrun_with_a_megatron_target_on_cpu_ranks(tiny_target, tmp_path, hf_backend_losses, layout):
+@pytest.mark.parametrize("layout, grid", [(["--tensor-model-parallel-size", "2"], "TP 2 x PP 1"),
+                                          (["--pipeline-model-parallel-size", "2"], "TP 1 x PP 2")], ids=["tp2", "pp2"])
+def test_torchrun_with_a_megatron_target_on_cpu_ranks(tiny_target, tmp_path, hf_backend_losses, layout, grid):
     """`torchrun --nproc-per-node 2 pretrain_dflash.py --target-backend megatron` at TP=2 or PP=2 without CUDA:
     two gloo ranks, the target under the product's device shim; the losses (metrics.jsonl, logged every
     iteration) are the transformers target's."""
@@ -354,9 +354,12 @@ def test_torchrun_with_a_megatron_target_on_cpu_ranks(tiny_target, tmp_path, hf_
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            PRETRAIN, *argv], capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert f"(megatron); world 2 = {grid} x DP 1;" in done.stdout and "device cpu" in done.stdout, done.stdout
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records if r["split"] == "train"]
     assert [r["iteration"] for r in records if r["split"] == "train"] == [1, 2]
+    print(f"torchrun {' '.join(layout)} vs HF losses, max relative difference",
+          max(abs(a - b) / abs(b) for a, b in zip(losses, hf_backend_losses)))
     assert losses == pytest.approx(hf_backend_losses, rel=1e-5, abs=0), (losses, hf_backend_losses)
 
 
