@@ -794,12 +794,17 @@ def megatron_target_block_spec(config, use_te: bool = False, vp_stage: Optional[
     Transformer Engine, dense: megatron's TE GPT layer spec (norms fused into the following linears).
     Otherwise megatron's ``get_gpt_decoder_block_spec``: per layer a MoE layer where ``moe_layer_freq`` says
     so and a dense layer elsewhere (Qwen3-MoE's ``mlp_only_layers`` / ``decoder_sparse_step``), for the
-    layers of this stage only; on the local spec every norm is `TargetRMSNorm` (see there).
+    layers of this stage only; on the local spec every norm is `TargetRMSNorm` (see there), MLA's latent norms
+    `MLALatentRMSNorm`.
     """
     from megatron.core.models.gpt import gpt_layer_specs
 
     if use_te and not _have_transformer_engine():
         raise ValueError("use_te=True but transformer_engine cannot be imported; use the local spec (use_te=False).")
+    if use_te and config.multi_latent_attention:
+        # TE fuses MLA's latent norms into the up projections, with layernorm_epsilon (see MLALatentRMSNorm).
+        raise ValueError("use_te=True with multi-latent attention (DeepSeek-V3) is not supported: Transformer Engine "
+                         "fuses the latent norms with the wrong epsilon; use the local spec (use_te=False).")
     if use_te and not config.num_moe_experts:
         return megatron_target_layer_spec(config.qk_layernorm, use_te=True)
     block = gpt_layer_specs.get_gpt_decoder_block_spec(
@@ -811,7 +816,37 @@ def megatron_target_block_spec(config, use_te: bool = False, vp_stage: Optional[
     if config.multi_latent_attention:
         swaps["DotProductAttention"] = _mla_core_attention()
     # The final norm too: megatron picks apex's FusedLayerNorm (LayerNorm only) for it when apex is installed.
-    return dataclasses.replace(_swap_modules(block, swaps), layer_norm=TargetRMSNorm)
+    block = dataclasses.replace(_swap_modules(block, swaps), layer_norm=TargetRMSNorm)
+    return _with_latent_norms(block) if config.multi_latent_attention else block
+
+
+# transformers' DeepSeek-V3 attention (the only multi-latent-attention family the converter takes: DeepSeek-V3,
+# Kimi K2 and their fine-tunes) builds its latent norms ``q_a_layernorm`` / ``kv_a_layernorm`` with the RMSNorm
+# default epsilon, ignoring ``rms_norm_eps``; megatron-core's MLASelfAttention builds them (``q_layernorm`` /
+# ``kv_layernorm``) with ``layernorm_epsilon``, which is ``rms_norm_eps`` for every other norm of the target.
+# Built with rms_norm_eps = 1e-5, a tiny DeepSeek-V3's taps were 2e-4 relative off from layer 0 on.
+MLA_LATENT_NORM_EPS = 1e-6
+
+
+class MLALatentRMSNorm:
+    """`TargetRMSNorm` with DeepSeek-V3's latent-norm epsilon (`MLA_LATENT_NORM_EPS`) whatever megatron passes."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = MLA_LATENT_NORM_EPS, **unused: Any):
+        return TargetRMSNorm(config, hidden_size, eps=MLA_LATENT_NORM_EPS)
+
+
+def _with_latent_norms(spec: Any) -> Any:
+    """``spec`` with the q / kv latent norms of every ``MLASelfAttention`` built as `MLALatentRMSNorm`."""
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttentionSubmodules
+
+    if isinstance(spec, MLASelfAttentionSubmodules):
+        return dataclasses.replace(spec, q_layernorm=MLALatentRMSNorm, kv_layernorm=MLALatentRMSNorm)
+    if isinstance(spec, list):
+        return [_with_latent_norms(s) for s in spec]
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        fields = {f.name: _with_latent_norms(getattr(spec, f.name)) for f in dataclasses.fields(spec) if f.init}
+        return dataclasses.replace(spec, **fields)
+    return spec
 
 
 def _mla_core_attention():

@@ -124,14 +124,11 @@ def test_megatron_engine_matches_the_reference_tp1(tiny_target, tmp_path, precis
 
 
 def _tp2_dp2(rank, world_size, target, out_dir, precision):
-    import megatron_cpu
-
     extra = [*SCHEDULE, "--micro-batch-size", "2", "--global-batch-size", "8", "--tensor-model-parallel-size", "2",
              "--target-backend", "megatron"] + (["--bf16"] if precision == "bf16" else [])
     torch.set_num_threads(1)
-    with megatron_cpu.patched():  # the megatron target (GPTModel) on CPU
-        real = _run(_argv(target, pathlib.Path(out_dir) / "megatron", *extra))
-        ref = _run(_argv(target, pathlib.Path(out_dir) / "reference", *extra), reference=True)
+    real = _run(_argv(target, pathlib.Path(out_dir) / "megatron", *extra))
+    ref = _run(_argv(target, pathlib.Path(out_dir) / "reference", *extra), reference=True)
     return real, ref
 
 
@@ -278,13 +275,10 @@ def test_a_nan_gradient_on_one_rank_stops_every_rank_before_the_update(tp_pool):
 
 
 def _pp2_dp2_run(rank, world_size, target, out_dir, *extra):
-    import megatron_cpu
-
     torch.set_num_threads(1)
     argv = _argv(target, out_dir, *DISTRIBUTED, "--train-iters", "3", "--pipeline-model-parallel-size", "2",
                  "--target-backend", "megatron", *extra)
-    with megatron_cpu.patched(skip_embedding_group_sync=True):  # megatron's GPTModel (the target) on CPU
-        return _run(argv)[:3]
+    return _run(argv)[:3]
 
 
 def test_distributed_optimizer_under_pipeline_parallelism(tp_pool, tiny_target, tmp_path):

@@ -67,10 +67,10 @@ def test_checks_that_need_hardware_skip_with_a_reason(gpu_check, tiny_target):
 
 
 def test_te_check_runs_its_comparison_with_the_local_spec(gpu_check, tiny_target):
-    import megatron_cpu
+    from megatron_dflash.training.device_shim import megatron_target_on_cpu
 
     torch.set_num_threads(1)
-    with megatron_cpu.patched():  # megatron's GPTModel (the target) on CPU
+    with megatron_target_on_cpu():  # megatron's GPTModel (the target) on CPU
         row = gpu_check.check_te_layer_spec(tiny_target, "cpu", specs=(False, False))
     assert row.status == "ok" and row.measured == "max rel diff of the taps 0.00e+00", row
 

@@ -20,7 +20,6 @@ import os
 import pytest
 import torch
 
-import megatron_cpu
 from megatron_dflash.body import DFlashBody
 from megatron_dflash.checkpoint import hf_state_dict, load_hf_state_dict_into
 from megatron_dflash.config import DFlashConfig
@@ -29,6 +28,7 @@ from megatron_dflash.objectives import dflash_loss, embed_blocks
 from megatron_dflash.parallel import SingleRankGroup
 from megatron_dflash.pipeline import DraftStagePlacement, resolve_draft_stage
 from megatron_dflash.target import HFTarget
+from megatron_dflash.training.device_shim import megatron_target_on_cpu
 
 VOCAB, LAYERS, HIDDEN, BATCH, SEQ = 300, 4, 32, 2, 16
 TAPS = [2, 0, 1]
@@ -158,7 +158,7 @@ def _on_ranks_pipeline(rank: int, world_size: int, case: dict) -> dict:
         stage = parallel_state.get_pipeline_model_parallel_rank()
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         report = {"stage": stage, "tp_rank": tp_rank, "runs": {}}
-        with megatron_cpu.patched(skip_embedding_group_sync=True):
+        with megatron_target_on_cpu():
             target = MegatronTarget.from_pretrained(case["tied"], config=cfg, use_cpu_initialization=True)
             for arg in (-1, 0):
                 placement = resolve_draft_stage(arg, 2)
@@ -220,7 +220,7 @@ def _on_ranks_pipeline(rank: int, world_size: int, case: dict) -> dict:
         # PP=1 (TP=2, DP=2): the same entry points, no routing; the target's own modules.
         parallel_state.destroy_model_parallel()
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=1)
-        with megatron_cpu.patched():
+        with megatron_target_on_cpu():
             flat = MegatronTarget.from_pretrained(case["tied"], config=cfg, use_cpu_initialization=True)
             embedding, head = copy_frozen_target_heads(flat, -1)
             out = run_target_pipeline(flat, batch)

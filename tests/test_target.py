@@ -20,7 +20,6 @@ import os
 import pytest
 import torch
 
-import megatron_cpu
 from megatron_dflash.config import DFlashConfig
 from megatron_dflash.target import (
     HFTarget,
@@ -32,6 +31,7 @@ from megatron_dflash.target import (
     padded_vocab_size,
     taps_from_hidden_states,
 )
+from megatron_dflash.training.device_shim import causal_mask, megatron_target_on_cpu
 
 VOCAB, LAYERS, SEQ, BATCH = 300, 4, 12, 2
 ATOL = 1e-4
@@ -265,6 +265,46 @@ def _config_dict(path: str) -> dict:
         return json.load(f)
 
 
+def _megatron_cpu_patch_points() -> dict:
+    """What `device_shim.megatron_target_on_cpu` replaces, as it is now (None: the name is absent)."""
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+    from megatron.core.tensor_parallel import mappings
+    from megatron.core.transformer import multi_latent_attention as mla
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher as alltoall
+
+    return {"current_device": torch.cuda.current_device, "embd_group": LanguageModule._is_in_embd_group,
+            "dtoh": alltoall._maybe_dtoh_and_synchronize, "stream": alltoall.cuda_dtoh_stream,
+            "gather": mappings._gather_along_first_dim, "scatter": mappings._reduce_scatter_along_first_dim,
+            "mla_te": mla.HAVE_TE, "gemm": getattr(moe_utils, "te_general_gemm", None)}
+
+
+def test_megatron_target_cpu_patches_apply_only_inside_a_cpu_run(monkeypatch):
+    """Importing the package patches nothing; `train` enters the target's CPU shim only for a megatron
+    target without CUDA, and everything is restored afterwards."""
+    from types import SimpleNamespace
+
+    from megatron.core.tensor_parallel import mappings
+
+    import megatron_dflash.training.loop as loop
+
+    outside = _megatron_cpu_patch_points()
+    # as megatron defines them: nothing imported so far replaced them
+    assert outside["current_device"].__module__ == "torch.cuda"
+    assert outside["embd_group"].__qualname__ == "LanguageModule._is_in_embd_group"
+    assert outside["gather"].__module__ == mappings.__name__
+    seen = []
+    monkeypatch.setattr(loop, "_train", lambda job, hooks, env: seen.append(_megatron_cpu_patch_points()))
+    for backend, cuda in [("megatron", True), ("hf", False), ("megatron", False)]:
+        loop.train(SimpleNamespace(args=SimpleNamespace(target_backend=backend, use_cuda=cuda)))
+    on_cuda, hf, cpu = seen
+    assert on_cuda == outside and hf == outside
+    assert all(cpu[name] is not outside[name] for name in ("current_device", "embd_group", "dtoh", "stream",
+                                                             "gather", "scatter"))
+    assert cpu["current_device"]() == "cpu" and cpu["mla_te"] is False
+    assert _megatron_cpu_patch_points() == outside
+
+
 def test_concat_taps_names_missing_layers():
     taps = {2: torch.zeros(1, 3, 4), 0: torch.ones(1, 3, 4)}
     assert concat_taps(taps, [0, 2])[..., 0].eq(1).all()
@@ -298,12 +338,12 @@ def _on_ranks_tp(rank: int, world_size: int, cases: dict) -> dict:
 
     assert parallel_state.get_tensor_model_parallel_world_size() == 2
     report = {}
-    with megatron_cpu.patched():
+    with megatron_target_on_cpu():
         for name, case in cases.items():
             # CPU weights also where CUDA exists: the ranks compute on the CPU.
             target = MegatronTarget.from_pretrained(case["path"], TAPS, use_cpu_initialization=True)
             target.train()
-            ids, mask = case["ids"], megatron_cpu.causal_mask(SEQ)
+            ids, mask = case["ids"], causal_mask(SEQ)
             out = target(ids, attention_mask=mask, return_logits=True)
             logits = _gather_vocab(out.logits)
             r = report[name] = {}
@@ -347,10 +387,10 @@ def _on_ranks_pp(rank: int, world_size: int, case: dict) -> dict:
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=2)
     try:
-        with megatron_cpu.patched(skip_embedding_group_sync=True):
+        with megatron_target_on_cpu():
             target = MegatronTarget.from_pretrained(case["path"], [1, 2], use_cpu_initialization=True)
             ids = case["ids"]
-            mask = megatron_cpu.causal_mask(SEQ)
+            mask = causal_mask(SEQ)
             r = {
                 "layers": target.layer_ids,
                 "has_embedding": target.embedding is not None,

@@ -4,11 +4,12 @@ Reference: transformers' own forward of tiny random Qwen3-MoE models (fp32), sav
 shards so the shard-by-shard loader is exercised. Two routings are covered: ``norm_topk_prob=True`` (Qwen3-
 30B-A3B / 235B-A22B) with a dense first layer (``mlp_only_layers``), and ``norm_topk_prob=False`` with
 ``decoder_sparse_step=2`` and tied embeddings; and DeepSeek-V3 (MLA + MoE) with plain RoPE and with YaRN
-``rope_scaling`` used past ``original_max_position_embeddings``. On 4 gloo ranks, logits, final hidden states
+``rope_scaling`` used past ``original_max_position_embeddings``, and with ``rms_norm_eps`` 1e-5 (its latent norms keep
+transformers' 1e-6). On 4 gloo ranks, logits, final hidden states
 and every tap must equal transformers to 1e-5 relative at TP=2 x EP=2 (sequence parallelism off and on),
 PP=2 x EP=2 and TP=2 x PP=2 x EP=2 (expert TP 1, sequence parallelism on). Training a draft for a few steps
 next to a Qwen3-MoE or a YaRN DeepSeek-V3 target at TP=2 x PP=2 x EP=2 with sequence parallelism gives the
-losses of the HF-adapter target.
+losses of the HF-adapter target, and so does `torchrun` of pretrain_dflash.py at TP=2 x EP=2 on two CPU ranks.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import os
 import pytest
 import torch
 
-import megatron_cpu
 from megatron_dflash.target import (
     convert_hf_to_megatron_state_dict,
     hf_target_spec,
@@ -26,6 +26,7 @@ from megatron_dflash.target import (
     megatron_target_config,
 )
 from megatron_dflash.target_weights import megatron_weight_plan, safetensors_files, stream_with_plan
+from megatron_dflash.training.device_shim import causal_mask, megatron_target_on_cpu
 
 VOCAB, LAYERS, HIDDEN, SEQ, BATCH = 300, 4, 32, 12, 2
 TAPS = [0, 1, 2]
@@ -60,7 +61,10 @@ def _tiny_moe_models(root: str) -> dict:
     # mscale != mscale_all_dim, so both the cos/sin factor and the softmax-scale correction differ from 1.
     configs["deepseek_v3_yarn"] = DeepseekV3Config(**{
         **deepseek, "qk_rope_head_dim": 8, "max_position_embeddings": 320, "rope_scaling": YARN})
-    classes = {"deepseek_v3": DeepseekV3ForCausalLM, "deepseek_v3_yarn": DeepseekV3ForCausalLM}
+    # rms_norm_eps 1e-5 (as Kimi K2 ships it): transformers builds the latent norms q_a_layernorm / kv_a_layernorm
+    # with 1e-6 whatever rms_norm_eps says, the other norms with rms_norm_eps.
+    configs["deepseek_v3_eps"] = DeepseekV3Config(**{**deepseek, "rms_norm_eps": 1e-5})
+    classes = {name: DeepseekV3ForCausalLM for name in configs if name.startswith("deepseek_v3")}
     models = {}
     for seed, (name, config) in enumerate(configs.items()):
         torch.manual_seed(100 + seed)
@@ -219,9 +223,9 @@ def _keys(path: str) -> str:
 # to fit 4 ranks (megatron's expert grid is ETP x EP x PP). Every model runs at TP=2 x PP=2 x EP=2 with SP; the
 # other layouts take one Qwen3-MoE and one DeepSeek-V3 model each, so each family is seen with SP off and on, and
 # each model in at least two layouts.
-ALL_MODELS = ("renormalised", "raw_topk", "deepseek_v3", "deepseek_v3_yarn")
+ALL_MODELS = ("renormalised", "raw_topk", "deepseek_v3", "deepseek_v3_yarn", "deepseek_v3_eps")
 LAYOUTS = [
-    (dict(tp=2, pp=1, ep=2, etp=None, sp=False), ("renormalised", "deepseek_v3")),
+    (dict(tp=2, pp=1, ep=2, etp=None, sp=False), ("renormalised", "deepseek_v3", "deepseek_v3_eps")),
     (dict(tp=2, pp=1, ep=2, etp=None, sp=True), ("raw_topk", "deepseek_v3_yarn")),
     (dict(tp=1, pp=2, ep=2, etp=None, sp=False), ("renormalised", "deepseek_v3_yarn")),
     (dict(tp=2, pp=2, ep=2, etp=1, sp=True), ALL_MODELS),
@@ -255,7 +259,7 @@ def _on_ranks_moe(rank: int, world_size: int, cases: dict, layouts: list) -> lis
             expert_model_parallel_size=layout["ep"], expert_tensor_parallel_size=layout["etp"],
         )
         try:
-            with megatron_cpu.patched(skip_embedding_group_sync=True):
+            with megatron_target_on_cpu():
                 for name in names:
                     case = cases[name]
                     target = MegatronTarget.from_pretrained(case["path"], TAPS, use_cpu_initialization=True,
@@ -264,7 +268,7 @@ def _on_ranks_moe(rank: int, world_size: int, cases: dict, layouts: list) -> lis
                     r = {"layout": layout, "model": name, "rank": rank,
                          "param_bytes": sum(p.numel() * p.element_size() for p in target.parameters())}
                     if layout["pp"] == 1:
-                        out = target(ids, attention_mask=megatron_cpu.causal_mask(SEQ), return_logits=True)
+                        out = target(ids, attention_mask=causal_mask(SEQ), return_logits=True)
                         taps, final_hidden = out.taps, out.final_hidden
                         logits = _gather_vocab(out.logits)
                     else:
@@ -362,29 +366,41 @@ def tiny_moe_targets(tmp_path_factory) -> dict:
 
 
 def _train_moe(rank, world_size, target, out_dir, *extra):
-    import megatron_cpu
     from megatron_dflash.training.loop import run
 
     argv = ["--target", target, "--dflash-export", os.path.join(out_dir, "hf"), *TRAIN_ARGS,
             "--target-backend", "megatron", *extra]
     torch.set_num_threads(1)
-    with megatron_cpu.patched(skip_embedding_group_sync=True):  # tied embeddings under PP
-        result = run(argv)
+    result = run(argv)  # without CUDA the loop runs the megatron target under device_shim.megatron_target_on_cpu
     return result.losses, result.grad_norms
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
-def test_training_with_a_megatron_moe_target_equals_the_hf_target(family, tiny_moe_targets, tmp_path, tp_pool):
+@pytest.fixture(scope="module")
+def hf_target_runs(tiny_moe_targets, tmp_path_factory):
+    """`hf_target_runs(family)` -> the training result of TRAIN_ARGS with the transformers target, run once."""
     from megatron_dflash.training.loop import run
 
-    tiny_moe_target = tiny_moe_targets[family]
+    results = {}
 
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        reference = run(["--target", tiny_moe_target, "--dflash-export", str(tmp_path / "hf_ref"), *TRAIN_ARGS])
-    finally:
-        torch.set_num_threads(saved)
+    def result(family: str):
+        if family not in results:
+            saved = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                export = str(tmp_path_factory.mktemp(f"hf_{family}") / "hf")
+                results[family] = run(["--target", tiny_moe_targets[family], "--dflash-export", export, *TRAIN_ARGS])
+            finally:
+                torch.set_num_threads(saved)
+        return results[family]
+
+    return result
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_training_with_a_megatron_moe_target_equals_the_hf_target(family, tiny_moe_targets, hf_target_runs, tmp_path,
+                                                                  tp_pool):
+    tiny_moe_target = tiny_moe_targets[family]
+    reference = hf_target_runs(family)
     layout = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
               "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1", "--sequence-parallel"]
     results = tp_pool(4).run(_train_moe, tiny_moe_target, str(tmp_path / "moe"), *layout, tp=None, timeout=300)
@@ -395,6 +411,33 @@ def test_training_with_a_megatron_moe_target_equals_the_hf_target(family, tiny_m
         assert abs(a - b) < 1e-5, (reference.losses, losses)
     for a, b in zip(reference.grad_norms, norms):
         assert abs(a - b) < 1e-4 * max(1.0, a), (reference.grad_norms, norms)
+
+
+def test_torchrun_with_an_expert_parallel_target_on_cpu_ranks(tiny_moe_targets, hf_target_runs, tmp_path):
+    """`torchrun --nproc-per-node 2 pretrain_dflash.py --target-backend megatron` with a DeepSeek-V3 target at
+    TP=2 x EP=2 (expert TP 1) without CUDA: the losses (metrics.jsonl, every iteration) are the transformers
+    target's."""
+    import json
+    import subprocess
+    import sys
+
+    pretrain = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pretrain_dflash.py")
+    argv = ["--target", tiny_moe_targets["deepseek_v3"], "--dflash-export", str(tmp_path / "hf"), *TRAIN_ARGS,
+            "--run-dir", str(tmp_path), "--target-backend", "megatron", "--tensor-model-parallel-size", "2",
+            "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"]
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           pretrain, *argv], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "(megatron); world 2 = TP 2 x PP 1 x DP 1;" in done.stdout and "device cpu" in done.stdout, done.stdout
+    train = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in train if r["split"] == "train"]
+    reference = hf_target_runs("deepseek_v3").losses
+    assert [r["iteration"] for r in train] == [1, 2, 3]
+    losses = [r["loss"] for r in train]
+    print("torchrun TP=2 x EP=2 vs HF losses, max relative difference",
+          max(abs(a - b) / abs(b) for a, b in zip(losses, reference)))
+    assert losses == pytest.approx(reference, rel=1e-5, abs=0), (losses, reference)
 
 
 def test_training_arguments_for_expert_and_sequence_parallelism(tiny_moe_targets, tmp_path):

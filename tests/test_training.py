@@ -257,14 +257,11 @@ def test_end_to_end_tp1(tiny_target, tmp_path, capsys):
 def _tp_run(rank, world_size, target, out_dir, save):
     import pathlib
 
-    import megatron_cpu
-
     argv = _base(target, pathlib.Path(out_dir), "--train-iters", "4", "--micro-batch-size", "4",
                  "--global-batch-size", "4", "--dflash-eval-prompts", "0", "--tensor-model-parallel-size",
                  str(world_size), "--target-backend", "megatron", "--save", save, "--exit-interval", "2")
     torch.set_num_threads(1)
-    with megatron_cpu.patched():  # megatron's GPTModel (the target) assumes CUDA in three places
-        result = _run(argv)
+    result = _run(argv)
     return result.losses, result.grad_norms
 
 
@@ -295,15 +292,11 @@ def test_tensor_parallel_2_matches_tp1(tp_pool, tiny_target, tmp_path):
 def _pp_run(rank, world_size, target, out_dir, *extra):
     import pathlib
 
-    import megatron_cpu
-
     argv = _base(target, pathlib.Path(out_dir), "--train-iters", "3", "--micro-batch-size", "4",
                  "--global-batch-size", "4", "--dflash-eval-prompts", "0", "--tensor-model-parallel-size", "2",
                  "--pipeline-model-parallel-size", "2", "--target-backend", "megatron", *extra)
     torch.set_num_threads(1)
-    # the tiny target ties its embeddings: skip megatron's CUDA-only embedding-group sync of the last stage
-    with megatron_cpu.patched(skip_embedding_group_sync=True):
-        result = _run(argv)
+    result = _run(argv)
     return result.losses, result.grad_norms, result.learning_rates
 
 
@@ -336,6 +329,38 @@ def test_pipeline_2_x_tensor_parallel_2_matches_tp1(tp_pool, tiny_target, tmp_pa
     assert exported.keys() == expected.keys()
     for key in expected:
         assert torch.allclose(exported[key], expected[key], atol=1e-4, rtol=0), key
+
+
+# ------------------------------------------------------------------------------------------ torchrun on CPU ranks
+
+PRETRAIN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pretrain_dflash.py")
+LAUNCH_ARGS = ["--train-iters", "2", "--micro-batch-size", "4", "--global-batch-size", "4", "--dflash-eval-prompts", "0"]
+
+
+@pytest.fixture(scope="module")
+def hf_backend_losses(tiny_target, tmp_path_factory):
+    """The losses of the launch below with the transformers target, in this process (TP = PP = 1)."""
+    return _run(_base(tiny_target, tmp_path_factory.mktemp("hf_backend"), *LAUNCH_ARGS)).losses
+
+
+@pytest.mark.parametrize("layout, grid", [(["--tensor-model-parallel-size", "2"], "TP 2 x PP 1"),
+                                          (["--pipeline-model-parallel-size", "2"], "TP 1 x PP 2")], ids=["tp2", "pp2"])
+def test_torchrun_with_a_megatron_target_on_cpu_ranks(tiny_target, tmp_path, hf_backend_losses, layout, grid):
+    """`torchrun --nproc-per-node 2 pretrain_dflash.py --target-backend megatron` at TP=2 or PP=2 without CUDA:
+    two gloo ranks, the target under the product's device shim; the losses (metrics.jsonl, logged every
+    iteration) are the transformers target's."""
+    argv = _base(tiny_target, tmp_path, *LAUNCH_ARGS, "--target-backend", "megatron", *layout, "--run-dir", str(tmp_path))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           PRETRAIN, *argv], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"(megatron); world 2 = {grid} x DP 1;" in done.stdout and "device cpu" in done.stdout, done.stdout
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if r["split"] == "train"]
+    assert [r["iteration"] for r in records if r["split"] == "train"] == [1, 2]
+    print(f"torchrun {' '.join(layout)} vs HF losses, max relative difference",
+          max(abs(a - b) / abs(b) for a, b in zip(losses, hf_backend_losses)))
+    assert losses == pytest.approx(hf_backend_losses, rel=1e-5, abs=0), (losses, hf_backend_losses)
 
 
 # ------------------------------------------------------------------------------------------ checkpoints

@@ -237,20 +237,6 @@ def _check_prompt_ids(prompts: list, vocab: int, source) -> None:
             )
 
 
-def _megatron_can_run(cuda: bool) -> bool:
-    """Megatron-core's GPTModel asks for the current CUDA device while it builds and runs; without CUDA
-    that fails deep inside the first step. (A CPU emulation that answers the question may stand in.)"""
-    if cuda:
-        return True
-    import torch
-
-    try:
-        torch.cuda.current_device()
-    except (AssertionError, RuntimeError):
-        return False
-    return True
-
-
 # ------------------------------------------------------------------------------------------ the job
 
 
@@ -402,11 +388,6 @@ def prepare_job(
         eval_prompts = None
     if eval_prompts is not None:
         _check_prompt_ids(eval_prompts, vocab, source)
-    if args.target_backend == "megatron" and not _megatron_can_run(args.use_cuda):
-        raise ArgumentError(
-            "--target-backend megatron needs CUDA (megatron-core's GPTModel runs on GPUs); on this machine use "
-            "--target-backend hf (TP=PP=1)."
-        )
     stop = _token_ids(getattr(tokenizer, "eos_token_id", None)) or _token_ids(text_config.get("eos_token_id"))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stop[0] if stop else 0)
     return Job(

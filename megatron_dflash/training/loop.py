@@ -590,7 +590,18 @@ def _args_snapshot(args) -> dict:
 
 
 def train(job: Job, *, hooks: Optional[dict] = None, env=None) -> TrainResult:
-    """Run the whole job in this process (one rank of the launch). Collective over all ranks."""
+    """Run the whole job in this process (one rank of the launch). Collective over all ranks.
+
+    A megatron target without CUDA runs under `device_shim.megatron_target_on_cpu()` (gloo CPU ranks)."""
+    if job.args.target_backend == "megatron" and not job.args.use_cuda:
+        from .device_shim import megatron_target_on_cpu
+
+        with megatron_target_on_cpu():
+            return _train(job, hooks=hooks, env=env)
+    return _train(job, hooks=hooks, env=env)
+
+
+def _train(job: Job, *, hooks: Optional[dict], env) -> TrainResult:
     from megatron.core import parallel_state
 
     from ..body import default_parallel_config
