@@ -47,6 +47,12 @@ __all__ = [
     "PackedRow",
     "stable_sample_id",
     "tokenize_chat",
+    "CHAT_ROLES",
+    "chat_roles",
+    "check_messages",
+    "CHARS_PER_TOKEN",
+    "record_budget",
+    "one_line_error",
     "ChatJSONLDataset",
     "TextJSONLDataset",
     "IndexedDataset",
@@ -328,7 +334,7 @@ def _unicode_problem(text: str) -> Optional[str]:
     return None
 
 
-def _check_messages(messages, where: str, roles: Sequence[str]) -> list:
+def check_messages(messages, where: str, roles: Sequence[str]) -> list:
     """``messages`` if it is a chat of the format (objects with a role of ``roles`` and a string ``content``),
     else a `DataError` naming ``where``, the message and what is wrong."""
     from .training.errors import DataError
@@ -365,7 +371,7 @@ def record_budget(seq_length: int) -> int:
     """Characters of one record handed to the tokenizer: ``CHARS_PER_TOKEN * seq_length``.
 
     A sample keeps the first ``seq_length`` tokens of its record, so tokenising all of a huge record (a
-    30 MB line: close to a minute and gigabytes of memory per read) buys nothing. 32 characters per token
+    30 MB line: a minute or more and gigabytes of memory per read) buys nothing. 32 characters per token
     is a generous upper bound of what ``seq_length`` tokens cover: BPE vocabularies average about 4
     characters per token on English prose and fewer on code and other scripts; only text made mostly of
     long runs (whitespace, repeated punctuation, words unknown to a word-level vocabulary) averages more,
@@ -422,7 +428,7 @@ def _cut_chat(messages: list, budget: int) -> list:
     return messages
 
 
-def _one_line(err: BaseException, limit: int = 200) -> str:
+def one_line_error(err: BaseException, limit: int = 200) -> str:
     """``Type: message`` of an exception on one line, at most ``limit`` characters of the message."""
     text = " ".join(str(err).split()).encode("utf-8", "backslashreplace").decode("utf-8")  # printable
     return f"{type(err).__name__}: {text[:limit]}{'...' if len(text) > limit else ''}"
@@ -513,7 +519,7 @@ class _JSONLDataset(torch.utils.data.Dataset, abc.ABC):
         except DataError:
             raise
         except Exception as err:  # the template's, the tokenizer's, ...: this record, named
-            raise DataError(f"{self._where(lineno)}: cannot tokenise the record ({_one_line(err)}).") from err
+            raise DataError(f"{self._where(lineno)}: cannot tokenise the record ({one_line_error(err)}).") from err
 
     def sample_id(self, index: int, raw: bytes) -> int:
         return stable_sample_id(self.kind, self.name, index, raw.rstrip(b"\r\n"))
@@ -551,7 +557,7 @@ class ChatJSONLDataset(_JSONLDataset):
         super().__init__(path, seq_length, name, log)
 
     def _validate(self, record: dict, lineno: int) -> None:
-        _check_messages(record.get(self.messages_key), f"{self._where(lineno)} ('{self.messages_key}')", self.roles)
+        check_messages(record.get(self.messages_key), f"{self._where(lineno)} ('{self.messages_key}')", self.roles)
 
     def _sample(self, index: int, raw: bytes, record: dict, lineno: int) -> Sample:
         from .training.errors import DataError

@@ -275,6 +275,24 @@ def test_whatever_fails_while_tokenising_a_record_names_it(tmp_path, tok):
         ds[1]
 
 
+
+def test_hostile_prompts_are_one_line_prompt_errors(tmp_path, tok):
+    """Evaluation prompt files refuse the same records as the training data, naming the file and line."""
+    from megatron_dflash.prompts import PromptError, read_prompt_file, tokenize_prompt
+
+    cases = [HOSTILE_CHATS[case] for case in sorted(HOSTILE_CHATS)] + [
+        ('{"text": "count \\ud800 to 3"}', r"cannot tokenise the prompt \(TypeError: "),  # the tokenizer's own
+        (b'{"text": "caf\xe9"}', r"not UTF-8 text \(invalid continuation byte at byte 13\)"),
+    ]
+    path = tmp_path / "prompts.jsonl"
+    for record, what in cases:
+        line = record if isinstance(record, bytes) else (record if isinstance(record, str) else json.dumps(record)).encode()
+        path.write_bytes(b'{"text": "count from 1 to 4"}\n\n' + line + b"\n")
+        with pytest.raises(PromptError) as info:
+            [tokenize_prompt(item, tok) for item in read_prompt_file(str(path))]
+        message = str(info.value)
+        assert "\n" not in message and re.match(rf"{re.escape(str(path))}:3\b.*{what}", message), message
+
 # --------------------------------------------------------------------------------------------------
 # Huge records: at most record_budget(seq_length) characters are tokenised
 # --------------------------------------------------------------------------------------------------
