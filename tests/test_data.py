@@ -205,7 +205,8 @@ HOSTILE_CHATS = {  # record -> what the error must say
     "role null": ({"messages": [{"role": None, "content": "3 4"}]}, "message 0: role is null"),
     "role number": ({"messages": [MULTI_TURN[0], {"role": 2, "content": "3 4"}]}, "message 1: role is a number"),
     "role unknown": ({"messages": [MULTI_TURN[0], {"role": "narrator", "content": "3 4"}]},
-                     r'message 1: role is "narrator", not one of the roles the chat template renders \(user, assistant\)'),
+                     r'message 1: role is "narrator", not one of the roles the chat template renders '
+                     r"\(user, assistant\)"),
 }
 
 
@@ -257,7 +258,7 @@ def test_whatever_fails_while_tokenising_a_record_names_it(tmp_path, tok):
     path = _write_jsonl(tmp_path / "chats.jsonl", [{"messages": MULTI_TURN[:2]}, GOOD_CHAT])
     ds = D.ChatJSONLDataset(path, strict, 32)
     assert len(ds[0]) > 0
-    with pytest.raises(DataError, match=rf"^{re.escape(path)}:2: cannot tokenise the record \(TemplateError: at most 3"):
+    with pytest.raises(DataError, match=rf"^{re.escape(path)}:2: cannot tokenise the record \(TemplateError: at most"):
         ds[1]
 
     class Refusing:  # a tokenizer that raises on some input, like a real one on text it cannot encode
@@ -271,7 +272,7 @@ def test_whatever_fails_while_tokenising_a_record_names_it(tmp_path, tok):
     path = _write_jsonl(tmp_path / "texts.jsonl", [{"text": "the cat"}, {"text": "the dog"}])
     ds = D.TextJSONLDataset(path, Refusing(), 32)
     assert len(ds[0]) > 0
-    with pytest.raises(DataError, match=rf"^{re.escape(path)}:2: cannot tokenise the record \(TypeError: TextEncodeInput"):
+    with pytest.raises(DataError, match=rf"^{re.escape(path)}:2: cannot tokenise the record \(TypeError: TextEncode"):
         ds[1]
 
 
@@ -286,8 +287,9 @@ def test_hostile_prompts_are_one_line_prompt_errors(tmp_path, tok):
     ]
     path = tmp_path / "prompts.jsonl"
     for record, what in cases:
-        line = record if isinstance(record, bytes) else (record if isinstance(record, str) else json.dumps(record)).encode()
-        path.write_bytes(b'{"text": "count from 1 to 4"}\n\n' + line + b"\n")
+        if not isinstance(record, bytes):
+            record = (record if isinstance(record, str) else json.dumps(record)).encode()
+        path.write_bytes(b'{"text": "count from 1 to 4"}\n\n' + record + b"\n")
         with pytest.raises(PromptError) as info:
             [tokenize_prompt(item, tok) for item in read_prompt_file(str(path))]
         message = str(info.value)
@@ -299,7 +301,8 @@ def test_hostile_prompts_are_one_line_prompt_errors(tmp_path, tok):
 
 _WORDS = ("the of and to in is was for on that with as by at from this be are or an it not which have had but their "
           "were one all been they has more will would there can when who what so about if out into only data model "
-          "token sequence train café naïve über 数据 模型 don't it's we'll 3.14 2024 100000 x_1 f(x) --flag").split()
+          "token sequence train café naïve über 数据 模型 don't it's we'll 3.14 2024 100000 x_1 f(x) "
+          "--flag").split()
 # the pre-tokenizer pattern of Llama-3 / Qwen-2.5 style byte-level BPE (digits in threes, punctuation with newlines)
 _LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
                    r"\s*[\r\n]+|\s+(?!\S)|\s+")
