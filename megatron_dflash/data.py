@@ -47,6 +47,12 @@ __all__ = [
     "PackedRow",
     "stable_sample_id",
     "tokenize_chat",
+    "CHAT_ROLES",
+    "chat_roles",
+    "check_messages",
+    "CHARS_PER_TOKEN",
+    "record_budget",
+    "one_line_error",
     "ChatJSONLDataset",
     "TextJSONLDataset",
     "IndexedDataset",
@@ -270,12 +276,85 @@ def tokenize_chat(tokenizer, messages: list, *, assistant_mask: str = "auto") ->
     return ids, assistant_mask_from_prefixes(tokenizer, messages, ids)
 
 
-def _check_messages(messages, where: str) -> list:
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+"""The roles of the chat format; a template need not render all of them (``chat_roles``)."""
+
+_TOOL_ROLE = re.compile(r"""(['"])tool\1""")
+
+
+def _renders_as_assistant(tokenizer, role: str) -> bool:
+    """Whether the template's ``{% generation %}`` markers supervise a lone ``role`` message (a template
+    that renders every role it does not test for as the assistant's). False when that cannot be told:
+    no markers, a slow tokenizer, or a template that refuses the lone message."""
+    if not template_has_generation_markers(tokenizer) or not getattr(tokenizer, "is_fast", False):
+        return False
+    try:
+        out = tokenizer.apply_chat_template([{"role": role, "content": "probe"}], tokenize=True, return_dict=True,
+                                            return_assistant_tokens_mask=True)
+    except Exception:  # the template wants more than one message: it checks roles itself
+        return False
+    return any(out["assistant_masks"])
+
+
+def chat_roles(tokenizer) -> tuple[str, ...]:
+    """The roles a chat record may use with ``tokenizer``: user and assistant; system unless the template
+    supervises it as the assistant's; tool when the template names it (as ``'tool'`` or ``"tool"``, the way
+    templates that render tool results test for it) and does not supervise it.
+
+    Any other role is refused: templates render the roles they do not know as one of theirs (often the
+    assistant's, whose tokens are supervised), so a typo would be trained on silently."""
+    template = _chat_template_of(tokenizer)
+    return tuple(role for role in CHAT_ROLES if role in ("user", "assistant") or (
+        (role != "tool" or _TOOL_ROLE.search(template)) and not _renders_as_assistant(tokenizer, role)))
+
+
+def _json_kind(value) -> str:
+    """How JSON spells the type of a decoded value (for messages about records)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, dict):
+        return "an object"
+    if isinstance(value, list):
+        return "an array"
+    return "a string" if isinstance(value, str) else type(value).__name__
+
+
+def _unicode_problem(text: str) -> Optional[str]:
+    """Why ``text`` cannot be tokenised as Unicode (a lone surrogate, which JSON's ``\\ud800`` escapes can
+    produce and no tokenizer accepts), or None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        return (f"is not valid Unicode (a lone surrogate {ascii(text[err.start])[1:-1]} at character {err.start}; "
+                "the file was written by a broken encoder)")
+    return None
+
+
+def check_messages(messages, where: str, roles: Sequence[str]) -> list:
+    """``messages`` if it is a chat of the format (objects with a role of ``roles`` and a string ``content``),
+    else a `DataError` naming ``where``, the message and what is wrong."""
+    from .training.errors import DataError
+
     if not isinstance(messages, list) or not messages:
-        raise ValueError(f"{where}: no messages (expected a non-empty list under 'messages').")
+        raise DataError(f"{where}: no messages (expected a non-empty list under 'messages').")
     for j, message in enumerate(messages):
         if not isinstance(message, dict) or "role" not in message:
-            raise ValueError(f"{where}: message {j} must be an object with a 'role', got {message!r:.80}.")
+            raise DataError(f"{where}: message {j} must be an object with a 'role', got {message!r:.80}.")
+        role = message["role"]
+        if not isinstance(role, str) or role not in roles:
+            shown = json.dumps(role)[:40] if isinstance(role, str) else _json_kind(role)
+            raise DataError(f"{where}: message {j}: role is {shown}, not one of the roles the chat template "
+                            f"renders ({', '.join(roles)}).")
+        content = message.get("content")
+        if not isinstance(content, str):
+            raise DataError(f"{where}: message {j} ({role}): content is {_json_kind(content)}, not a string.")
+        problem = _unicode_problem(content)
+        if problem is not None:
+            raise DataError(f"{where}: message {j} ({role}): the content {problem}.")
     return messages
 
 
@@ -284,18 +363,97 @@ def _check_messages(messages, where: str) -> list:
 # --------------------------------------------------------------------------------------------------
 
 
+# Characters of a record handed to the tokenizer per token of the sequence length (see ``record_budget``).
+CHARS_PER_TOKEN = 32
+
+
+def record_budget(seq_length: int) -> int:
+    """Characters of one record handed to the tokenizer: ``CHARS_PER_TOKEN * seq_length``.
+
+    A sample keeps the first ``seq_length`` tokens of its record, so tokenising all of a huge record (a
+    30 MB line: a minute or more and gigabytes of memory per read) buys nothing. 32 characters per token
+    is a generous upper bound of what ``seq_length`` tokens cover: BPE vocabularies average about 4
+    characters per token on English prose and fewer on code and other scripts; only text made mostly of
+    long runs (whitespace, repeated punctuation, words unknown to a word-level vocabulary) averages more,
+    and a cut that leaves such a record short of ``seq_length`` tokens is reported (``_JSONLDataset``).
+    """
+    return CHARS_PER_TOKEN * seq_length
+
+
+def _cut_text(text: str, budget: int) -> str:
+    """``text`` if it has at most ``budget`` characters, else its beginning, ending before a space.
+
+    The cut falls just before the last space in ``text[budget // 2 : budget + 1]`` that follows a
+    non-space character: the pre-tokenizers of byte-level BPE (GPT-2 / Llama-3 / Qwen patterns),
+    SentencePiece (``▁`` starts a word) and word-level vocabularies all start a new piece at such a space
+    (a piece carries a space only at its start), so every piece before the cut, and so every token, is the
+    same as in the whole text. When the beginning holds more than ``seq_length`` tokens (ordinary text, by
+    a wide margin, see ``record_budget``) the kept tokens are therefore bit-identical to those of the whole
+    text. A "word" longer than half the budget is cut at the budget itself.
+    """
+    if len(text) <= budget:
+        return text
+    low = budget // 2
+    cut = text.rfind(" ", low, budget + 1)
+    while cut > low and text[cut - 1].isspace():
+        cut = text.rfind(" ", low, cut)
+    return text[:cut] if cut > low else text[:budget]
+
+
+def _cut_chat(messages: list, budget: int) -> list:
+    """The beginning of a chat whose message contents, plus ``CHARS_PER_TOKEN`` per message, fit in ``budget``
+    characters (``messages`` itself when the whole chat fits).
+
+    The cut is made in the message contents, not in the rendered conversation: the template still renders
+    whole messages, so the role headers, end-of-turn tokens and ``{% generation %}`` spans (or, without
+    markers, the rendered prefixes of ``assistant_mask_from_prefixes``) of the kept messages are the
+    template's own, and every kept token has the loss mask the whole chat would give it. Cutting the
+    rendered text or its tokens instead would lose the template's end of the cut turn, and a mask computed
+    on a cut rendering would not be the template's. Each message is charged one token's worth of characters
+    for its header besides its content, so a chat of millions of short messages is bounded too. The message
+    in which the budget runs out keeps the beginning of its content (cut as ``_cut_text`` does, before a
+    space) and the later messages are dropped. The kept tokens equal the whole chat's whenever the budget
+    holds more than ``seq_length`` tokens and the template renders contents verbatim and earlier turns
+    independently of later ones, which the prefix assistant mask assumes already.
+    """
+    left = budget
+    for j, message in enumerate(messages):
+        left -= CHARS_PER_TOKEN
+        content = message["content"]
+        if len(content) > left:
+            if left <= 0 and j > 0:
+                return messages[:j]
+            return messages[:j] + [dict(message, content=_cut_text(content, max(left, 0)))]
+        left -= len(content)
+    return messages
+
+
+def one_line_error(err: BaseException, limit: int = 200) -> str:
+    """``Type: message`` of an exception on one line, at most ``limit`` characters of the message."""
+    text = " ".join(str(err).split()).encode("utf-8", "backslashreplace").decode("utf-8")  # printable
+    return f"{type(err).__name__}: {text[:limit]}{'...' if len(text) > limit else ''}"
+
+
 class _JSONLDataset(torch.utils.data.Dataset, abc.ABC):
     """Map-style dataset over the non-blank lines of a JSONL file.
 
-    The file is scanned once at construction: every line is parsed and checked (clear ``file:line``
-    errors before training starts), and only byte offsets are kept, so memory stays small.
+    The file is scanned once at construction: every line is parsed and checked against the format (clear
+    ``file:line`` `DataError`s before training starts), and only byte offsets are kept, so memory stays
+    small. Reading a sample parses and checks its line again and tokenises at most ``record_budget
+    (seq_length)`` characters of it; whatever fails in there (the JSON parser, the chat template, the
+    tokenizer) is a `DataError` naming the file and line, so a training loop meets one kind of error only.
+    A record cut to the budget is reported through ``log``, once per record.
     """
 
     kind = "jsonl"
 
-    def __init__(self, path: str, seq_length: int, name: Optional[str] = None):
+    def __init__(self, path: str, seq_length: int, name: Optional[str] = None, log: Callable[[str], Any] = print):
+        from .training.errors import DataError
+
         self.path = os.fspath(path)
         self.seq_length = _check_seq_length(seq_length)
+        self.log = log
+        self._reported_cuts: set[int] = set()
         if not os.path.isfile(self.path):
             raise FileNotFoundError(f"{type(self).__name__}: {self.path} does not exist (or is not a file).")
         self.name = name if name is not None else os.path.basename(self.path)
@@ -310,7 +468,7 @@ class _JSONLDataset(torch.utils.data.Dataset, abc.ABC):
                     lines.append(lineno)
                 offset += len(raw)
         if not offsets:
-            raise ValueError(f"{type(self).__name__}: {self.path} has no samples (empty or only blank lines).")
+            raise DataError(f"{type(self).__name__}: {self.path} has no samples (empty or only blank lines).")
         self._offsets = np.asarray(offsets, dtype=np.int64)
         self._lines = np.asarray(lines, dtype=np.int64)
 
@@ -318,97 +476,146 @@ class _JSONLDataset(torch.utils.data.Dataset, abc.ABC):
         return f"{self.path}:{lineno}"
 
     def _parse(self, raw: bytes, lineno: int) -> Any:
+        from .training.errors import DataError
+
         try:
             record = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             detail = f"{err.msg} at column {err.colno}" if isinstance(err, json.JSONDecodeError) else str(err)
-            raise ValueError(f"{self._where(lineno)}: invalid JSON ({detail}).") from None
+            raise DataError(f"{self._where(lineno)}: invalid JSON ({detail}).") from None
+        except RecursionError:
+            raise DataError(f"{self._where(lineno)}: invalid JSON (nested deeper than the JSON parser can "
+                            "read).") from None
         if not isinstance(record, dict):
-            raise ValueError(f"{self._where(lineno)}: expected a JSON object, got {type(record).__name__}.")
+            raise DataError(f"{self._where(lineno)}: expected a JSON object, got {type(record).__name__}.")
         return record
 
     @abc.abstractmethod
     def _validate(self, record: dict, lineno: int) -> None:
-        """Raise `ValueError` (naming the file and line) if `record` is not a sample of this format."""
+        """Raise `DataError` (naming the file and line) if `record` is not a sample of this format."""
+
+    @abc.abstractmethod
+    def _sample(self, index: int, raw: bytes, record: dict, lineno: int) -> Sample:
+        """The sample of the checked ``record`` (line ``lineno``, bytes ``raw``) at ``index``."""
 
     def __len__(self) -> int:
         return len(self._offsets)
 
-    def _read(self, index: int) -> tuple[bytes, dict, int]:
+    def __getitem__(self, index: int) -> Sample:
+        from .training.errors import DataError
+
         n = len(self)
         if not -n <= index < n:
             raise IndexError(f"index {index} out of range for {type(self).__name__} of {n} samples")
         index %= n
-        with open(self.path, "rb") as f:
-            f.seek(int(self._offsets[index]))
-            raw = f.readline()
         lineno = int(self._lines[index])
-        return raw, self._parse(raw, lineno), lineno
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(int(self._offsets[index]))
+                raw = f.readline()
+            record = self._parse(raw, lineno)
+            self._validate(record, lineno)  # the file may have changed since the scan
+            return self._sample(index, raw, record, lineno)
+        except DataError:
+            raise
+        except Exception as err:  # the template's, the tokenizer's, ...: this record, named
+            raise DataError(f"{self._where(lineno)}: cannot tokenise the record ({one_line_error(err)}).") from err
 
     def sample_id(self, index: int, raw: bytes) -> int:
         return stable_sample_id(self.kind, self.name, index, raw.rstrip(b"\r\n"))
+
+    def _report_cut(self, index: int, lineno: int, what: str, kept_chars: int, tokens: int) -> None:
+        """Say (once per record) that ``what`` was cut to ``kept_chars`` characters and gave ``tokens`` tokens."""
+        if index in self._reported_cuts:
+            return
+        self._reported_cuts.add(index)
+        short = (f"; they give only {tokens} of the {self.seq_length} tokens a sample holds (more than "
+                 f"{CHARS_PER_TOKEN} characters per token)" if tokens < self.seq_length else "")
+        self.log(f"[data] {self._where(lineno)}: {what} cut to {kept_chars} characters before tokenising "
+                 f"({CHARS_PER_TOKEN} per token of seq_length {self.seq_length}){short}.")
 
 
 class ChatJSONLDataset(_JSONLDataset):
     """Chats, one ``{"messages": [{"role": ..., "content": ...}, ...]}`` per line.
 
+    ``role`` is one of ``chat_roles(tokenizer)`` (system, user, assistant, and tool when the template
+    names it) and ``content`` a string; any other record is a `DataError` naming its file and line.
     Tokenised with the tokenizer's chat template; the loss mask covers the assistant turns (see
-    ``tokenize_chat`` for ``assistant_mask``); truncated to ``seq_length`` tokens.
+    ``tokenize_chat`` for ``assistant_mask``); truncated to ``seq_length`` tokens, of which at most
+    ``record_budget(seq_length)`` characters are rendered (see ``_cut_chat``).
     Sample ID: ``stable_sample_id("chat", name, index, line)`` with ``name`` the file's base name.
     """
 
     kind = "chat"
 
     def __init__(self, path: str, tokenizer, seq_length: int, *, name: Optional[str] = None,
-                 messages_key: str = "messages", assistant_mask: str = "auto"):
+                 messages_key: str = "messages", assistant_mask: str = "auto", log: Callable[[str], Any] = print):
         self.tokenizer = tokenizer
         self.messages_key = messages_key
         self.assistant_mask = assistant_mask
-        _chat_template_of(tokenizer)  # fail early without a template
-        super().__init__(path, seq_length, name)
+        self.roles = chat_roles(tokenizer)  # and fail early without a template
+        super().__init__(path, seq_length, name, log)
 
     def _validate(self, record: dict, lineno: int) -> None:
-        _check_messages(record.get(self.messages_key), f"{self._where(lineno)} ('{self.messages_key}')")
+        check_messages(record.get(self.messages_key), f"{self._where(lineno)} ('{self.messages_key}')", self.roles)
 
-    def __getitem__(self, index: int) -> Sample:
-        raw, record, lineno = self._read(index)
-        ids, mask = tokenize_chat(self.tokenizer, record[self.messages_key], assistant_mask=self.assistant_mask)
+    def _sample(self, index: int, raw: bytes, record: dict, lineno: int) -> Sample:
+        from .training.errors import DataError
+
+        messages = record[self.messages_key]
+        kept = _cut_chat(messages, record_budget(self.seq_length))
+        ids, mask = tokenize_chat(self.tokenizer, kept, assistant_mask=self.assistant_mask)
         if not ids:
-            raise ValueError(f"{self._where(lineno)}: the chat renders to no tokens.")
-        return _make_sample(ids, mask, self.sample_id(index % len(self), raw), self.seq_length)
+            raise DataError(f"{self._where(lineno)}: the chat renders to no tokens.")
+        if kept is not messages:
+            chars = sum(len(m["content"]) for m in messages)
+            self._report_cut(index, lineno, f"the chat's {chars} characters of content in {len(messages)} messages",
+                             sum(len(m["content"]) for m in kept), len(ids))
+        return _make_sample(ids, mask, self.sample_id(index, raw), self.seq_length)
 
 
 class TextJSONLDataset(_JSONLDataset):
-    """Plain text, one ``{"text": ...}`` per line; loss on every token; truncated to ``seq_length``.
+    """Plain text, one ``{"text": ...}`` per line; loss on every token; truncated to ``seq_length``, of which
+    at most ``record_budget(seq_length)`` characters are tokenised (see ``_cut_text``).
 
     ``append_eos`` ends each document with the tokenizer's EOS (when it has one), so packed documents
-    are separated like Megatron's ``--append-eod``.
+    are separated like Megatron's ``--append-eod`` (not a cut one: it does not end there).
     Sample ID: ``stable_sample_id("text", name, index, line)``.
     """
 
     kind = "text"
 
     def __init__(self, path: str, tokenizer, seq_length: int, text_key: str = "text", *,
-                 name: Optional[str] = None, append_eos: bool = True):
+                 name: Optional[str] = None, append_eos: bool = True, log: Callable[[str], Any] = print):
         self.tokenizer = tokenizer
         self.text_key = text_key
         self.append_eos = append_eos
-        super().__init__(path, seq_length, name)
+        super().__init__(path, seq_length, name, log)
 
     def _validate(self, record: dict, lineno: int) -> None:
+        from .training.errors import DataError
+
         text = record.get(self.text_key)
         if not isinstance(text, str):
-            raise ValueError(f"{self._where(lineno)}: no text (expected a string under '{self.text_key}').")
+            raise DataError(f"{self._where(lineno)}: no text (expected a string under '{self.text_key}').")
+        problem = _unicode_problem(text)
+        if problem is not None:
+            raise DataError(f"{self._where(lineno)}: the text {problem}.")
 
-    def __getitem__(self, index: int) -> Sample:
-        raw, record, lineno = self._read(index)
-        ids = [int(t) for t in self.tokenizer(record[self.text_key])["input_ids"]]
+    def _sample(self, index: int, raw: bytes, record: dict, lineno: int) -> Sample:
+        from .training.errors import DataError
+
+        text = record[self.text_key]
+        kept = _cut_text(text, record_budget(self.seq_length))
+        ids = [int(t) for t in self.tokenizer(kept)["input_ids"]]
         eos = getattr(self.tokenizer, "eos_token_id", None)
-        if self.append_eos and eos is not None and (not ids or ids[-1] != eos):
+        if self.append_eos and eos is not None and len(kept) == len(text) and (not ids or ids[-1] != eos):
             ids.append(int(eos))
         if not ids:
-            raise ValueError(f"{self._where(lineno)}: the text tokenises to no tokens.")
-        return _make_sample(ids, [1] * len(ids), self.sample_id(index % len(self), raw), self.seq_length)
+            raise DataError(f"{self._where(lineno)}: the text tokenises to no tokens.")
+        if len(kept) < len(text):
+            self._report_cut(index, lineno, f"the text of {len(text)} characters", len(kept), len(ids))
+        return _make_sample(ids, [1] * len(ids), self.sample_id(index, raw), self.seq_length)
 
 
 # --------------------------------------------------------------------------------------------------

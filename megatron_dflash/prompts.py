@@ -49,7 +49,7 @@ def read_prompt_file(path: str, limit: Optional[int] = None) -> list[PromptRecor
     """The prompt objects of a JSONL file (blank lines skipped), checked for a known field."""
     records: list[PromptRecord] = []
     try:
-        f = open(path)
+        f = open(path, "rb")  # decoded line by line: a bad byte is named by its line
     except OSError as err:
         raise PromptError(f"{path}: cannot read the prompt file ({err.strerror}).") from None
     with f:
@@ -61,6 +61,10 @@ def read_prompt_file(path: str, limit: Optional[int] = None) -> list[PromptRecor
                 record = json.loads(line)
             except json.JSONDecodeError as err:
                 raise PromptError(f"{where}: invalid JSON ({err.msg}).") from None
+            except UnicodeDecodeError as err:
+                raise PromptError(f"{where}: not UTF-8 text ({err.reason} at byte {err.start}).") from None
+            except RecursionError:
+                raise PromptError(f"{where}: invalid JSON (nested deeper than the JSON parser can read).") from None
             if not isinstance(record, dict) or not any(k in record for k in PROMPT_FIELDS):
                 raise PromptError(
                     f"{where}: expected a JSON object with one of {', '.join(repr(k) for k in PROMPT_FIELDS)}."
@@ -86,25 +90,42 @@ def tokenize_prompt(item: PromptRecord, tokenizer: TokenizerSource) -> list[int]
             raise PromptError(f"{where}: 'input_ids' must be a list of integers.")
     else:
         tok = tokenizer() if callable(tokenizer) and not hasattr(tokenizer, "encode") else tokenizer
-        if "messages" in record:
-            messages = record["messages"]
-            if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
-                raise PromptError(f"{where}: 'messages' must be a list of {{'role', 'content'}} objects.")
-            if messages and messages[-1].get("role") == "assistant":
-                messages = messages[:-1]  # the prompt is everything before the answer
-            if getattr(tok, "chat_template", None) is None:
-                raise PromptError(f"{where}: a 'messages' prompt needs a tokenizer with a chat template.")
-            out = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=True)
-            ids = out["input_ids"]
-        else:
-            text = record.get("text", record.get("prompt"))
-            if not isinstance(text, str):
-                raise PromptError(f"{where}: 'text' / 'prompt' must be a string.")
-            ids = tok(text)["input_ids"]
+        ids = _tokenize_text_or_chat(record, where, tok)
     ids = [int(t) for t in ids]
     if not ids:
         raise PromptError(f"{where}: the prompt has no tokens.")
     return ids
+
+
+def _tokenize_text_or_chat(record: dict, where: str, tok) -> list:
+    """Token ids of a `text` / `prompt` or `messages` prompt. Chats are checked like training chats
+    (`data.check_messages`: roles the template renders, string contents, valid Unicode); whatever the template
+    or the tokenizer raises on the prompt is a `PromptError` naming it."""
+    from .data import chat_roles, check_messages, one_line_error
+    from .training.errors import DataError
+
+    try:
+        if "messages" in record:
+            messages = record["messages"]
+            if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+                raise PromptError(f"{where}: 'messages' must be a list of {{'role', 'content'}} objects.")
+            if getattr(tok, "chat_template", None) is None:
+                raise PromptError(f"{where}: a 'messages' prompt needs a tokenizer with a chat template.")
+            check_messages(messages, where, chat_roles(tok))
+            if messages[-1].get("role") == "assistant":
+                messages = messages[:-1]  # the prompt is everything before the answer
+            out = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=True)
+            return out["input_ids"]
+        text = record.get("text", record.get("prompt"))
+        if not isinstance(text, str):
+            raise PromptError(f"{where}: 'text' / 'prompt' must be a string.")
+        return tok(text)["input_ids"]
+    except PromptError:
+        raise
+    except DataError as err:
+        raise PromptError(str(err)) from None
+    except Exception as err:  # the template's, the tokenizer's: this prompt, named
+        raise PromptError(f"{where}: cannot tokenise the prompt ({one_line_error(err)}).") from err
 
 
 def load_prompt_ids(path: str, tokenizer: TokenizerSource, limit: Optional[int] = None) -> list[list[int]]:

@@ -360,9 +360,13 @@ def test_global_batch_without_supervised_slot_does_not_step(tiny_target, tmp_pat
 _UNREADABLE = "<a record the tokenizer cannot render>"
 
 
-def _dp_rank_meeting_an_unreadable_record(rank, world_size, target, data, out_dir, *extra):
+_TOKENIZER_TYPE_ERROR = "TextEncodeInput must be Union[TextInputSequence, Tuple[InputSequence, InputSequence]]"
+
+
+def _dp_rank_meeting_an_unreadable_record(rank, world_size, target, data, out_dir, *extra, raises=False):
     """A DP=2 rank training on `data` (and `extra`); the record `_UNREADABLE` renders to no tokens (as a chat
-    template can for a malformed chat), and only DP rank 1 reads it."""
+    template can for a malformed chat), or with `raises` makes the tokenizer raise its own `TypeError` (as it
+    does on text it cannot encode), and only DP rank 1 reads it."""
     import pathlib
 
     from megatron_dflash import data as data_module
@@ -371,7 +375,11 @@ def _dp_rank_meeting_an_unreadable_record(rank, world_size, target, data, out_di
     real = data_module.tokenize_chat
 
     def tokenize(tokenizer, messages, **kwargs):
-        return ([], []) if messages[0]["content"] == _UNREADABLE else real(tokenizer, messages, **kwargs)
+        if messages[0]["content"] != _UNREADABLE:
+            return real(tokenizer, messages, **kwargs)
+        if raises:
+            raise TypeError(_TOKENIZER_TYPE_ERROR)
+        return [], []
 
     data_module.tokenize_chat = tokenize
     out = pathlib.Path(out_dir)
@@ -385,23 +393,30 @@ def _dp_rank_meeting_an_unreadable_record(rank, world_size, target, data, out_di
     return None
 
 
-def test_a_record_unreadable_on_one_data_parallel_rank_stops_every_rank(tp_pool, tiny_target, tmp_path):
+def _with_unreadable_record(tmp_path, name, step, seed, content=_UNREADABLE):
+    """A copy of `tmp_path / "chats.jsonl"` whose record read first by DP rank 1 (of 2) in `step` (micro-batch 2,
+    global batch 4) has `content` as its first message; (its path, its line number)."""
     from megatron_dflash.data import MicroBatchIterator
 
+    lines = (tmp_path / "chats.jsonl").read_text().splitlines()
+    order = MicroBatchIterator(list(range(len(lines))), micro_batch_size=2, global_batch_size=4, dp_rank=1,
+                               dp_size=2, seed=seed)
+    bad = next(i for i in order.micro_batch_indices(step, 0) if i != 0)  # index 0: read by the up-front check
+    chat = json.loads(lines[bad])
+    chat["messages"][0]["content"] = content
+    lines[bad] = json.dumps(chat)
+    (tmp_path / name).write_text("\n".join(lines) + "\n")
+    return str(tmp_path / name), bad + 1
+
+
+def test_a_record_unreadable_on_one_data_parallel_rank_stops_every_rank(tp_pool, tiny_target, tmp_path):
     samples = 16
     _chats(tmp_path / "chats.jsonl", [True] * samples)
 
     def with_unreadable_record(name, step, seed):
         """A copy of the chats whose record read first by DP rank 1 (of 2) in `step` is unreadable."""
-        order = MicroBatchIterator(list(range(samples)), micro_batch_size=2, global_batch_size=4, dp_rank=1,
-                                   dp_size=2, seed=seed)
-        bad = next(i for i in order.micro_batch_indices(step, 0) if i != 0)  # index 0: read by the up-front check
-        lines = (tmp_path / "chats.jsonl").read_text().splitlines()
-        chat = json.loads(lines[bad])
-        chat["messages"][0]["content"] = _UNREADABLE
-        lines[bad] = json.dumps(chat)
-        (tmp_path / name).write_text("\n".join(lines) + "\n")
-        return str(tmp_path / name), f"{tmp_path / name}:{bad + 1}: the chat renders to no tokens."
+        path, line = _with_unreadable_record(tmp_path, name, step, seed)
+        return path, f"{path}:{line}: the chat renders to no tokens."
 
     pool = tp_pool(2)
     train, expected = with_unreadable_record("train.jsonl", step=1, seed=1234)
@@ -419,6 +434,28 @@ def test_a_record_unreadable_on_one_data_parallel_rank_stops_every_rank(tp_pool,
     assert results == [expected, expected], results
     assert not (tmp_path / "b" / "hf").exists()
 
+
+
+def test_a_record_the_tokenizer_refuses_on_one_data_parallel_rank_stops_every_rank(tp_pool, tiny_target, tmp_path):
+    """Whatever the tokenizer raises on a record read by one DP rank only is the same one-line `DataError` on
+    every rank, naming the file and line (not the tokenizer's bare `TypeError` on one rank and a closed
+    connection on the other); a record the scan already refuses (a lone surrogate) stops every rank alike
+    before training."""
+    _chats(tmp_path / "chats.jsonl", [True] * 16)
+    pool = tp_pool(2)
+    train, line = _with_unreadable_record(tmp_path, "train.jsonl", step=1, seed=1234)
+    results = pool.run(_dp_rank_meeting_an_unreadable_record, tiny_target, train, str(tmp_path / "a"), raises=True,
+                       tp=1, timeout=MULTI_RANK_TIMEOUT_S)
+    expected = f"{train}:{line}: cannot tokenise the record (TypeError: {_TOKENIZER_TYPE_ERROR})."
+    assert results == [expected, expected], results
+    assert (tmp_path / "a" / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+    surrogate, line = _with_unreadable_record(tmp_path, "surrogate.jsonl", step=1, seed=1234, content="3 \ud800 4")
+    results = pool.run(_dp_rank_meeting_an_unreadable_record, tiny_target, surrogate, str(tmp_path / "b"), tp=1,
+                       timeout=MULTI_RANK_TIMEOUT_S)
+    expected = (f"{surrogate}:{line} ('messages'): message 0 (user): the content is not valid Unicode (a lone "
+                "surrogate \\ud800 at character 2; the file was written by a broken encoder).")
+    assert results == [expected, expected], results
+    assert not (tmp_path / "b" / "ckpt").exists()
 
 # ------------------------------------------------------------------------------------------ 5. vocabulary
 

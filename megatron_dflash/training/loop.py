@@ -236,6 +236,7 @@ def _load_hf_model(job: Job, dtype: torch.dtype):
 def build_datasets(job: Job):
     """(train, valid or None) map-style datasets of `data.py`."""
     from .. import data
+    from .errors import DataError
 
     args, tok = job.args, job.tokenizer
     fmt = args.data_format
@@ -256,6 +257,8 @@ def build_datasets(job: Job):
     try:
         train = one(args.train_path)
         valid = one(args.valid_data) if args.valid_data else None
+    except DataError:
+        raise  # a record that cannot be used: one line naming its file and line already
     except (ValueError, FileNotFoundError) as err:
         raise ArgumentError(str(err)) from None
     return train, valid
