@@ -33,12 +33,13 @@ _NO_SPACE = "no space left on device writing"
 class FullDisk:
     """The file system under `root` is full while `full` is set: a write there raises
     `OSError(ENOSPC)`. `room` bytes may still be written first (a write that straddles them is
-    partial, as on a real disk). Use as a context manager (also inside the rank processes of the
-    pool, which later tests reuse: everything patched is restored on exit)."""
+    partial, as on a real disk); `mkdir=True`: no new directory fits either. Use as a context
+    manager (also inside the rank processes of the pool, which later tests reuse: everything
+    patched is restored on exit)."""
 
-    def __init__(self, root, full: bool = True, room: int = 0):
+    def __init__(self, root, full: bool = True, room: int = 0, mkdir: bool = False):
         self.root = os.path.realpath(str(root))
-        self.full, self.room = full, room
+        self.full, self.room, self.refuse_mkdir = full, room, mkdir
         self.refused = 0  # writes refused so far
         self._saved = []
 
@@ -68,6 +69,12 @@ class FullDisk:
             return self._real_os_write(fd, data)
         return self._real_os_write(fd, bytes(memoryview(data)[:self._allow(len(data))]))
 
+    def _os_mkdir(self, path, *args, **kwargs):
+        if self.full and self.refuse_mkdir and self._under(path):
+            self.refused += 1
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.fspath(path))
+        return self._real_os_mkdir(path, *args, **kwargs)
+
     def _open(self, file, mode="r", *args, **kwargs):
         f = self._real_open(file, mode, *args, **kwargs)
         if isinstance(file, (str, bytes, os.PathLike)) and any(c in mode for c in "wax+") and self._under(file):
@@ -85,10 +92,10 @@ class FullDisk:
     def __enter__(self) -> "FullDisk":
         import safetensors.torch
 
-        self._real_os_write, self._real_open = os.write, io.open
+        self._real_os_write, self._real_os_mkdir, self._real_open = os.write, os.mkdir, io.open
         self._real_serialize_file = safetensors.torch.serialize_file
-        for owner, name, value in ((os, "write", self._os_write), (io, "open", self._open),
-                                   (builtins, "open", self._open),
+        for owner, name, value in ((os, "write", self._os_write), (os, "mkdir", self._os_mkdir),
+                                   (io, "open", self._open), (builtins, "open", self._open),
                                    (safetensors.torch, "serialize_file", self._serialize_file)):
             self._saved.append((owner, name, getattr(owner, name)))
             setattr(owner, name, value)
@@ -284,14 +291,16 @@ def test_tensorboard_writes_that_fail_warn_once(capsys):
 # ------------------------------------------------------------------------------------------ one line each
 
 
-def test_a_checkpoint_save_on_a_full_disk_ends_in_one_line(tiny_target, tmp_path, trained, capsys, monkeypatch):
+@pytest.mark.parametrize("mkdir", [False, True], ids=["shards", "staged-directory"])
+def test_a_checkpoint_save_on_a_full_disk_ends_in_one_line(tiny_target, tmp_path, trained, capsys, monkeypatch, mkdir):
+    """The shards do not fit, or not even the staged directory: one line, the save directory as it was."""
     save = _copy(trained, tmp_path)
     before = {name: sorted(os.listdir(save / name)) if (save / name).is_dir() else (save / name).read_text()
               for name in os.listdir(save)}
     more = [a if a != "2" else "3" for a in SHORT]
-    with FullDisk(save) as disk:
-        status, err = _main(_base(tiny_target, tmp_path, *more, "--load", str(save), "--save", str(save)),
-                            capsys, monkeypatch)
+    with FullDisk(save, mkdir=mkdir) as disk:
+        status, err = _main(_base(tiny_target, tmp_path, *more, "--load", str(save), "--save", str(save),
+                                  "--run-dir", str(tmp_path / "run")), capsys, monkeypatch)
     assert status == 1 and disk.refused > 0
     assert _error_line(err) == (f"pretrain_dflash.py: error: {_NO_SPACE} {save / 'iter_0000003'} (the checkpoints "
                                 "saved before are intact); free space on its file system or write somewhere else, "

@@ -233,7 +233,7 @@ def save_checkpoint(
     name = iteration_dir_name(iteration)
     final = os.path.join(save_dir, name)
     tmp = staged_path(final)
-    ok = True
+    unprepared: Optional[BaseException] = None
     if _rank() == 0:
         try:
             os.makedirs(save_dir, exist_ok=True)
@@ -241,9 +241,8 @@ def save_checkpoint(
             os.makedirs(tmp)
         except OSError as err:
             log(f"[checkpoint] cannot prepare {tmp}: {err}")
-            ok = False
-    if not _all_ok(ok):
-        raise RuntimeError(f"saving checkpoint {final} failed: could not create {tmp} (see rank 0's log).")
+            unprepared = err
+    _agree_on_save(unprepared, final, tmp, "preparing")
 
     common = dict(common, checkpoint_version=CHECKPOINT_VERSION, world_size=_world())
     draft_config = None
