@@ -14,11 +14,21 @@ the previous version back at once; a crash there (a killed process) leaves NAME 
 complete previous version aside, and `recover(NAME)`, which the next publish of NAME (and
 `remove_stale_siblings`) runs first, moves it back. Nothing of the
 previous version is deleted before the new one is in place.
+
+A full file system (`ENOSPC`, or a quota: `EDQUOT`) is one expected failure, said in one line
+(`NoSpaceError`, docs/design.md §14): `write_file` and `atomic_directory` raise it naming the
+output they were publishing, after removing their staged copy, so the previous version stays in
+place and nothing partial is left. The writers below them report it in many shapes: Python's
+`OSError`, torch's zip writer ("unexpected pos ...", the `OSError` of the stream in its
+`__context__`), torch's distributed checkpoint (`CheckpointException` with the failure of each
+rank), safetensors (the Rust `io::Error` text, "(os error 28)"). `no_space_cause` finds the errno
+in any of them; `as_no_space` is what the entry points' one-line report (`cli.report_failure`) uses.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import shutil
@@ -26,6 +36,10 @@ import tempfile
 from typing import Iterator, Optional, Union
 
 __all__ = [
+    "NoSpaceError",
+    "no_space_cause",
+    "as_no_space",
+    "no_space_as_error",
     "write_file",
     "publish_directory",
     "atomic_directory",
@@ -54,6 +68,122 @@ def staged_path(output: str) -> str:
     without talking (every rank of a collective checkpoint save)."""
     output = os.path.abspath(output)
     return os.path.join(os.path.dirname(output), f".{os.path.basename(output)}.{_STAGED}")
+
+
+# ---------------------------------------------------------------------------------- a full disk
+
+NO_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+# The text of a Rust `std::io::Error` from the OS (safetensors' writer): "... (os error 28)".
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+class NoSpaceError(OSError):
+    """Writing `path` failed because its file system is full (or its quota used up). One line that
+    names `path`, says "no space left on device" and what to do; `note` adds what is still intact."""
+
+    def __init__(self, path: str, note: Optional[str] = None, code: int = errno.ENOSPC):
+        super().__init__(code, os.strerror(code), path)
+        self.note = note
+
+    def __reduce__(self):  # torch gathers the errors of the ranks by pickling them
+        return type(self), (self.filename, self.note, self.errno)
+
+    def __str__(self) -> str:
+        reason = "no space left on device" if self.errno == errno.ENOSPC else os.strerror(self.errno).lower()
+        note = f" ({self.note})" if self.note else ""
+        return (f"{reason} writing {self.filename}{note}; free space on its file system or write somewhere "
+                "else, then run again.")
+
+
+def _errors_in_chain(err: BaseException) -> Iterator[BaseException]:
+    """`err`, its causes and contexts, and the failures torch's `CheckpointException` collected per rank."""
+    stack, seen = [err], set()
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        stack += [e.__cause__, e.__context__]
+        failures = getattr(e, "failures", None)  # torch.distributed.checkpoint: {rank: (error, traceback)}
+        if isinstance(failures, dict):
+            for failure in failures.values():
+                failure = failure[0] if isinstance(failure, tuple) and failure else failure
+                if isinstance(failure, BaseException):
+                    stack.append(failure)
+
+
+def no_space_cause(err: BaseException) -> Optional[OSError]:
+    """The error of a write that found the file system full, anywhere in the chain of `err` (None: the
+    chain holds none). Read from the errno wherever the writer kept one, else from the OS error code
+    of a Rust writer's message."""
+    for e in _errors_in_chain(err):
+        if isinstance(e, OSError) and e.errno in NO_SPACE_ERRNOS:
+            return e
+        match = _RUST_OS_ERROR.search(str(e)) if not isinstance(e, OSError) else None
+        if match and int(match.group(1)) in NO_SPACE_ERRNOS:
+            code = int(match.group(1))
+            return OSError(code, os.strerror(code))
+    return None
+
+
+FULL_BELOW_BYTES = 1 << 20  # a file system with less room than this is full for any checkpoint or export
+
+
+def _file_system_full(path: str) -> bool:
+    """Whether the file system that holds (or would hold) `path` has no room left: under
+    `FULL_BELOW_BYTES` free for this user, or no free inode."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    try:
+        st = os.statvfs(path)
+    except (OSError, AttributeError):  # AttributeError: no statvfs on this platform
+        return False
+    return st.f_bavail * st.f_frsize < FULL_BELOW_BYTES or (st.f_files > 0 and st.f_favail == 0)
+
+
+def _errno_lost(err: BaseException) -> bool:
+    """Whether `err` is a failed write that does not say why: torch's C++ zip writer on a file name
+    reports a full disk as `RuntimeError` "unexpected pos ..." from "basic_ios::clear: iostream error",
+    with no errno anywhere."""
+    return any(isinstance(e, RuntimeError) or (isinstance(e, OSError) and e.errno is None)
+               for e in _errors_in_chain(err))
+
+
+def as_no_space(err: BaseException, path: Optional[str] = None, note: Optional[str] = None) -> Optional[NoSpaceError]:
+    """`err` as a `NoSpaceError` naming `path` when a full file system caused it, else None.
+
+    Without `path` (the one-line report of an entry point): the chain of `err` must say so
+    (`no_space_cause`), and the path is the file its failed write named; a `NoSpaceError` is
+    returned as it is. With `path` (a writer that knows what it was writing): also a write that
+    failed without saying why (`_errno_lost`) while the file system of `path` is full."""
+    if isinstance(err, NoSpaceError) and path is None:
+        return err
+    cause = no_space_cause(err)
+    if cause is None:
+        if path is None or not (_errno_lost(err) and _file_system_full(path)):
+            return None
+        cause = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    if path is None:
+        path = getattr(cause, "filename", None) or "a file (the writer did not say which)"
+    return NoSpaceError(path, note, cause.errno)
+
+
+@contextlib.contextmanager
+def no_space_as_error(path: str, note: Optional[str] = None) -> Iterator[None]:
+    """Raise a write that fails in the block because the file system is full as `NoSpaceError(path)`
+    (chained to the original, which `--debug` shows); every other error passes unchanged."""
+    try:
+        yield
+    except BaseException as err:  # noqa: BLE001 - torch's CheckpointException is a BaseException
+        translated = as_no_space(err, os.path.abspath(path), note)
+        if translated is None:
+            raise
+        raise translated from err
+
+
+# ---------------------------------------------------------------------------------- publishing
 
 
 def _fsync(path: str) -> None:
@@ -100,22 +230,32 @@ def _flush_tree(root: str) -> None:
         _fsync(here)
 
 
+def write_all(fd: int, data: bytes) -> None:
+    """Write all of `data` to the file descriptor `fd` (`os.write` may write part of it)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
 def write_file(path: str, data: Union[str, bytes]) -> None:
-    """Replace the file `path` with `data` atomically (staged sibling, fsync, one rename)."""
+    """Replace the file `path` with `data` atomically (staged sibling, fsync, one rename).
+    A full file system raises `NoSpaceError(path)`; `path` then keeps its previous content."""
     path = os.path.abspath(path)
     directory = os.path.dirname(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.{_STAGED}-", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    with no_space_as_error(path):
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.{_STAGED}-", dir=directory)
+        try:
+            try:
+                write_all(fd, data.encode() if isinstance(data, str) else data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.chmod(tmp, 0o666 & ~_umask())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
     _fsync(directory)
 
 
@@ -191,7 +331,7 @@ def atomic_directory(output: str, *, replace: bool, remove_stale: bool = True) -
     """Yield a staged directory that `publish_directory` moves into place as `output` when the
     block succeeds. On error the staged directory is deleted and `output` is untouched. A non-empty
     `output` is replaced only with `replace=True`; otherwise `FileExistsError` is raised, also
-    when `output` filled up while writing.
+    when `output` filled up while writing. A full file system raises `NoSpaceError(output)`.
 
     `remove_stale=False` where several processes may build the same `output` at once (a shared
     cache): the staged siblings of the others are then not leftovers of a killed writer."""
@@ -200,13 +340,14 @@ def atomic_directory(output: str, *, replace: bool, remove_stale: bool = True) -
     os.makedirs(parent, exist_ok=True)
     if remove_stale:
         remove_stale_siblings(output)
-    staged = tempfile.mkdtemp(prefix=f".{os.path.basename(output)}.{_STAGED}-", dir=parent)
-    try:
-        yield staged
-        publish_directory(staged, output, replace=replace)
-    except BaseException:
-        shutil.rmtree(staged, ignore_errors=True)
-        raise
+    with no_space_as_error(output):
+        staged = tempfile.mkdtemp(prefix=f".{os.path.basename(output)}.{_STAGED}-", dir=parent)
+        try:
+            yield staged
+            publish_directory(staged, output, replace=replace)
+        except BaseException:
+            shutil.rmtree(staged, ignore_errors=True)
+            raise
 
 
 def _remove(path: str) -> None:

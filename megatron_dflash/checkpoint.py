@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .atomic import atomic_directory, check_destination
+from .atomic import NoSpaceError, as_no_space, atomic_directory, check_destination
 from .body import default_parallel_config
 from .config import DFlashConfig
 from .parallel import is_distributed_group
@@ -85,14 +85,19 @@ def _write_directory(
         save_file(tensors, os.path.join(tmp, SAFETENSORS_NAME), metadata={"format": "pt"})
 
 
-def _agree_on_success(ok: bool, group, device, directory: str) -> None:
+def _agree_on_success(error: Optional[BaseException], group, device, directory: str) -> None:
     """Barrier over `group` that also tells every rank whether the writer succeeded, so a
-    failed save raises everywhere instead of leaving the other ranks waiting."""
+    failed save raises everywhere instead of leaving the other ranks waiting; a full file system
+    is the same `NoSpaceError` on every rank."""
     if not is_distributed_group(group):
         return
-    flag = torch.tensor([0 if ok else 1], dtype=torch.int64, device=device)
+    # 0: written, 1: the writer failed, 2: the writer found the file system full
+    code = 0 if error is None else (2 if as_no_space(error, directory) is not None else 1)
+    flag = torch.tensor([code], dtype=torch.int64, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    if flag.item() and ok:
+    if flag.item() and error is None:
+        if flag.item() == 2:
+            raise NoSpaceError(os.path.abspath(directory))
         raise RuntimeError(
             f"saving the HF checkpoint to {directory} failed on the writing rank; see its error."
         )
@@ -126,6 +131,8 @@ def save_hf_checkpoint(
     Raises:
         ValueError: the body's variant does not run in `dtype` (DFlash 2 in float16), or the
             body is not of a registered variant and no `architecture` is given.
+        atomic.NoSpaceError: the file system of `directory` is full (on every rank of the TP
+            group; `directory` keeps its previous content).
     """
     if architecture is None:
         variant = variant_of(body)
@@ -134,7 +141,6 @@ def save_hf_checkpoint(
     tensors = hf_state_dict(body)
     device = next(iter(tensors.values())).device
     writer = _is_writer(body)
-    ok = True
     if writer:
         try:
             out = {}
@@ -149,11 +155,10 @@ def save_hf_checkpoint(
             extra.update({"torch_dtype": dtype_name, "dtype": dtype_name})
             config = dataclasses.replace(body.config, extra_hf_fields=extra)
             _write_directory(config, out, directory, architecture, overwrite)
-        except BaseException:
-            ok = False
-            _agree_on_success(False, body.tp_group, device, directory)
+        except BaseException as err:
+            _agree_on_success(err, body.tp_group, device, directory)
             raise
-    _agree_on_success(ok, body.tp_group, device, directory)
+    _agree_on_success(None, body.tp_group, device, directory)
 
 
 # ---------------------------------------------------------------------------------- HF import

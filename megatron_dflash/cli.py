@@ -9,7 +9,7 @@
 * `usage_error(prog, message)` ends a tool the same way for errors found after parsing (a
   missing path, a bad file); `require_*` check paths without importing anything heavy.
 
-This module imports only the standard library, so a tool can parse and check its command
+This module imports only the standard library (and `atomic`, which does too), so a tool can parse and check its command
 line in a fraction of a second, before torch / megatron / transformers load.
 """
 
@@ -24,6 +24,8 @@ import sys
 import warnings
 from typing import NoReturn, Optional
 
+from .atomic import as_no_space
+
 __all__ = [
     "HARMLESS_WARNINGS",
     "quiet_dependency_warnings",
@@ -32,6 +34,7 @@ __all__ = [
     "UsageError",
     "usage_error",
     "report_failure",
+    "is_no_space",
     "DEBUG_ENV",
     "suggest_option",
     "require_file",
@@ -123,12 +126,21 @@ DEBUG_ENV = "MEGATRON_DFLASH_DEBUG"  # set to 1 for the traceback of expected fa
 
 def report_failure(prog: str, err: BaseException, *, debug: bool = False) -> None:
     """Print an expected failure as one `prog: error: message` line on stderr, after its traceback
-    when `debug` or `$MEGATRON_DFLASH_DEBUG` asks for it. Call it from an `except` block."""
+    when `debug` or `$MEGATRON_DFLASH_DEBUG` asks for it. Call it from an `except` block.
+
+    An error that a full file system caused, in whatever shape its writer raised it, is said as
+    `atomic.NoSpaceError` says it (the path and "no space left on device")."""
     if debug or os.environ.get(DEBUG_ENV, "").lower() in ("1", "true", "yes"):
         import traceback
 
         traceback.print_exc()
+    err = as_no_space(err) or err
     print(f"{prog}: error: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
+
+
+def is_no_space(err: BaseException) -> bool:
+    """Whether a full file system caused `err` (an expected failure, for an entry point's `except`)."""
+    return as_no_space(err) is not None
 
 
 def usage_error(prog: str, message: str, stream=None) -> NoReturn:

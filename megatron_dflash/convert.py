@@ -19,7 +19,7 @@ import os
 import sys
 from typing import Optional
 
-from .atomic import check_destination
+from .atomic import NoSpaceError, check_destination
 from .cli import (
     USAGE_EXIT_CODE,
     ArgumentParser,
@@ -125,7 +125,7 @@ def _check_cli_paths(args) -> None:
 
 
 def main(argv: Optional[list[str]] = None, prog: str = _PROG) -> int:
-    """CLI entry point; returns the exit status (0 ok, 1 conversion error, 2 usage error).
+    """CLI entry point; returns the exit status (0 ok, 1 conversion error or a full disk, 2 usage error).
 
     Usage errors (a bad flag, a missing --load, a non-empty --output without --force) are found
     before torch and megatron are imported and reported in one line, like every tool here.
@@ -150,8 +150,8 @@ def main(argv: Optional[list[str]] = None, prog: str = _PROG) -> int:
                 args.load, args.output, dtype=args.dtype, validate=args.validate, force=args.force,
                 target_tensor_parallel_size=args.target_tensor_parallel_size, iteration=args.iteration,
             )
-    except (ValueError, FileExistsError, FileNotFoundError, NotADirectoryError) as err:
-        report_failure(prog, err)
+    except (ValueError, FileExistsError, FileNotFoundError, NotADirectoryError, NoSpaceError) as err:
+        report_failure(prog, err)  # a full disk: one line naming --output; nothing of it left behind
         return 1
     where = f" ({iteration_dir_name(result.iteration)})" if result.iteration is not None else ""
     print(

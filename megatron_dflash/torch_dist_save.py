@@ -11,6 +11,12 @@ each shard and give it its sharded key, translate megatron `ShardedTensor`s into
 torch's synchronous `FileSystemWriter` (`thread_count` writer threads, files fsync'ed). The result
 is the `torch_dist` backend, version 1, read by megatron's default loader.
 
+A full file system: torch gathers the error of each rank's writes by pickling it, which drops its
+`__context__`, the only place where torch's zip writer keeps the `OSError` (ENOSPC) of a failed
+write (what is left says "unexpected pos 704 vs 598"). `_FileSystemWriter` raises such a failure
+as `atomic.NoSpaceError` (the checkpoint directory) before the gather, so every rank's message
+says it (docs/design.md §14).
+
 This module and its reading counterpart `torch_dist_load.py` are the only places that use megatron's
 private helpers (names starting with `_`) or internals of the `torch_dist` strategy;
 `tests/test_convert.py::test_megatron_private_save_helpers` pins the signatures used there and fails
@@ -27,6 +33,8 @@ from megatron.core.dist_checkpointing.strategies.torch import (  # the private h
     mcore_to_pyt_state_dict,
 )
 
+from .atomic import no_space_as_error
+
 try:
     from torch.distributed.checkpoint.filesystem import SerializationFormat
 
@@ -35,6 +43,23 @@ except ImportError:  # older torch: torch.save is the only format
     _WRITER_FORMAT = {}
 
 __all__ = ["InProcessTorchDistSaveStrategy", "in_process_save_strategy"]
+
+
+class _FileSystemWriter(dcp.FileSystemWriter):
+    """torch's synchronous `FileSystemWriter`; a write that finds the file system full raises
+    `atomic.NoSpaceError` naming the checkpoint directory (see the module docstring)."""
+
+    def __init__(self, path: str, **kwargs):
+        super().__init__(path, **kwargs)
+        self.checkpoint_dir = path
+
+    def write_data(self, plan, planner):
+        with no_space_as_error(self.checkpoint_dir):
+            return super().write_data(plan, planner)
+
+    def finish(self, metadata, results) -> None:
+        with no_space_as_error(self.checkpoint_dir):
+            super().finish(metadata, results)
 
 
 class InProcessTorchDistSaveStrategy(SaveShardedStrategy):
@@ -54,7 +79,7 @@ class InProcessTorchDistSaveStrategy(SaveShardedStrategy):
     def save(self, sharded_state_dict, checkpoint_dir) -> None:
         grouped, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, keep_only_main_replica=True)
         pyt_state_dict = mcore_to_pyt_state_dict(grouped, False)
-        writer = dcp.FileSystemWriter(str(checkpoint_dir), thread_count=self.thread_count, **_WRITER_FORMAT)
+        writer = _FileSystemWriter(str(checkpoint_dir), thread_count=self.thread_count, **_WRITER_FORMAT)
         planner = MCoreSavePlanner(
             dedup_replicated_tensors=False, flatten_state_dict=False, can_run_decentralized_global_plan=False
         )

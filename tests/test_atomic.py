@@ -134,7 +134,7 @@ def test_a_failed_replacement_puts_the_previous_version_back_at_once(tmp_path, m
         return real_rename(src, dst)
 
     monkeypatch.setattr(os, "rename", failing_second_rename)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(atomic.NoSpaceError, match=f"no space left on device writing {output};"):
         with atomic.atomic_directory(str(output), replace=True) as staged:
             with open(os.path.join(staged, "config.json"), "w") as f:
                 f.write("new")

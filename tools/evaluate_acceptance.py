@@ -581,7 +581,8 @@ def print_report(report: dict) -> None:
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Exit status 0; 2 with one `error:` line for a bad flag or path; 1 with one `error:` line for a damaged
-    model, draft or prompt (the traceback too with MEGATRON_DFLASH_DEBUG=1)."""
+    model, draft or prompt, or a report that cannot be written (a full disk) (the traceback too with
+    MEGATRON_DFLASH_DEBUG=1)."""
     quiet_dependency_warnings()
     args = parse_args(argv)
     try:
@@ -594,13 +595,22 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 1
     print_report(report)
     if args.output:
-        directory = os.path.dirname(os.path.abspath(args.output))
-        os.makedirs(directory, exist_ok=True)
-        with open(args.output, "w") as f:
-            json.dump(report, f, indent=2)
-            f.write("\n")
+        try:
+            write_report(args.output, report)
+        except OSError as err:  # a full disk, an unwritable directory: the previous report (if any) is intact
+            report_failure(PROG, err)
+            return 1
         print(f"report written to {args.output}")
     return 0
+
+
+def write_report(path: str, report: dict) -> None:
+    """The JSON report at `path`, replaced atomically: a reader (or a failed write) finds the previous
+    report or the complete new one, never a partial or empty file (a full disk: `atomic.NoSpaceError`)."""
+    from megatron_dflash.atomic import write_file
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    write_file(path, json.dumps(report, indent=2) + "\n")
 
 
 if __name__ == "__main__":

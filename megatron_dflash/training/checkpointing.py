@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 from typing import Callable, Optional
 
 import numpy as np
@@ -47,7 +48,7 @@ from megatron.core.dist_checkpointing.dict_utils import extract_matching_values
 from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedObject, ShardedTensor
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-from ..atomic import publish_directory, remove_stale_siblings, staged_path, temporary_of
+from ..atomic import NoSpaceError, as_no_space, publish_directory, remove_stale_siblings, staged_path, temporary_of
 from ..torch_dist import (
     MODEL_PREFIX,
     RELEASE,
@@ -102,6 +103,33 @@ def _all_ok(ok: bool) -> bool:
                         device="cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu")
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return flag.item() == 0
+
+
+def raise_alike_after_write(error: Optional[BaseException], path: str, *, note: Optional[str], elsewhere: str) -> None:
+    """After a write every rank took part in (collective: one all-reduce, two on failure): return when it
+    succeeded on every rank, else raise the same error on every rank. A full file system on any rank is
+    `NoSpaceError(path, note)` everywhere (a save may fail on some ranks only: the ones whose shards did
+    not fit); another error is raised by the ranks that met it, and `RuntimeError(elsewhere)` by the others."""
+    if _all_ok(error is None):
+        return
+    if not _all_ok(error is None or as_no_space(error, path) is None):
+        raise NoSpaceError(os.path.abspath(path), note) from error
+    if error is not None:
+        raise error
+    raise RuntimeError(elsewhere)
+
+
+def _agree_on_save(error: Optional[BaseException], final: str, staged: str, step: str) -> None:
+    """`raise_alike_after_write` for a step of `save_checkpoint` (`step`: what it did); on failure rank 0
+    first deletes the staged directory (every rank has stopped writing into it)."""
+    try:
+        raise_alike_after_write(error, final, note="the checkpoints saved before are intact",
+                                elsewhere=f"{step} checkpoint {final} failed on another rank; the previous "
+                                "checkpoint is intact.")
+    except BaseException:
+        if _rank() == 0:
+            shutil.rmtree(staged, ignore_errors=True)
+        raise
 
 
 def read_latest_iteration(directory: str):
@@ -260,7 +288,7 @@ def save_checkpoint(
     name = iteration_dir_name(iteration)
     final = os.path.join(save_dir, name)
     tmp = staged_path(final)
-    ok = True
+    unprepared: Optional[BaseException] = None
     if _rank() == 0:
         try:
             os.makedirs(save_dir, exist_ok=True)
@@ -268,9 +296,8 @@ def save_checkpoint(
             os.makedirs(tmp)
         except OSError as err:
             log(f"[checkpoint] cannot prepare {tmp}: {err}")
-            ok = False
-    if not _all_ok(ok):
-        raise RuntimeError(f"saving checkpoint {final} failed: could not create {tmp} (see rank 0's log).")
+            unprepared = err
+    _agree_on_save(unprepared, final, tmp, "preparing")
 
     common = dict(common, checkpoint_version=CHECKPOINT_VERSION, world_size=_world())
     draft_config = None
@@ -294,21 +321,17 @@ def save_checkpoint(
         save_megatron_draft(body, tmp, extra_state=extra, draft_config=draft_config)
     except BaseException as err:  # noqa: BLE001 - every rank must learn about any rank's failure
         error = err
-    if not _all_ok(error is None):
-        if error is not None:
-            raise error
-        raise RuntimeError(f"saving checkpoint {final} failed on another rank; the previous checkpoint is intact.")
+    _agree_on_save(error, final, tmp, "saving")
 
-    ok = True
+    error = None
     if _rank() == 0:
         try:
             publish_directory(tmp, final, replace=True)  # re-saving an iteration replaces it
             write_tracker(save_dir, iteration)
         except OSError as err:
             log(f"[checkpoint] publishing {final} failed: {err}")
-            ok = False
-    if not _all_ok(ok):
-        raise RuntimeError(f"publishing checkpoint {final} failed (see rank 0's log).")
+            error = err
+    _agree_on_save(error, final, tmp, "publishing")
     return final
 
 

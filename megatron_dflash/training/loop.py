@@ -569,18 +569,28 @@ class TrainResult:
 def _export(job: Job, body) -> None:
     """The HF export. Every rank (also off the draft's pipeline stage) checks again that the directory is
     empty or this run's own earlier export (it may have filled up during training): file reads only, so
-    all ranks raise alike. Then the draft's stage writes it and records the run in it."""
+    all ranks raise alike. Then the draft's stage writes it and records the run in it; every rank learns
+    whether that worked (a full file system: the same `NoSpaceError` on every rank)."""
     from megatron.core import parallel_state
 
+    from .checkpointing import raise_alike_after_write
     from .outputs import check_export_directory, mark_export, run_name
 
     check_export_directory(job.export_dir, run_name(job.args))
-    if body is None:
-        return
-    save_hf_checkpoint(body, job.export_dir, overwrite=True)  # collective over the draft's TP group
-    if not parallel_state.model_parallel_is_initialized() or (
-            parallel_state.get_tensor_model_parallel_rank() == 0 and parallel_state.get_data_parallel_rank() == 0):
-        mark_export(job.export_dir, job.args)
+    error: Optional[BaseException] = None
+    if body is not None:
+        try:
+            save_hf_checkpoint(body, job.export_dir, overwrite=True)  # collective over the draft's TP group
+            if not parallel_state.model_parallel_is_initialized() or (
+                    parallel_state.get_tensor_model_parallel_rank() == 0
+                    and parallel_state.get_data_parallel_rank() == 0):
+                mark_export(job.export_dir, job.args)
+        except Exception as err:  # noqa: BLE001 - every rank must learn about any rank's failure
+            error = err
+    kept = (f"the checkpoints in {job.args.save} are intact; tools/convert_checkpoint.py to-hf exports one"
+            if job.args.save else None)
+    raise_alike_after_write(error, job.export_dir, note=kept,
+                            elsewhere=f"writing the HF export {job.export_dir} failed on another rank.")
 
 
 def _log(ctx_rank: int, text: str) -> None:
@@ -620,7 +630,7 @@ def _train(job: Job, *, hooks: Optional[dict], env) -> TrainResult:
     args = job.args
     t_start = time.time()
     ctx = initialize_distributed(job, env)
-    monitor = None
+    monitor = run_dir = None
     try:
         rank = ctx.rank
         dtype = torch.bfloat16 if args.bf16 else torch.float32
@@ -860,6 +870,8 @@ def _train(job: Job, *, hooks: Optional[dict], env) -> TrainResult:
     finally:
         if monitor is not None:
             monitor.close()
+        if run_dir is not None:
+            run_dir.close()
         ctx.close()
 
 
@@ -876,19 +888,26 @@ def run(argv: Optional[Sequence[str]] = None, *, hooks: Optional[dict] = None, e
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """The command line: expected failures (arguments, checkpoints, data) end in one line on stderr
-    (exit 2 for arguments, 1 otherwise) on every rank; bugs keep their traceback."""
-    from ..cli import report_failure
+    """The command line: expected failures (arguments, checkpoints, data, a full file system under a
+    checkpoint or the export) end in one line on stderr (exit 2 for arguments, 1 otherwise) on every rank;
+    bugs keep their traceback."""
+    from ..cli import is_no_space, report_failure
     from .errors import RunError
     from .rundir import ConsoleLog
 
     # rank 0 keeps the console log (the other ranks print nothing but errors)
     console = ConsoleLog.start() if os.environ.get("RANK", "0") == "0" else None
+    debug = "--debug" in (sys.argv[1:] if argv is None else argv)
     try:
         run(argv, console=console)
     except RunError as err:
-        report_failure("pretrain_dflash.py", err, debug="--debug" in (sys.argv[1:] if argv is None else argv))
+        report_failure("pretrain_dflash.py", err, debug=debug)
         return 2 if isinstance(err, ArgumentError) else 1
+    except Exception as err:  # noqa: BLE001 - a full file system (checkpoint, export) is expected; bugs are not
+        if not is_no_space(err):
+            raise
+        report_failure("pretrain_dflash.py", err, debug=debug)
+        return 1
     finally:
         if console is not None:
             console.stop()

@@ -1,7 +1,9 @@
 """Console / TensorBoard / W&B logging and the progress bar, on rank 0 only.
 
 TensorBoard uses `torch.utils.tensorboard` when the `tensorboard` package is installed and is
-skipped with one message otherwise; W&B is imported only when `--wandb-project` is given. The
+skipped with one message otherwise; a write of it that fails (a full disk) warns once and never
+stops training, later scalars are tried again (docs/design.md §14). W&B is imported only when
+`--wandb-project` is given. The
 progress bar is tqdm's when installed, else a small one of our own (only on a terminal).
 """
 
@@ -104,6 +106,7 @@ class Monitor:
         self.tb = None
         self.wandb = None
         self.bar = None
+        self._tb_failing = False
         self.start_time = time.time()
         if not self.active:
             return
@@ -148,19 +151,30 @@ class Monitor:
         if not self.active:
             return
         if self.tb is not None:
-            for key, value in values.items():
-                if isinstance(value, (int, float)):
-                    self.tb.add_scalar(_tag(prefix, key), value, step)
+            self._tensorboard(lambda: [self.tb.add_scalar(_tag(prefix, key), value, step)
+                                       for key, value in values.items() if isinstance(value, (int, float))])
         if self.wandb is not None:
             self.wandb.log({_tag(prefix, k): v for k, v in values.items() if isinstance(v, (int, float))}, step=step)
+
+    def _tensorboard(self, write) -> None:
+        """Run a TensorBoard write; one that the file system refuses warns once (until one works again)."""
+        try:
+            write()
+        except OSError as err:
+            if not self._tb_failing:
+                self.print(f"[monitor] WARNING: cannot write TensorBoard events ({err.strerror or err}); training "
+                           "goes on, the scalars of the steps meanwhile are missing there.")
+            self._tb_failing = True
+            return
+        self._tb_failing = False
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
         if self.tb is not None:
-            self.tb.flush()
-            self.tb.close()
+            self._tensorboard(self.tb.flush)
+            self._tensorboard(self.tb.close)
             self.tb = None
         if self.wandb is not None:
             self.wandb.finish()

@@ -13,10 +13,19 @@
 Only rank 0 writes. Every file is replaced atomically (metrics.jsonl is appended line by line),
 so a crash leaves the files of the last completed write. The acceptance figures carry the names
 of `monitor.ACCEPTANCE_LABELS` everywhere (console, metrics.jsonl, plot, TensorBoard/W&B).
+
+Writing the run directory never stops training (docs/design.md §14): a write the file system
+refuses (full, quota, a lost mount) warns once (`RunDirHealth`) and training goes on. The lines of
+console.log and metrics.jsonl it could not take stay in memory (`AppendedFile`, up to
+`PENDING_LIMIT` bytes each, the oldest lines dropped beyond) and are written with the next line
+that fits, so the files catch up once there is space again; the plot and the other files are
+rewritten whole at their next write. One line says when writing works again, and how much of the
+console or the metrics was dropped, if any.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -28,7 +37,8 @@ from typing import Optional
 from ..atomic import write_file
 from .monitor import DECODE_ACCEPTANCE, DECODE_TOKENS_PER_FORWARD, TRAIN_ACCEPTANCE, VALID_ACCEPTANCE
 
-__all__ = ["DEFAULT_RUNS_ROOT", "resolve_run_dir", "ConsoleLog", "RunWriter", "next_step_commands"]
+__all__ = ["DEFAULT_RUNS_ROOT", "resolve_run_dir", "ConsoleLog", "RunWriter", "RunDirHealth", "AppendedFile",
+           "next_step_commands"]
 
 DEFAULT_RUNS_ROOT = "runs"
 LATEST = "latest"
@@ -46,6 +56,108 @@ def resolve_run_dir(args, env=None) -> str:
 
 def _json_default(value):
     return str(value)
+
+
+# ------------------------------------------------------------------------------------------ failed writes
+
+PENDING_LIMIT = 8 << 20  # bytes of console.log / metrics.jsonl kept in memory while the disk refuses them
+
+
+class RunDirHealth:
+    """Whether writing one run directory works. The first failed write warns (one line on stderr:
+    the file, the reason, that training goes on); more failures say nothing; the first moment no
+    file is failing any more says so in one line, with what was lost. One per run directory
+    (`health_of`), shared by the console log and the `RunWriter`."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.failing: dict[str, str] = {}  # file name -> why its last write failed
+        self.lost: dict[str, int] = {}     # file name -> bytes dropped while failing
+
+    def failed(self, name: str, err: OSError) -> None:
+        first = not self.failing
+        self.failing[name] = err.strerror or str(err)
+        if first:
+            # after the state change: the warning passes through the console tee, whose own failing
+            # write comes back here and must not warn again
+            self._say(f"[run] WARNING: cannot write {os.path.join(self.path, name)} ({self.failing[name].lower()}); "
+                      "training goes on, the run directory's files are kept in memory and written once there is "
+                      "space again.")
+
+    def succeeded(self, name: str, lost: int = 0) -> None:
+        if lost:
+            self.lost[name] = self.lost.get(name, 0) + lost
+        if self.failing.pop(name, None) is None or self.failing:
+            return
+        dropped = ", ".join(f"{n}: {b} bytes" for n, b in sorted(self.lost.items()))
+        self.lost = {}
+        self._say(f"[run] {self.path} is written again; " + (
+            f"dropped while the disk refused them: {dropped}." if dropped else "nothing was lost."))
+
+    @staticmethod
+    def _say(text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+
+
+_HEALTH: dict[str, RunDirHealth] = {}
+
+
+def health_of(run_dir: str) -> RunDirHealth:
+    """The `RunDirHealth` of the run directory `run_dir` (one per directory in this process)."""
+    key = os.path.abspath(run_dir)
+    if key not in _HEALTH:
+        _HEALTH[key] = RunDirHealth(run_dir)
+    return _HEALTH[key]
+
+
+class AppendedFile:
+    """A file the run appends to (console.log, metrics.jsonl) whose writes never raise. Bytes the file
+    system refuses stay in memory (at most `limit`: beyond, the oldest whole lines are dropped and
+    counted) and go out, in order and exactly once, ahead of the next append; `os.write` says how much
+    of a write reached the file, so a partial write is neither lost nor repeated."""
+
+    def __init__(self, path: str, health: RunDirHealth, limit: int = PENDING_LIMIT):
+        self.path, self.name, self.health, self.limit = path, os.path.basename(path), health, limit
+        self._fd: Optional[int] = None
+        self._pending = bytearray()
+        self._lost = 0
+
+    def append(self, text: str) -> None:
+        self._pending += text.encode("utf-8", "replace")
+        if len(self._pending) > self.limit:
+            cut = len(self._pending) - self.limit
+            newline = self._pending.find(b"\n", cut)
+            cut = len(self._pending) if newline < 0 else newline + 1
+            self._lost += cut
+            del self._pending[:cut]
+        self.flush()
+
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        try:
+            if self._fd is None:
+                os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+            while self._pending:
+                del self._pending[:os.write(self._fd, self._pending)]
+        except OSError as err:
+            self.health.failed(self.name, err)
+            return
+        lost, self._lost = self._lost, 0
+        self.health.succeeded(self.name, lost)
+
+    def reopen(self) -> None:
+        """Open the file again at the next write (it was replaced)."""
+        self.close(flush=False)
+
+    def close(self, flush: bool = True) -> None:
+        if flush:
+            self.flush()
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = None
 
 
 # ------------------------------------------------------------------------------------------ console
@@ -76,11 +188,12 @@ class _Tee(io.TextIOBase):
 class ConsoleLog:
     """Copies stdout and stderr into a file. Buffers in memory until `attach(path)` (the run
     directory is known only once the command line is validated), so a rejected command line
-    leaves no file behind. Carriage-return redraws (progress bars) are not copied."""
+    leaves no file behind. Carriage-return redraws (progress bars) are not copied. A write the
+    file system refuses never reaches the program (`AppendedFile`)."""
 
     def __init__(self):
         self._buffer: list[str] = []
-        self._file = None
+        self._file: Optional[AppendedFile] = None
         self._saved = None
 
     @classmethod
@@ -96,17 +209,14 @@ class ConsoleLog:
             if not text.endswith("\n") or not text.strip() or "\033[K" in text:
                 return
         if self._file is not None:
-            self._file.write(text)
-            self._file.flush()
+            self._file.append(text)
         else:
             self._buffer.append(text)
 
     def attach(self, path: str) -> None:
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        self._file = open(path, "a")
-        self._file.write("".join(self._buffer))
-        self._file.flush()
-        self._buffer = []
+        self._file = AppendedFile(path, health_of(os.path.dirname(path) or "."))
+        buffered, self._buffer = "".join(self._buffer), []
+        self._file.append(buffered)
 
     def stop(self) -> None:
         if self._saved is not None:
@@ -121,7 +231,8 @@ class ConsoleLog:
 
 
 class RunWriter:
-    """Writes the run directory (rank 0; a no-op elsewhere)."""
+    """Writes the run directory (rank 0; a no-op elsewhere). No write raises: a failed one is told to
+    the directory's `RunDirHealth` and done again at the next write of that file."""
 
     def __init__(self, path: str, *, active: bool = True, log=print):
         self.path = path
@@ -130,17 +241,34 @@ class RunWriter:
         self.records: list[dict] = []
         self._plot_warned = False
         if active:
-            os.makedirs(path, exist_ok=True)
+            self.health = health_of(path)
+            self._attempt(path, lambda: os.makedirs(path, exist_ok=True))
             self.metrics_path = os.path.join(path, "metrics.jsonl")
+            self._metrics_file = AppendedFile(self.metrics_path, self.health)
 
     def file(self, name: str) -> str:
         return os.path.join(self.path, name)
+
+    def _attempt(self, path: str, write) -> bool:
+        """Run `write` (which writes `path`); a failure is reported to `health`, not raised."""
+        name = os.path.relpath(path, self.path)
+        try:
+            write()
+        except OSError as err:
+            self.health.failed(name, err)
+            return False
+        self.health.succeeded(name)
+        return True
+
+    def _write(self, name: str, data: bytes) -> bool:
+        path = self.file(name)
+        return self._attempt(path, lambda: write_file(path, data))
 
     def write_args(self, args) -> None:
         if not self.active:
             return
         values = {k: v for k, v in sorted(vars(args).items())}
-        write_file(self.file("args.json"), (json.dumps(values, indent=2, default=_json_default) + "\n").encode())
+        self._write("args.json", (json.dumps(values, indent=2, default=_json_default) + "\n").encode())
 
     def link_latest(self) -> None:
         """runs/latest -> this run, when the run lives directly under the default root."""
@@ -151,10 +279,14 @@ class RunWriter:
         if os.path.exists(link) and not os.path.islink(link):
             return  # someone's own directory: leave it alone
         tmp = f"{link}.tmp{os.getpid()}"
-        if os.path.lexists(tmp):
-            os.remove(tmp)
-        os.symlink(os.path.basename(os.path.normpath(self.path)), tmp)
-        os.replace(tmp, link)
+
+        def relink():
+            if os.path.lexists(tmp):
+                os.remove(tmp)
+            os.symlink(os.path.basename(os.path.normpath(self.path)), tmp)
+            os.replace(tmp, link)
+
+        self._attempt(link, relink)
 
     def metrics(self, record: dict) -> None:
         """Append one record (`iteration`, `split`, values) to metrics.jsonl."""
@@ -162,8 +294,7 @@ class RunWriter:
             return
         record = {k: (None if isinstance(v, float) and v != v else v) for k, v in record.items()}  # NaN -> null
         self.records.append(record)
-        with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(record, default=_json_default) + "\n")
+        self._metrics_file.append(json.dumps(record, default=_json_default) + "\n")
 
     def load_existing_metrics(self, up_to_iteration: int) -> None:
         """A resumed run keeps the records of its earlier part (up to where it resumes) in the plot."""
@@ -179,7 +310,8 @@ class RunWriter:
                 if int(record.get("iteration", 0)) <= up_to_iteration:
                     kept.append(record)
         self.records = kept
-        write_file(self.metrics_path, "".join(json.dumps(r) + "\n" for r in kept).encode())
+        self._metrics_file.reopen()
+        self._write("metrics.jsonl", "".join(json.dumps(r) + "\n" for r in kept).encode())
 
     def plot(self) -> Optional[str]:
         """metrics.png: loss (train, valid) and the acceptance figures over iterations."""
@@ -225,15 +357,17 @@ class RunWriter:
         buffer = io.BytesIO()
         fig.savefig(buffer, format="png", dpi=100)
         plt.close(fig)
-        path = self.file("metrics.png")
-        write_file(path, buffer.getvalue())
-        return path
+        return self.file("metrics.png") if self._write("metrics.png", buffer.getvalue()) else None
 
     def write_summary(self, summary: dict) -> None:
         if not self.active:
             return
-        write_file(self.file("summary.json"),
-                      (json.dumps(summary, indent=2, default=_json_default) + "\n").encode())
+        self._write("summary.json", (json.dumps(summary, indent=2, default=_json_default) + "\n").encode())
+
+    def close(self) -> None:
+        """Write what metrics.jsonl still holds in memory (a last try) and close it."""
+        if self.active:
+            self._metrics_file.close()
 
 
     def finish(self, job, result) -> None:
@@ -263,7 +397,8 @@ class RunWriter:
             "plot": plot,
             "next_steps": [{"what": what, "command": command} for what, command in steps],
         })
-        files = sorted(name + ("/" if os.path.isdir(self.file(name)) else "") for name in os.listdir(self.path)
+        names = os.listdir(self.path) if os.path.isdir(self.path) else []
+        files = sorted(name + ("/" if os.path.isdir(self.file(name)) else "") for name in names
                        if not name.startswith("."))
         print(f"[run] {self.path}: {' '.join(files)}", flush=True)
         print(f"[result] {headline(result.final_acceptance)}", flush=True)
