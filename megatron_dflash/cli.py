@@ -32,6 +32,8 @@ __all__ = [
     "UsageError",
     "usage_error",
     "report_failure",
+    "report_interrupt",
+    "INTERRUPTED_EXIT_STATUS",
     "DEBUG_ENV",
     "suggest_option",
     "require_file",
@@ -39,6 +41,7 @@ __all__ = [
 ]
 
 USAGE_EXIT_CODE = 2  # every tool: a bad command line or input path
+INTERRUPTED_EXIT_STATUS = 130  # 128 + SIGINT, what a shell reports for a program ended by Ctrl-C
 
 # (category, module regex, message regex) of warnings that say nothing actionable on a
 # supported installation:
@@ -129,6 +132,13 @@ def report_failure(prog: str, err: BaseException, *, debug: bool = False) -> Non
 
         traceback.print_exc()
     print(f"{prog}: error: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
+
+
+def report_interrupt(prog: str, where: str = "") -> int:
+    """Print a Ctrl-C (KeyboardInterrupt) as one `prog: interrupted (SIGINT) ...` line on stderr instead of
+    its traceback; returns `INTERRUPTED_EXIT_STATUS`. Call it from an `except KeyboardInterrupt` block."""
+    print(f"{prog}: interrupted (SIGINT){' ' + where if where else ''}.", file=sys.stderr, flush=True)
+    return INTERRUPTED_EXIT_STATUS
 
 
 def usage_error(prog: str, message: str, stream=None) -> NoReturn:
