@@ -113,19 +113,19 @@ def test_an_export_is_published_with_its_marker(tiny_target, tmp_path, monkeypat
 
     save, export = tmp_path / "ckpt", tmp_path / "export"
     argv = ["--target", tiny_target, *STEPS_ARGS, *SHORT, "--save", str(save), "--dflash-export", str(export)]
-    real_publish, staged_files = atomic.publish_directory, []
+    real_publish, published_files = atomic.publish_directory, []
 
     def publish_then_die(staged, output, *, replace):
         real_publish(staged, output, replace=replace)
         if os.path.abspath(output) == str(export):
-            staged_files.append(sorted(os.listdir(output)))
+            published_files.append(sorted(os.listdir(output)))  # what the rename made visible
             raise _Killed()  # killed right after the export's rename
 
     monkeypatch.setattr(atomic, "publish_directory", publish_then_die)
     with pytest.raises(_Killed):
         _run(argv)
     monkeypatch.setattr(atomic, "publish_directory", real_publish)
-    assert staged_files and EXPORT_MARKER in staged_files[0], staged_files
+    assert published_files and EXPORT_MARKER in published_files[0], published_files
     again = _run(argv + ["--load", str(save)])  # the restart: its own export, replaced
     assert again.start_iteration == 2 and again.export_dir == str(export)
     assert json.loads((export / EXPORT_MARKER).read_text())["run"] == os.path.realpath(save)
