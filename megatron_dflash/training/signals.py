@@ -57,8 +57,11 @@ class StopSignals:
         for other in STOP_SIGNALS:  # a second signal: the default action, at once
             signal.signal(other, signal.SIG_DFL)
         # os.write, not print: the signal may land inside a print to the same stream (a reentrant write fails)
-        os.write(1, f"[dflash] {signal.Signals(signum).name} received: finishing this step, then saving a "
-                    "checkpoint and exiting; send it again to exit at once without saving.\n".encode())
+        try:
+            os.write(1, f"[dflash] {signal.Signals(signum).name} received: finishing this step, then saving a "
+                        "checkpoint and exiting; send it again to exit at once without saving.\n".encode())
+        except OSError:  # no usable stdout: the stop goes on silently
+            pass
 
     def agreed(self) -> Optional[str]:
         """The name of the signal that any rank received (the lowest number when several did), or None.
