@@ -936,4 +936,5 @@ def test_sigint_outside_the_steps_ends_in_one_line(tiny_target, tmp_path, capsys
     except KeyboardInterrupt:
         pytest.fail("the interrupt escaped pretrain_dflash.py's main as a traceback")
     assert status == 130 and "Traceback" not in err and err.count("pretrain_dflash.py:") == 1, err[-2000:]
-    assert err.strip().splitlines()[-1].startswith("pretrain_dflash.py: interrupted (SIGINT) outside the training steps")
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("pretrain_dflash.py: interrupted (SIGINT) outside the training steps"), line

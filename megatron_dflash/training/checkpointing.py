@@ -204,7 +204,8 @@ def _agree_on_staged_directory(save_dir: str, final: str, log: Callable) -> str:
         dist.broadcast_object_list(box, src=0)
         staged = box[0]
     if staged is None:
-        raise RuntimeError(f"saving checkpoint {final} failed: could not create its staged directory (see rank 0's log).")
+        raise RuntimeError(f"saving checkpoint {final} failed: could not create its staged directory "
+                           "(see rank 0's log).")
     return staged
 
 

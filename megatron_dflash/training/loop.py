@@ -776,7 +776,8 @@ def train(job: Job, *, hooks: Optional[dict] = None, env=None) -> TrainResult:
                     try:
                         grad_norm = engine.step()
                     except DivergenceError as err:  # raised on every rank of the draft alike
-                        raise DivergenceError(f"iteration {iteration + 1}: {err}{_last_checkpoint_hint(args, last_saved)}") from err
+                        hint = _last_checkpoint_hint(args, last_saved)
+                        raise DivergenceError(f"iteration {iteration + 1}: {err}{hint}") from err
             totals = runner.reduce(acc, {"lr": lr, "grad_norm": grad_norm})
             train_data.stop_if_unreadable(totals)  # before anything of this step is logged or saved
             lr, grad_norm = totals.scalars["lr"], totals.scalars["grad_norm"]
