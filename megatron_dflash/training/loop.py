@@ -820,11 +820,13 @@ def train(job: Job, *, hooks: Optional[dict] = None, env=None) -> TrainResult:
                 window_t0, window_tokens, window_start = time.time(), 0.0, iteration
             if "on_step" in hooks:
                 hooks["on_step"](iteration, values, body)
-            result.stopped_by = stop.agreed()  # on every rank, every step: one all-reduce of one integer
-            if result.stopped_by:
-                break
             if args.save and args.save_interval and iteration % args.save_interval == 0:
                 checkpoint(iteration)
+            # On every rank, every step: one all-reduce of one integer. After the periodic save (a signal that
+            # lands during it stops here too), before the evaluation (which a stopping run skips).
+            result.stopped_by = stop.agreed()
+            if result.stopped_by:
+                break
             if args.eval_interval and iteration % args.eval_interval == 0 and iteration < args.train_iters:
                 evaluate(iteration)
             if getattr(args, "exit_interval", None) and iteration % args.exit_interval == 0 \
