@@ -3,7 +3,9 @@
 Outputs that would replace what the run did not write, `--load` at the wrong kind of directory,
 trackers naming missing checkpoints, ranks launched with different arguments or seeing different
 trackers, resumes with another draft, data with nothing to learn, damaged checkpoints, stale
-temporaries. Multi-rank cases run on the gloo pool with a timeout, so a hang fails the test.
+temporaries, a diverging loss, two runs on one save directory, SIGTERM / SIGINT (real processes of
+pretrain_dflash.py where the behaviour is the process's: its exit status, its lock, its signals).
+Multi-rank cases run on the gloo pool with a timeout, so a hang fails the test.
 """
 
 from __future__ import annotations
@@ -125,9 +127,9 @@ def test_an_export_is_published_with_its_marker(tiny_target, tmp_path, monkeypat
     with pytest.raises(_Killed):
         _run(argv)
     monkeypatch.setattr(atomic, "publish_directory", real_publish)
-    assert published_files and EXPORT_MARKER in published_files[0], published_files
-    again = _run(argv + ["--load", str(save)])  # the restart: its own export, replaced
+    again = _run(argv + ["--load", str(save)])  # the restart: its own export, replaced (not refused as foreign)
     assert again.start_iteration == 2 and again.export_dir == str(export)
+    assert published_files and EXPORT_MARKER in published_files[0], published_files
     assert json.loads((export / EXPORT_MARKER).read_text())["run"] == os.path.realpath(save)
 
 
