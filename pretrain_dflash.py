@@ -18,7 +18,7 @@ import sys
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from megatron_dflash.cli import UsageError, quiet_dependency_warnings, usage_error  # noqa: E402
+from megatron_dflash.cli import UsageError, quiet_dependency_warnings, report_interrupt, usage_error  # noqa: E402
 
 quiet_dependency_warnings()  # before megatron and transformers load
 
@@ -31,7 +31,10 @@ if __name__ == "__main__":
     except UsageError as err:
         usage_error("pretrain_dflash.py", str(err))
 
-from megatron_dflash.training.loop import main  # noqa: E402
+try:
+    from megatron_dflash.training.loop import main  # noqa: E402
+except KeyboardInterrupt:  # Ctrl-C while torch and megatron load: one line, not their import traceback
+    sys.exit(report_interrupt("pretrain_dflash.py", "while loading"))
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -43,7 +43,6 @@ __all__ = [
     "write_file",
     "publish_directory",
     "atomic_directory",
-    "staged_path",
     "aside_copy",
     "recover",
     "remove_stale_siblings",
@@ -61,13 +60,6 @@ def temporary_of(entry: str) -> Optional[str]:
     """The name whose staged or aside sibling the directory entry `entry` is (None: not one)."""
     match = _TEMPORARY.match(entry)
     return match.group("name") if match else None
-
-
-def staged_path(output: str) -> str:
-    """The fixed staged sibling of `output` (`.NAME.tmp`) for writers that must agree on its name
-    without talking (every rank of a collective checkpoint save)."""
-    output = os.path.abspath(output)
-    return os.path.join(os.path.dirname(output), f".{os.path.basename(output)}.{_STAGED}")
 
 
 # ---------------------------------------------------------------------------------- a full disk

@@ -68,9 +68,10 @@ def _is_writer(body: nn.Module) -> bool:
 
 
 def _write_directory(
-    config: DFlashConfig, tensors: dict[str, torch.Tensor], directory: str, architecture: str, overwrite: bool
+    config: DFlashConfig, tensors: dict[str, torch.Tensor], directory: str, architecture: str, overwrite: bool,
+    extra_files: Optional[dict[str, str]] = None,
 ) -> None:
-    """Write config + safetensors into a temporary sibling, then move it into place.
+    """Write config + safetensors (+ `extra_files`) into a temporary sibling, then move it into place.
 
     A reader never sees a half-written checkpoint: it finds the complete old directory (or
     none) or the complete new one. The temporary directory sits next to `directory` so that
@@ -83,6 +84,9 @@ def _write_directory(
     with atomic_directory(directory, replace=overwrite) as tmp:
         config.save_pretrained(tmp, architecture=architecture)
         save_file(tensors, os.path.join(tmp, SAFETENSORS_NAME), metadata={"format": "pt"})
+        for name, text in (extra_files or {}).items():
+            with open(os.path.join(tmp, name), "w") as f:
+                f.write(text)
 
 
 def _agree_on_success(error: Optional[BaseException], group, device, directory: str) -> None:
@@ -110,6 +114,7 @@ def save_hf_checkpoint(
     dtype: Optional[torch.dtype] = None,
     architecture: Optional[str] = None,
     overwrite: bool = False,
+    extra_files: Optional[dict[str, str]] = None,
 ) -> None:
     """Write `body` as a published-format HF draft: `config.json` + `model.safetensors`.
 
@@ -127,6 +132,8 @@ def save_hf_checkpoint(
         architecture: `architectures[0]` of config.json; default: the architecture of the body's
             registered variant (`variants.registry.variant_of`).
         overwrite: replace a non-empty existing directory.
+        extra_files: `{file name: text}` written into the directory with the weights, so that they
+            are published in the same rename (e.g. the training run's export marker).
 
     Raises:
         ValueError: the body's variant does not run in `dtype` (DFlash 2 in float16), or the
@@ -154,7 +161,7 @@ def save_hf_checkpoint(
             # Both spellings: transformers >= 4.56 reads `dtype`, older runtimes `torch_dtype`.
             extra.update({"torch_dtype": dtype_name, "dtype": dtype_name})
             config = dataclasses.replace(body.config, extra_hf_fields=extra)
-            _write_directory(config, out, directory, architecture, overwrite)
+            _write_directory(config, out, directory, architecture, overwrite, extra_files)
         except BaseException as err:
             _agree_on_success(err, body.tp_group, device, directory)
             raise

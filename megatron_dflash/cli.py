@@ -35,6 +35,8 @@ __all__ = [
     "usage_error",
     "report_failure",
     "is_no_space",
+    "report_interrupt",
+    "INTERRUPTED_EXIT_STATUS",
     "DEBUG_ENV",
     "suggest_option",
     "require_file",
@@ -42,6 +44,7 @@ __all__ = [
 ]
 
 USAGE_EXIT_CODE = 2  # every tool: a bad command line or input path
+INTERRUPTED_EXIT_STATUS = 130  # 128 + SIGINT, what a shell reports for a program ended by Ctrl-C
 
 # (category, module regex, message regex) of warnings that say nothing actionable on a
 # supported installation:
@@ -141,6 +144,13 @@ def report_failure(prog: str, err: BaseException, *, debug: bool = False) -> Non
 def is_no_space(err: BaseException) -> bool:
     """Whether a full file system caused `err` (an expected failure, for an entry point's `except`)."""
     return as_no_space(err) is not None
+
+
+def report_interrupt(prog: str, where: str = "") -> int:
+    """Print a Ctrl-C (KeyboardInterrupt) as one `prog: interrupted (SIGINT) ...` line on stderr instead of
+    its traceback; returns `INTERRUPTED_EXIT_STATUS`. Call it from an `except KeyboardInterrupt` block."""
+    print(f"{prog}: interrupted (SIGINT){' ' + where if where else ''}.", file=sys.stderr, flush=True)
+    return INTERRUPTED_EXIT_STATUS
 
 
 def usage_error(prog: str, message: str, stream=None) -> NoReturn:

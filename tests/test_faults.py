@@ -3,7 +3,9 @@
 Outputs that would replace what the run did not write, `--load` at the wrong kind of directory,
 trackers naming missing checkpoints, ranks launched with different arguments or seeing different
 trackers, resumes with another draft, data with nothing to learn, damaged checkpoints, stale
-temporaries. Multi-rank cases run on the gloo pool with a timeout, so a hang fails the test.
+temporaries, a diverging loss, two runs on one save directory, SIGTERM / SIGINT (real processes of
+pretrain_dflash.py where the behaviour is the process's: its exit status, its lock, its signals).
+Multi-rank cases run on the gloo pool with a timeout, so a hang fails the test.
 """
 
 from __future__ import annotations
@@ -11,7 +13,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
+import socket
 import stat
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -94,6 +101,36 @@ def test_export_replaces_only_its_own_runs_export(tiny_target, tmp_path):
              "--dflash-export", str(export)]
     with pytest.raises(ArgumentError, match=r"holds the export of another run \(--save "):
         _run(other)
+
+
+class _Killed(BaseException):
+    """A process killed at this point (nothing after it runs, no `except Exception` catches it)."""
+
+
+def test_an_export_is_published_with_its_marker(tiny_target, tmp_path, monkeypatch):
+    """The run's marker is inside the export's staged directory before the rename: a kill right after the
+    rename leaves an export that the rerun of the same run accepts (and replaces), never a foreign-looking one."""
+    from megatron_dflash import atomic
+    from megatron_dflash.training.outputs import EXPORT_MARKER
+
+    save, export = tmp_path / "ckpt", tmp_path / "export"
+    argv = ["--target", tiny_target, *STEPS_ARGS, *SHORT, "--save", str(save), "--dflash-export", str(export)]
+    real_publish, published_files = atomic.publish_directory, []
+
+    def publish_then_die(staged, output, *, replace):
+        real_publish(staged, output, replace=replace)
+        if os.path.abspath(output) == str(export):
+            published_files.append(sorted(os.listdir(output)))  # what the rename made visible
+            raise _Killed()  # killed right after the export's rename
+
+    monkeypatch.setattr(atomic, "publish_directory", publish_then_die)
+    with pytest.raises(_Killed):
+        _run(argv)
+    monkeypatch.setattr(atomic, "publish_directory", real_publish)
+    again = _run(argv + ["--load", str(save)])  # the restart: its own export, replaced (not refused as foreign)
+    assert again.start_iteration == 2 and again.export_dir == str(export)
+    assert published_files and EXPORT_MARKER in published_files[0], published_files
+    assert json.loads((export / EXPORT_MARKER).read_text())["run"] == os.path.realpath(save)
 
 
 def test_load_layouts_are_recognised(tiny_target, tmp_path, trained):
@@ -201,7 +238,7 @@ def _rank_run(rank, world_size, target, out_dir, per_rank: dict, patch_rank=None
                  "--dflash-eval-prompts", "0", *per_rank.get(rank, []))
     try:
         result = _run(argv)
-    except (ArgumentError, CheckpointError) as err:
+    except RunError as err:
         return "error", str(err)
     return "ok", (result.start_iteration, result.iterations, result.losses)
 
@@ -274,6 +311,22 @@ def test_damaged_checkpoints_end_in_one_line(tiny_target, tmp_path, trained, cap
     # --debug (or MEGATRON_DFLASH_DEBUG=1) shows the traceback as well
     status, err = _main(_base(tiny_target, tmp_path, *SHORT, "--load", str(bad)), capsys, monkeypatch, debug=True)
     assert status == 1 and "Traceback" in err and "UnpicklingError" in err
+
+
+def test_a_diverging_loss_ends_in_one_line_on_every_rank(tp_pool, tiny_target, tmp_path, capsys, monkeypatch):
+    """--lr 1e9: non-finite gradients stop the run in one line naming the iteration and the fix (exit 1), on
+    every rank alike."""
+    argv = ["--train-iters", "6", "--micro-batch-size", "4", "--global-batch-size", "4", "--dflash-eval-prompts",
+            "0", "--lr", "1e9", "--save", str(tmp_path / "ckpt"), "--save-interval", "2"]
+    status, err = _main(_base(tiny_target, tmp_path, *argv), capsys, monkeypatch)
+    line = err.strip().splitlines()[-1]
+    assert status == 1 and "Traceback" not in err and err.count("pretrain_dflash.py:") == 1, err[-2000:]
+    assert line.startswith("pretrain_dflash.py: error: iteration ") and "non-finite gradients" in line
+    assert "lower --lr" in line and "The last checkpoint (iteration 2) is in --save" in line
+    dp2 = ["--train-iters", "6", "--lr", "1e9"]
+    results = tp_pool(2).run(_rank_run, tiny_target, str(tmp_path / "dp2"), {0: dp2, 1: dp2},
+                             tp=1, timeout=MULTI_RANK_TIMEOUT_S)
+    assert results[0] == results[1] and results[0][0] == "error" and "non-finite gradients" in results[0][1]
 
 
 # ------------------------------------------------------------------------------------------ 8. housekeeping
@@ -938,3 +991,218 @@ def test_an_output_that_is_a_symbolic_link_is_refused_before_any_work(tiny_targe
     status, err = _convert_to_hf(trained, link, capsys)
     assert status == 2 and f"{link} is a symbolic link" in err.strip().splitlines()[-1], err
     assert os.listdir(real) == [] and not [n for n in os.listdir(tmp_path) if n.startswith(".export-link")]
+# ------------------------------------------------------------------------------------------ 9. one run per --save
+
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_PRETRAIN = os.path.join(_REPO, "pretrain_dflash.py")
+
+
+def _subprocess_env():
+    return dict(os.environ, PYTHONPATH=_REPO, OMP_NUM_THREADS="1", MEGATRON_DFLASH_DEBUG="0")
+
+
+def _start_pretrain(argv, out_dir):
+    """`pretrain_dflash.py ARGV` as a real process; stdout and stderr into files of `out_dir`."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stdout, stderr = open(out_dir / "stdout", "w"), open(out_dir / "stderr", "w")
+    process = subprocess.Popen([sys.executable, _PRETRAIN, *argv], stdout=stdout, stderr=stderr, env=_subprocess_env(),
+                               cwd=str(out_dir))
+    stdout.close()
+    stderr.close()
+    return process
+
+
+def _wait_for(path, text, process, timeout=240.0):
+    """Wait until the file `path` contains `text` (the process still running)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if path.exists() and text in path.read_text():
+            return
+        assert process.poll() is None, f"exited with {process.returncode}: {path.read_text()[-2000:]}"
+        time.sleep(0.05)
+    process.kill()
+    raise AssertionError(f"{text!r} never appeared in {path}")
+
+
+def _assert_loadable(save):
+    """Every `iter_*` of `save` is complete: its draft tensors and its common state read back."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_dflash.torch_dist import list_iterations, read_megatron_draft_state, single_process_group
+
+    iterations = list_iterations(str(save))
+    with single_process_group():
+        for iteration in iterations:
+            directory = str(save / f"iter_{iteration:07d}")
+            assert read_megatron_draft_state(directory), directory
+            assert dist_checkpointing.load_common_state_dict(directory)["iteration"] == iteration
+    return iterations
+
+
+LONG = ["--train-iters", "400", "--micro-batch-size", "4", "--global-batch-size", "4", "--dflash-eval-prompts", "0"]
+
+
+def test_a_second_run_on_one_save_directory_is_refused(tiny_target, tmp_path, capsys, monkeypatch):
+    """Two runs with the same command line, the first a real process: the second is refused in one line naming
+    the first (host, pid, start time) while the first keeps saving; every checkpoint the first published loads."""
+    save = tmp_path / "ckpt"
+    argv = _base(tiny_target, tmp_path, *LONG, "--save", str(save), "--save-interval", "5", "--run-dir",
+                 str(tmp_path / "run"))
+    first = _start_pretrain(argv, tmp_path / "first")
+    try:
+        _wait_for(tmp_path / "first" / "stdout", "[checkpoint] saved iteration 5", first)
+        status, err = _main(argv, capsys, monkeypatch)  # the second run (in this process: no start-up cost)
+        assert first.poll() is None, "the first run ended before the second one started; make it longer"
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(timeout=120) == 75
+    finally:
+        first.kill()
+    assert status == 1 and "Traceback" not in err and err.count("pretrain_dflash.py:") == 1, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith(
+        f"pretrain_dflash.py: error: --save={save} is in use by another run (host {socket.gethostname()}, "
+        f"pid {first.pid}, started ")
+    iterations = _assert_loadable(save)
+    assert len(iterations) >= 2 and iterations[:-1] == list(range(5, iterations[-2] + 1, 5))
+    assert sorted(os.listdir(save)) == [f"iter_{i:07d}" for i in iterations] + ["latest_checkpointed_iteration.txt"]
+
+
+def _hold_lock_and_sleep(save):
+    code = ("import sys, time\nfrom megatron_dflash.training.savelock import acquire_save_lock\n"
+            f"acquire_save_lock({str(save)!r})\nprint('held', flush=True)\ntime.sleep(600)\n")
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=_subprocess_env())
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def test_the_lock_of_a_dead_run_is_taken_over(tiny_target, tmp_path, capsys):
+    save = tmp_path / "ckpt"
+    holder = _hold_lock_and_sleep(save)
+    holder.kill()  # SIGKILL: no release, its record stays in the lock file
+    holder.wait()
+    capsys.readouterr()
+    result = _run(_base(tiny_target, tmp_path, *SHORT, "--save", str(save)))
+    assert result.iterations == 2
+    out = capsys.readouterr().out
+    assert f"took over the lock of --save={save} from a run that ended without releasing it (host " \
+           f"{socket.gethostname()}, pid {holder.pid}, started " in out, out[-3000:]
+    assert sorted(os.listdir(save)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]  # released at the end
+
+
+def test_the_lock_is_one_per_run_and_refuses_on_every_rank_alike(tp_pool, tiny_target, tmp_path):
+    """A launch of two ranks on a save directory that another run holds: both ranks raise the same line before
+    any model is built; once the holder is gone, the two ranks share one lock (rank 0's) and train."""
+    save = tmp_path / "ckpt"
+    holder = _hold_lock_and_sleep(save)
+    extra = ["--train-iters", "2", "--save", str(save)]
+    try:
+        results = tp_pool(2).run(_rank_run, tiny_target, str(tmp_path / "refused"), {0: extra, 1: extra},
+                                 tp=1, timeout=MULTI_RANK_TIMEOUT_S)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert results[0] == results[1] and results[0][0] == "error", results
+    assert f"is in use by another run (host {socket.gethostname()}, pid {holder.pid}, started " in results[0][1]
+    results = tp_pool(2).run(_rank_run, tiny_target, str(tmp_path / "ok"), {0: extra, 1: extra},
+                             tp=1, timeout=MULTI_RANK_TIMEOUT_S)
+    assert results[0] == results[1] and results[0][0] == "ok" and results[0][1][1] == 2, results
+
+
+# ------------------------------------------------------------------------------------------ 10. preemption
+
+
+def test_sigterm_saves_and_the_run_resumes_exactly(tiny_target, tmp_path):
+    """SIGTERM to a real run (how SLURM and Kubernetes preempt): it finishes the step, saves it, exits 75 with one
+    line, leaves no staged directory; --load continues exactly as the uninterrupted run (losses, weights)."""
+    from test_training import _safetensors
+
+    common = ["--train-iters", "20", "--micro-batch-size", "4", "--global-batch-size", "4", "--dflash-eval-prompts",
+              "0", "--lr-decay-style", "cosine"]
+    straight = _run(_base(tiny_target, tmp_path / "a", *common))
+    save = tmp_path / "b" / "ckpt"
+    argv = _base(tiny_target, tmp_path / "b", *common, "--save", str(save), "--save-interval", "1",
+                 "--run-dir", str(tmp_path / "b"))
+    process = _start_pretrain(argv, tmp_path / "b" / "process")
+    try:
+        _wait_for(tmp_path / "b" / "process" / "stdout", "[checkpoint] saved iteration 3", process)
+        process.send_signal(signal.SIGTERM)
+        status = process.wait(timeout=120)
+    finally:
+        process.kill()
+    err = (tmp_path / "b" / "process" / "stderr").read_text()
+    lines = [line for line in err.splitlines() if "pretrain_dflash.py" in line]
+    assert status == 75 and "Traceback" not in err and len(lines) == 1, err[-3000:]
+    stopped = int(lines[0].split("stopped by SIGTERM at iteration ")[1].split(";")[0])
+    assert 3 <= stopped < 20 and f"resume with --load {save}" in lines[0]
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == str(stopped)
+    assert not [p for p in os.listdir(save) if p.startswith(".")]  # no staged directory, no lock left
+    assert not [p for p in os.listdir(tmp_path / "b") if p.startswith(".")]
+    with open(tmp_path / "b" / "metrics.jsonl") as f:
+        before = [r["loss"] for r in map(json.loads, f) if r["split"] == "train"]
+    resumed = _run(argv + ["--load", str(save)])
+    assert resumed.start_iteration == stopped and resumed.iterations == 20
+    assert before + resumed.losses == straight.losses  # bitwise
+    a, b = _safetensors(str(tmp_path / "a" / "hf")), _safetensors(str(tmp_path / "b" / "hf"))
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def _signal_on_rank_1(rank, world_size, target, out_dir, save):
+    """A DP=2 run where only rank 1 gets SIGTERM, during its iteration 2."""
+    import pathlib
+
+    torch.set_num_threads(1)
+
+    def on_step(iteration, values, body):
+        if rank == 1 and iteration == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    argv = _base(target, pathlib.Path(out_dir), "--train-iters", "6", "--micro-batch-size", "4", "--global-batch-size",
+                 "8", "--dflash-eval-prompts", "0", "--save", save)
+    result = _run(argv, hooks={"on_step": on_step})
+    return result.stopped_by, result.iterations, result.checkpoint_dir, result.stop_message
+
+
+def test_a_signal_on_one_rank_stops_every_rank_at_the_same_step(tp_pool, tiny_target, tmp_path):
+    from megatron_dflash.training.resume import find_resume_point
+
+    save = str(tmp_path / "ckpt")
+    results = tp_pool(2).run(_signal_on_rank_1, tiny_target, str(tmp_path / "run"), save, tp=1,
+                             timeout=MULTI_RANK_TIMEOUT_S)
+    assert results[0] == results[1], results
+    assert results[0][:3] == ("SIGTERM", 2, os.path.join(save, "iter_0000002"))
+    assert find_resume_point(save).iteration == 2 and _assert_loadable(tmp_path / "ckpt") == [2]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_second_signal_exits_at_once(signum):
+    """The first signal is noted (the step finishes, then the run saves); a second one ends the process at once."""
+    code = ("import os, signal\nfrom megatron_dflash.training.signals import StopSignals\n"
+            "stop = StopSignals().install()\n"
+            f"os.kill(os.getpid(), {int(signum)})\nprint('noted', stop.received, flush=True)\n"
+            f"os.kill(os.getpid(), {int(signum)})\nprint('still running', flush=True)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_subprocess_env(),
+                          timeout=60)
+    assert done.returncode == -signum, (done.returncode, done.stdout, done.stderr)
+    assert f"noted {int(signum)}" in done.stdout and "still running" not in done.stdout
+    assert "send it again to exit at once" in done.stdout
+
+
+def test_sigint_outside_the_steps_ends_in_one_line(tiny_target, tmp_path, capsys, monkeypatch):
+    """Ctrl-C while the run loads (before the steps): one line and exit status 130, no traceback."""
+    from megatron_dflash.training import loop
+
+    real_build = loop.build_datasets
+
+    def interrupted_while_loading(job):
+        os.kill(os.getpid(), signal.SIGINT)  # Python's own handler: KeyboardInterrupt here
+        return real_build(job)
+
+    monkeypatch.setattr(loop, "build_datasets", interrupted_while_loading)
+    try:
+        status, err = _main(_base(tiny_target, tmp_path, *SHORT), capsys, monkeypatch)
+    except KeyboardInterrupt:
+        pytest.fail("the interrupt escaped pretrain_dflash.py's main as a traceback")
+    assert status == 130 and "Traceback" not in err and err.count("pretrain_dflash.py:") == 1, err[-2000:]
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("pretrain_dflash.py: interrupted (SIGINT) outside the training steps"), line

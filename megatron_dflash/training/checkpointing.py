@@ -14,7 +14,8 @@ checkpoint layout), so `megatron-dflash-convert to-hf` reads a training checkpoi
         common.pt                              iteration, scheduler, optimizer step, data position, args
         dflash_config.json                     the draft config (HF layout)
 
-Atomicity (`atomic.py`): every rank writes into the staged `SAVE/.iter_0000006.tmp`; once all ranks
+Atomicity (`atomic.py`): every rank writes into a staged `SAVE/.iter_0000006.tmp-<random>` (named by
+rank 0, new for every save); once all ranks
 are done, rank 0 publishes it as `iter_0000006` (`atomic.publish_directory`) and then replaces the
 tracker file (`torch_dist.write_tracker`: staged file + rename). A crash at any point before that
 last rename leaves the previous checkpoint and the tracker untouched; the next save restores an
@@ -38,6 +39,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import tempfile
 from typing import Callable, Optional
 
 import numpy as np
@@ -48,7 +50,7 @@ from megatron.core.dist_checkpointing.dict_utils import extract_matching_values
 from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedObject, ShardedTensor
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-from ..atomic import NoSpaceError, as_no_space, publish_directory, remove_stale_siblings, staged_path, temporary_of
+from ..atomic import NoSpaceError, as_no_space, publish_directory, remove_stale_siblings, temporary_of
 from ..torch_dist import (
     MODEL_PREFIX,
     RELEASE,
@@ -119,7 +121,7 @@ def raise_alike_after_write(error: Optional[BaseException], path: str, *, note: 
     raise RuntimeError(elsewhere)
 
 
-def _agree_on_save(error: Optional[BaseException], final: str, staged: str, step: str) -> None:
+def _agree_on_save(error: Optional[BaseException], final: str, staged: Optional[str], step: str) -> None:
     """`raise_alike_after_write` for a step of `save_checkpoint` (`step`: what it did); on failure rank 0
     first deletes the staged directory (every rank has stopped writing into it)."""
     try:
@@ -127,7 +129,7 @@ def _agree_on_save(error: Optional[BaseException], final: str, staged: str, step
                                 elsewhere=f"{step} checkpoint {final} failed on another rank; the previous "
                                 "checkpoint is intact.")
     except BaseException:
-        if _rank() == 0:
+        if _rank() == 0 and staged is not None:
             shutil.rmtree(staged, ignore_errors=True)
         raise
 
@@ -266,6 +268,31 @@ def _remove_stale_temporaries(save_dir: str) -> None:
             remove_stale_siblings(os.path.join(save_dir, temporary_of(entry)))
 
 
+def _agree_on_staged_directory(save_dir: str, final: str, log: Callable) -> str:
+    """The staged directory of this save of `final`, created by rank 0 and named on every rank.
+
+    Its name is new for every save (`.iter_XXXXXXX.tmp-<random>`), never a fixed one: a staged directory
+    that some other writer also uses (another run, despite the save directory's lock, see `savelock.py`)
+    would mix the two runs' shards. Rank 0 first removes what interrupted saves left behind. A failure to
+    create it is raised alike on every rank (`_agree_on_save`: a full disk is `NoSpaceError` everywhere)
+    before the name is broadcast."""
+    staged, error = None, None
+    if _rank() == 0:
+        try:
+            os.makedirs(save_dir, exist_ok=True)
+            _remove_stale_temporaries(save_dir)
+            staged = tempfile.mkdtemp(prefix=f".{os.path.basename(final)}.tmp-", dir=save_dir)
+        except OSError as err:
+            log(f"[checkpoint] cannot prepare a staged directory for {final} in {save_dir}: {err}")
+            error = err
+    _agree_on_save(error, final, staged, "preparing")
+    if _world() > 1:
+        box = [staged]
+        dist.broadcast_object_list(box, src=0)
+        staged = box[0]
+    return staged
+
+
 # ------------------------------------------------------------------------------------------ save / load
 
 
@@ -281,23 +308,13 @@ def save_checkpoint(
     """Write the checkpoint of `iteration` atomically (collective over all ranks); returns its directory.
 
     `common`: picklable training state identical on every rank (iteration, scheduler, data position,
-    args). The shards go into the staged `.iter_XXXXXXX.tmp` through `torch_dist.save_megatron_draft`
+    args). The shards go into a staged `.iter_XXXXXXX.tmp-<random>` through `torch_dist.save_megatron_draft`
     (the `torch_dist` format written in-process, `dflash_config.json` included); rank 0 then publishes
     the directory and, last, points the tracker file at it.
     """
     name = iteration_dir_name(iteration)
     final = os.path.join(save_dir, name)
-    tmp = staged_path(final)
-    unprepared: Optional[BaseException] = None
-    if _rank() == 0:
-        try:
-            os.makedirs(save_dir, exist_ok=True)
-            _remove_stale_temporaries(save_dir)
-            os.makedirs(tmp)
-        except OSError as err:
-            log(f"[checkpoint] cannot prepare {tmp}: {err}")
-            unprepared = err
-    _agree_on_save(unprepared, final, tmp, "preparing")
+    tmp = _agree_on_staged_directory(save_dir, final, log)
 
     common = dict(common, checkpoint_version=CHECKPOINT_VERSION, world_size=_world())
     draft_config = None

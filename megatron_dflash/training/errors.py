@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from ..cli import DEBUG_ENV
 
-__all__ = ["RunError", "CheckpointError", "DataError", "DEBUG_ENV"]
+__all__ = ["RunError", "CheckpointError", "DataError", "DivergenceError", "DEBUG_ENV"]
 
 
 class RunError(ValueError):
@@ -22,3 +22,9 @@ class CheckpointError(RunError):
 
 class DataError(RunError):
     """Training or evaluation data that cannot be used (nothing supervised, ids outside the vocabulary)."""
+
+
+class DivergenceError(RunError, FloatingPointError):
+    """The training diverged: non-finite (NaN / Inf) gradients, raised on every rank alike before the update.
+
+    Also a `FloatingPointError`, which is what it is, so callers that catch that keep working."""

@@ -564,33 +564,49 @@ class TrainResult:
     exited_early: bool = False
     skipped_steps: int = 0            # global batches without a supervised slot: no optimizer step
     empty_micro_batches: int = 0      # micro-batches without a supervised slot (summed over DP)
+    stopped_by: Optional[str] = None  # the signal (SIGTERM / SIGINT) that stopped the run after a step
+    stop_message: str = ""            # then: where it stopped, what was saved, how to resume (one line)
 
 
 def _export(job: Job, body) -> None:
     """The HF export. Every rank (also off the draft's pipeline stage) checks again that the directory is
     empty or this run's own earlier export (it may have filled up during training): file reads only, so
-    all ranks raise alike. Then the draft's stage writes it and records the run in it; every rank learns
-    whether that worked (a full file system: the same `NoSpaceError` on every rank)."""
-    from megatron.core import parallel_state
-
+    all ranks raise alike. Then the draft's stage writes it, with the marker that records the run inside
+    (published in the same rename as the weights); every rank learns whether that worked (a full file
+    system: the same `NoSpaceError` on every rank)."""
     from .checkpointing import raise_alike_after_write
-    from .outputs import check_export_directory, mark_export, run_name
+    from .outputs import check_export_directory, export_marker, run_name
 
     check_export_directory(job.export_dir, run_name(job.args))
     error: Optional[BaseException] = None
     if body is not None:
         try:
-            save_hf_checkpoint(body, job.export_dir, overwrite=True)  # collective over the draft's TP group
-            if not parallel_state.model_parallel_is_initialized() or (
-                    parallel_state.get_tensor_model_parallel_rank() == 0
-                    and parallel_state.get_data_parallel_rank() == 0):
-                mark_export(job.export_dir, job.args)
+            # collective over the draft's TP group
+            save_hf_checkpoint(body, job.export_dir, overwrite=True, extra_files=export_marker(job.args))
         except Exception as err:  # noqa: BLE001 - every rank must learn about any rank's failure
             error = err
     kept = (f"the checkpoints in {job.args.save} are intact; tools/convert_checkpoint.py to-hf exports one"
             if job.args.save else None)
     raise_alike_after_write(error, job.export_dir, note=kept,
                             elsewhere=f"writing the HF export {job.export_dir} failed on another rank.")
+
+
+def _stop_message(signal_name: str, iteration: int, args) -> str:
+    """The one line that ends a run stopped by a signal."""
+    if not args.save:
+        return (f"stopped by {signal_name} at iteration {iteration}; nothing was saved (no --save): rerun with "
+                "--save to keep the progress of a stopped run.")
+    return (f"stopped by {signal_name} at iteration {iteration}; checkpoint of iteration {iteration} in --save "
+            f"{args.save}: resume with --load {args.save}.")
+
+
+def _last_checkpoint_hint(args, last_saved: Optional[int]) -> str:
+    """Where a stopped run can resume from (for its one-line message)."""
+    if not args.save:
+        return ""
+    if last_saved is None:
+        return f" No checkpoint of this run in --save {args.save} yet."
+    return f" The last checkpoint (iteration {last_saved}) is in --save {args.save}."
 
 
 def _log(ctx_rank: int, text: str) -> None:
@@ -621,18 +637,24 @@ def _train(job: Job, *, hooks: Optional[dict], env) -> TrainResult:
     from ..data import Collator, MicroBatchIterator
     from ..parallel import SingleRankGroup
     from .checkpointing import load_checkpoint, save_checkpoint
+    from .errors import DivergenceError
     from .monitor import Monitor, format_metrics, labelled
     from .optim import build_engine, optimizer_layout
     from .resume import agree_on_resume_point
     from .rundir import RunWriter
+    from .savelock import lock_save_directory
+    from .signals import StopSignals
 
     hooks = hooks or {}
     args = job.args
     t_start = time.time()
     ctx = initialize_distributed(job, env)
-    monitor = run_dir = None
+    monitor = run_dir = save_lock = None
+    stop = StopSignals()
     try:
         rank = ctx.rank
+        if args.save:  # one run per save directory, before anything is built (the same verdict on every rank)
+            save_lock = lock_save_directory(args.save, log=lambda t: _log(rank, t))
         dtype = torch.bfloat16 if args.bf16 else torch.float32
         cfg = job.draft_config
         _log(rank, f"[dflash] variant {job.variant.name}: {cfg.num_hidden_layers} draft layer(s), hidden "
@@ -757,6 +779,7 @@ def _train(job: Job, *, hooks: Optional[dict], env) -> TrainResult:
         window_t0, window_tokens, window_start = time.time(), 0.0, start_iteration
         iteration = start_iteration
         exited = False
+        stop.install()  # SIGTERM / SIGINT: finish the step, save, exit (until the last checkpoint is written)
         while iteration < args.train_iters:
             step_t0 = time.time()
             if engine is not None:
@@ -773,7 +796,11 @@ def _train(job: Job, *, hooks: Optional[dict], env) -> TrainResult:
                 # No supervised slot in the whole global batch (the weight is summed over DP, so every rank
                 # decides alike): no optimizer step, so neither Adam's moments nor the schedule move.
                 if engine.finish_grads(weight) > 0:
-                    grad_norm = engine.step()
+                    try:
+                        grad_norm = engine.step()
+                    except DivergenceError as err:  # raised on every rank of the draft alike
+                        hint = _last_checkpoint_hint(args, last_saved)
+                        raise DivergenceError(f"iteration {iteration + 1}: {err}{hint}") from err
             totals = runner.reduce(acc, {"lr": lr, "grad_norm": grad_norm})
             train_data.stop_if_unreadable(totals)  # before anything of this step is logged or saved
             lr, grad_norm = totals.scalars["lr"], totals.scalars["grad_norm"]
@@ -818,6 +845,11 @@ def _train(job: Job, *, hooks: Optional[dict], env) -> TrainResult:
                 hooks["on_step"](iteration, values, body)
             if args.save and args.save_interval and iteration % args.save_interval == 0:
                 checkpoint(iteration)
+            # On every rank, every step: one all-reduce of one integer. After the periodic save (a signal that
+            # lands during it stops here too), before the evaluation (which a stopping run skips).
+            result.stopped_by = stop.agreed()
+            if result.stopped_by:
+                break
             if args.eval_interval and iteration % args.eval_interval == 0 and iteration < args.train_iters:
                 evaluate(iteration)
             if getattr(args, "exit_interval", None) and iteration % args.exit_interval == 0 \
@@ -828,7 +860,15 @@ def _train(job: Job, *, hooks: Optional[dict], env) -> TrainResult:
         # ---- the end
         if args.save and last_saved != iteration:
             checkpoint(iteration)
-        result.exited_early = exited
+        result.stopped_by = result.stopped_by or stop.agreed()  # also a signal during that last save
+        stop.restore()
+        result.exited_early = exited or result.stopped_by is not None
+        if result.stopped_by:
+            result.stop_message = _stop_message(result.stopped_by, iteration, args)
+            log(f"[dflash] {result.stop_message}")
+            run_dir.plot()
+            result.wall_time_s = time.time() - t_start
+            return result
         if exited:
             log(f"[dflash] exiting at iteration {iteration} (--exit-interval {args.exit_interval}); resume with "
                 f"--load {args.save}.")
@@ -872,6 +912,9 @@ def _train(job: Job, *, hooks: Optional[dict], env) -> TrainResult:
             monitor.close()
         if run_dir is not None:
             run_dir.close()
+        stop.restore()
+        if save_lock is not None:
+            save_lock.release()
         ctx.close()
 
 
@@ -888,18 +931,23 @@ def run(argv: Optional[Sequence[str]] = None, *, hooks: Optional[dict] = None, e
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """The command line: expected failures (arguments, checkpoints, data, a full file system under a
-    checkpoint or the export) end in one line on stderr (exit 2 for arguments, 1 otherwise) on every rank;
-    bugs keep their traceback."""
-    from ..cli import is_no_space, report_failure
+    """The command line: expected failures (arguments, checkpoints, data, a diverged loss, a full file system
+    under a checkpoint or the export) end in one line on stderr (exit 2 for arguments, 1 otherwise) on every
+    rank; bugs keep their traceback. A run stopped by SIGTERM / SIGINT during the steps ends in one line with
+    `signals.STOPPED_EXIT_STATUS`, a SIGINT outside them in one line with `cli.INTERRUPTED_EXIT_STATUS`."""
+    from ..cli import is_no_space, report_failure, report_interrupt
     from .errors import RunError
     from .rundir import ConsoleLog
+    from .signals import STOPPED_EXIT_STATUS
 
     # rank 0 keeps the console log (the other ranks print nothing but errors)
     console = ConsoleLog.start() if os.environ.get("RANK", "0") == "0" else None
     debug = "--debug" in (sys.argv[1:] if argv is None else argv)
     try:
-        run(argv, console=console)
+        result = run(argv, console=console)
+        if result.stopped_by:  # SIGTERM / SIGINT during the steps: saved, resumable (every rank says so)
+            print(f"pretrain_dflash.py: {result.stop_message}", file=sys.stderr, flush=True)
+            return STOPPED_EXIT_STATUS
     except RunError as err:
         report_failure("pretrain_dflash.py", err, debug=debug)
         return 2 if isinstance(err, ArgumentError) else 1
@@ -908,6 +956,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise
         report_failure("pretrain_dflash.py", err, debug=debug)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C outside the steps: loading, the final evaluation or export
+        return report_interrupt("pretrain_dflash.py", "outside the training steps (loading, evaluating or "
+                                "exporting); the checkpoints already in --save are complete, rerun to continue")
     finally:
         if console is not None:
             console.stop()

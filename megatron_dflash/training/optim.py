@@ -266,7 +266,9 @@ class MegatronEngine(Engine):
             if _group_size(group) > 1:
                 dist.all_reduce(finite, op=dist.ReduceOp.MIN, group=group)
         if float(finite.item()) < 1.0:
-            raise FloatingPointError(
+            from .errors import DivergenceError
+
+            raise DivergenceError(
                 "non-finite gradients (NaN or Inf) after this step's micro-batches, on at least one rank; the "
                 "update is skipped and training stops: lower --lr, check the data, or drop --bf16."
             )
@@ -276,7 +278,10 @@ class MegatronEngine(Engine):
         with self.device_context():
             ok, grad_norm, _ = self.optimizer.step()
         if not ok:
-            raise FloatingPointError("megatron's optimizer skipped the step (non-finite gradients).")
+            from .errors import DivergenceError
+
+            raise DivergenceError("megatron's optimizer skipped the step (non-finite gradients); training stops: "
+                                  "lower --lr, check the data, or drop --bf16.")
         self.scheduler.step(1)
         return float(grad_norm) if grad_norm is not None else float("nan")
 

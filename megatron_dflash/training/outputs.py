@@ -15,10 +15,10 @@ import json
 import os
 from typing import Optional
 
-from ..atomic import check_not_a_link, write_file
+from ..atomic import check_not_a_link
 from .arguments import ArgumentError
 
-__all__ = ["EXPORT_MARKER", "check_outputs", "check_export_directory", "mark_export", "run_name"]
+__all__ = ["EXPORT_MARKER", "check_outputs", "check_export_directory", "export_marker", "run_name"]
 
 EXPORT_MARKER = "dflash_export.json"  # written into every export: which run (save directory) wrote it
 
@@ -105,6 +105,9 @@ def check_outputs(args, export_dir: str) -> None:
     check_export_directory(export_dir, run_name(args), export_flag)
 
 
-def mark_export(export_dir: str, args) -> None:
-    """Record which run wrote `export_dir` (so that a restart of that run may replace it)."""
-    write_file(os.path.join(export_dir, EXPORT_MARKER), json.dumps({"run": run_name(args)}) + "\n")
+def export_marker(args) -> dict[str, str]:
+    """`{EXPORT_MARKER: text}`: the file that records which run wrote an export (so that a restart of that
+    run may replace it). It is written into the export's staged directory, published with the weights in
+    one rename: an export never appears without it (a kill right after the rename would otherwise leave
+    one that the rerun refuses as foreign)."""
+    return {EXPORT_MARKER: json.dumps({"run": run_name(args)}) + "\n"}

@@ -37,6 +37,7 @@ from ..torch_dist import (
     read_draft_config,
 )
 from .errors import CheckpointError
+from .savelock import LOCK_FILE
 
 __all__ = ["ResumePoint", "find_resume_point", "agree_on_resume_point", "draft_config_differences",
            "is_stale_temporary"]
@@ -155,7 +156,8 @@ def find_resume_point(load: str) -> Optional[ResumePoint]:
             f"--load={load} is a HF drafter directory (config.json), not a training checkpoint; start a new run "
             f"from its weights with --dflash-init-from {load}."
         )
-    entries = sorted(e for e in os.listdir(load) if not is_stale_temporary(e))
+    # the lock of a run saving here (`savelock.py`; this run's own when --load is its --save) is no content
+    entries = sorted(e for e in os.listdir(load) if not is_stale_temporary(e) and e != LOCK_FILE)
     if entries:
         shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
         raise CheckpointError(
