@@ -59,8 +59,8 @@ def _read(fd: int) -> str:
 class SaveLock:
     """The held lock of one save directory; `release()` (idempotent) gives it up."""
 
-    def __init__(self, path: str, fd: Optional[int]):
-        self.path, self._fd = path, fd
+    def __init__(self, path: str, fd: Optional[int], created_dir: bool = False):
+        self.path, self._fd, self._created_dir = path, fd, created_dir
 
     def release(self) -> None:
         if self._fd is None:
@@ -70,14 +70,22 @@ class SaveLock:
                 os.unlink(self.path)  # before unlocking: a waiting run then retries on a fresh file
         os.close(self._fd)  # releases the flock
         self._fd = None
+        if self._created_dir:  # a run that wrote nothing leaves no empty --save behind
+            with contextlib.suppress(OSError):
+                os.rmdir(os.path.dirname(self.path))
 
 
 def acquire_save_lock(save_dir: str, log: Callable = print) -> SaveLock:
-    """Lock `save_dir` (created if missing) for this process, or raise `RunError` naming the run that holds it."""
-    os.makedirs(save_dir, exist_ok=True)
+    """Lock `save_dir` (created if missing, and removed again at release if it is still empty) for this
+    process, or raise `RunError` naming the run that holds it."""
+    created_dir = not os.path.isdir(save_dir)
     path = os.path.join(save_dir, LOCK_FILE)
     for _ in range(_ATTEMPTS):
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        os.makedirs(save_dir, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        except FileNotFoundError:  # a releasing run removed the directory it had created: create it again
+            continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -95,7 +103,7 @@ def acquire_save_lock(save_dir: str, log: Callable = print) -> SaveLock:
             log(f"[checkpoint] WARNING: the file system of --save={save_dir} does not support locks ({err.strerror});"
                 " nothing stops a second run from writing into it at the same time.")
             os.close(fd)
-            return SaveLock(path, None)
+            return SaveLock(path, None)  # nothing to release: the directory stays
         try:
             current = os.stat(path).st_ino
         except FileNotFoundError:
@@ -111,7 +119,7 @@ def acquire_save_lock(save_dir: str, log: Callable = print) -> SaveLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, record, 0)
         os.fsync(fd)
-        return SaveLock(path, fd)
+        return SaveLock(path, fd, created_dir)
     raise RunError(f"--save={save_dir}: could not lock {path} (it keeps being replaced); is another run starting?")
 
 
