@@ -4,6 +4,9 @@ The tensor-parallel group comes from megatron's `parallel_state` when it is init
 and is a single-rank stand-in otherwise, so a body built in a plain Python process (a
 notebook, a HF export) is the TP=1 case of the same code. Sequence parallelism and
 context parallelism > 1 are refused: every rank of a TP group holds the whole sequence.
+
+`initialize_model_parallel` / `destroy_model_parallel` set up and tear down megatron's
+`parallel_state` so that tearing down releases the process groups setting up created.
 """
 
 from __future__ import annotations
@@ -16,6 +19,69 @@ from megatron.core import parallel_state
 
 
 _SIGNATURE_SLOTS = 32
+
+# The process groups our `initialize_model_parallel` created, in creation order, until
+# `destroy_model_parallel` releases them.
+_model_parallel_groups: list = []
+
+
+def _live_process_groups() -> list:
+    """Every process group torch.distributed holds, the default one included, in creation order.
+
+    torch keeps no public list; megatron's own teardown reads this same registry.
+    """
+    from torch.distributed.distributed_c10d import _world
+
+    return list(_world.pg_map)
+
+
+def _release_process_groups(groups: list) -> None:
+    """`destroy_process_group` of each of `groups` still registered, newest first.
+
+    Newest first is torch's own order for a full teardown (some NCCL versions' abort is collective,
+    so every rank must release in the same order; megatron creates its groups in the same order
+    everywhere). A gloo group's worker and transport threads end with it.
+    """
+    live = set(_live_process_groups())
+    for group in reversed(groups):
+        if group in live:
+            dist.destroy_process_group(group)
+
+
+def initialize_model_parallel(**sizes) -> None:
+    """megatron's `parallel_state.initialize_model_parallel(**sizes)`, remembering the groups it creates.
+
+    megatron's `destroy_model_parallel` only forgets its groups (it destroys just the gloo
+    data-parallel ones), and every process group owns threads: about sixty per set-up of a
+    gloo world, so a process that sets up and tears down repeatedly (a test pool, a user
+    calling `training.run` twice) grew by that much each time. Pair with `destroy_model_parallel`
+    below. Groups left by an earlier set-up that megatron's own teardown dropped are released first.
+
+    Collective over the world (as megatron's set-up is). It ends with a barrier: a gloo rank can
+    return from creating a group while a peer is still connecting to it, and a rank that then
+    released the group at once (a run refused right after set-up) would make the peer fail with
+    "Connection closed by peer" instead of the run's own error.
+    """
+    if _model_parallel_groups and not parallel_state.model_parallel_is_initialized():
+        _release_process_groups(_model_parallel_groups)
+        _model_parallel_groups.clear()
+    before = set(_live_process_groups())
+    parallel_state.initialize_model_parallel(**sizes)
+    _model_parallel_groups.extend(g for g in _live_process_groups() if g not in before)
+    dist.barrier()
+
+
+def destroy_model_parallel() -> None:
+    """megatron's `parallel_state.destroy_model_parallel()`, then release the groups our set-up created.
+
+    Groups created by anyone else (the default group, a caller's own `new_group`) are left alone.
+    Local: no collective, but the same call on every rank (see `_release_process_groups`).
+    """
+    parallel_state.destroy_model_parallel()
+    groups = list(_model_parallel_groups)
+    _model_parallel_groups.clear()
+    if dist.is_available() and dist.is_initialized():
+        _release_process_groups(groups)
 
 
 class SingleRankGroup:

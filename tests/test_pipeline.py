@@ -148,12 +148,13 @@ def _gathered_grads(body) -> dict:
 def _on_ranks_pipeline(rank: int, world_size: int, case: dict) -> dict:
     from megatron.core import parallel_state
 
+    from megatron_dflash.parallel import destroy_model_parallel, initialize_model_parallel
     from megatron_dflash.pipeline import copy_frozen_target_heads, run_target_pipeline
     from megatron_dflash.target import MegatronTarget
 
     cfg, batch = case["cfg"], case["batch"]
     plan, tokens = batch["dflash_plan"], batch["tokens"]
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+    initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
     try:
         stage = parallel_state.get_pipeline_model_parallel_rank()
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
@@ -218,8 +219,8 @@ def _on_ranks_pipeline(rank: int, world_size: int, case: dict) -> dict:
             report["after_errors"] = out.taps if out is not None else None
 
         # PP=1 (TP=2, DP=2): the same entry points, no routing; the target's own modules.
-        parallel_state.destroy_model_parallel()
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=1)
+        destroy_model_parallel()
+        initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=1)
         with megatron_target_on_cpu():
             flat = MegatronTarget.from_pretrained(case["tied"], config=cfg, use_cpu_initialization=True)
             embedding, head = copy_frozen_target_heads(flat, -1)
@@ -228,7 +229,7 @@ def _on_ranks_pipeline(rank: int, world_size: int, case: dict) -> dict:
                              "taps": out.taps, "final_hidden": out.final_hidden}
             report["pp1_error"] = _error_of(lambda: run_target_pipeline(flat, batch, draft_stage=1))
     finally:
-        parallel_state.destroy_model_parallel()
+        destroy_model_parallel()
     return report
 
 

@@ -381,11 +381,11 @@ def _on_ranks_tp(rank: int, world_size: int, cases: dict) -> dict:
 
 def _on_ranks_pp(rank: int, world_size: int, case: dict) -> dict:
     import torch.distributed as dist
-    from megatron.core import parallel_state
 
+    from megatron_dflash.parallel import destroy_model_parallel, initialize_model_parallel
     from megatron_dflash.target import MegatronTarget
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=2)
+    initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=2)
     try:
         with megatron_target_on_cpu():
             target = MegatronTarget.from_pretrained(case["path"], [1, 2], use_cpu_initialization=True)
@@ -408,7 +408,7 @@ def _on_ranks_pp(rank: int, world_size: int, case: dict) -> dict:
                 r["padding_is_-inf"] = bool(torch.isneginf(out.logits[..., VOCAB:]).all())
             r["taps"] = {i: _maxdiff(t, case["hidden"][i + 1]) for i, t in out.taps.items()}
     finally:
-        parallel_state.destroy_model_parallel()
+        destroy_model_parallel()
     return r
 
 

@@ -247,14 +247,13 @@ def _gather_vocab(local: torch.Tensor) -> torch.Tensor:
 
 
 def _on_ranks_moe(rank: int, world_size: int, cases: dict, layouts: list) -> list:
-    from megatron.core import parallel_state
-
+    from megatron_dflash.parallel import destroy_model_parallel, initialize_model_parallel
     from megatron_dflash.pipeline import run_target_pipeline
     from megatron_dflash.target import MegatronTarget
 
     reports = []
     for layout, names in layouts:
-        parallel_state.initialize_model_parallel(
+        initialize_model_parallel(
             tensor_model_parallel_size=layout["tp"], pipeline_model_parallel_size=layout["pp"],
             expert_model_parallel_size=layout["ep"], expert_tensor_parallel_size=layout["etp"],
         )
@@ -285,7 +284,7 @@ def _on_ranks_moe(rank: int, world_size: int, cases: dict, layouts: list) -> lis
                         r["padding_is_-inf"] = bool(torch.isneginf(logits[..., VOCAB:]).all())
                     reports.append(r)
         finally:
-            parallel_state.destroy_model_parallel()
+            destroy_model_parallel()
     return reports
 
 

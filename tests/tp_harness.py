@@ -19,11 +19,19 @@ Failure handling, so that a broken rank fails a test instead of hanging the sess
   raises `RankError`;
 - after any failure the pool is torn down (its ranks may disagree about which
   collectives ran) and the next `run` spawns a fresh one.
+
+Resources: a call must leave nothing running behind it, so that a leak fails the test that
+leaks instead of slowing every later one (each gloo process group owns threads; a megatron
+set-up that is never released is about 60). After each call every rank checks that
+- no process group the call created is still registered (megatron's own teardown leaves its
+  groups registered: use `megatron_dflash.parallel`'s set-up / teardown pair), and
+- it holds at most `THREAD_BOUND` threads (thread pools that were never joined).
 """
 
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import pickle
 import sys
@@ -44,6 +52,13 @@ CALL_TIMEOUT_S = 120.0
 # Once a rank has failed, seconds the others get to finish before the pool is killed
 # (they are likely stuck in a collective the failed rank never joined).
 FAILURE_GRACE_S = 5.0
+# Threads a rank may hold when a call returns. Measured on the gloo ranks of the multi-rank
+# modules (world 2 and 4): 4-13 without parallel_state, 64-68 with the pool's TP = world layout
+# set up (about 60 for megatron's groups), up to ~90 while a finished training run's destroyed
+# groups await the garbage collector, all back to <= 68 after it. A megatron set-up that is
+# never released adds about 60 (122 over the pool's layout). The bound leaves ~30 threads of
+# room above the steady state and is under one leaked set-up.
+THREAD_BOUND = 100
 
 
 class RankError(AssertionError):
@@ -55,20 +70,83 @@ class RankError(AssertionError):
 # --------------------------------------------------------------------------------------
 
 
-def _set_tensor_parallel(tp: Optional[int], current: Optional[int]) -> Optional[int]:
-    """(Re)initialise megatron's parallel_state for TP size `tp` (None: leave it unset)."""
+def _set_tensor_parallel(tp: Optional[int]) -> None:
+    """Leave megatron's parallel_state set up for TP size `tp` (None: not set up).
+
+    Reads the state rather than remembering the last call's: a called function may have torn it
+    down or set up another layout (the training loop does when its job asks for other sizes).
+    Set-up and teardown go through the product's pair, which releases the process groups (and
+    their threads) that megatron's own teardown leaves behind.
+    """
     from megatron.core import parallel_state
 
-    if tp == current:
-        return current
+    from megatron_dflash.parallel import destroy_model_parallel, initialize_model_parallel
+
     if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
+        if tp is not None and _layout_is_plain_tp(tp):
+            return
+        destroy_model_parallel()
     if tp is not None:
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
-    return tp
+        initialize_model_parallel(tensor_model_parallel_size=tp)
 
 
-def _child_main(rank: int, world_size: int, init_file: str, conn, collective_timeout_s: float) -> None:
+def _layout_is_plain_tp(tp: int) -> bool:
+    """parallel_state is TP = `tp` with every other model-parallel size 1 (what `run` sets up)."""
+    from megatron.core import parallel_state
+
+    return (parallel_state.get_tensor_model_parallel_world_size() == tp
+            and parallel_state.get_pipeline_model_parallel_world_size() == 1
+            and parallel_state.get_context_parallel_world_size() == 1
+            and parallel_state.get_expert_model_parallel_world_size() == 1)
+
+
+def thread_count() -> int:
+    """Threads of this process, as the kernel counts them (OpenMP and gloo threads included)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("Threads:"):
+                return int(line.split()[1])
+    raise RuntimeError("/proc/self/status has no Threads line")
+
+
+def rank_thread_count(rank: int, world_size: int) -> int:
+    """`thread_count()` as a pool call: `pool.run(rank_thread_count)` -> threads of every rank."""
+    return thread_count()
+
+
+def _live_process_groups() -> set:
+    """The process groups torch.distributed holds in this rank (the world group included)."""
+    from torch.distributed.distributed_c10d import _world
+
+    return set(_world.pg_map)
+
+
+def _check_nothing_left_behind(name: str, groups_before: set, thread_bound: int) -> None:
+    """Fail the call if it left process groups registered or more than `thread_bound` threads.
+
+    `groups_before`: the groups alive when `fn` was called. Garbage is collected before the
+    thread count fails: a destroyed group dropped inside a reference cycle (a model that held
+    it) keeps its threads until the collector frees it.
+    """
+    left = len(_live_process_groups() - groups_before)
+    if left:
+        raise AssertionError(
+            f"{name} left {left} process group(s) it created alive in this rank: destroy them before "
+            "returning (megatron_dflash.parallel.destroy_model_parallel for megatron's parallel_state)."
+        )
+    count = thread_count()
+    if count > thread_bound:
+        gc.collect()
+        count = thread_count()
+    if count > thread_bound:
+        raise AssertionError(
+            f"{count} threads in this rank after {name} (bound {thread_bound}): the call left threads "
+            "behind; join the thread pools it started."
+        )
+
+
+def _child_main(rank: int, world_size: int, init_file: str, conn, collective_timeout_s: float,
+                thread_bound: int) -> None:
     """Rank process: join the gloo group, then serve calls until told to stop."""
     os.environ["OMP_NUM_THREADS"] = "1"
     try:
@@ -88,7 +166,6 @@ def _child_main(rank: int, world_size: int, init_file: str, conn, collective_tim
         return
     conn.send(("ready", None))
 
-    current_tp: Optional[int] = None
     try:
         while True:
             try:
@@ -100,8 +177,10 @@ def _child_main(rank: int, world_size: int, init_file: str, conn, collective_tim
                 if message[0] == "stop":
                     break
                 _, fn, args, kwargs, tp = message
-                current_tp = _set_tensor_parallel(tp, current_tp)
+                _set_tensor_parallel(tp)
+                groups_before = _live_process_groups()
                 result = fn(rank, world_size, *args, **kwargs)
+                _check_nothing_left_behind(getattr(fn, "__qualname__", repr(fn)), groups_before, thread_bound)
                 reply = ("ok", result)
             except BaseException:
                 reply = ("error", traceback.format_exc())
@@ -111,7 +190,7 @@ def _child_main(rank: int, world_size: int, init_file: str, conn, collective_tim
                 conn.send(("error", traceback.format_exc()))
     finally:
         try:
-            _set_tensor_parallel(None, current_tp)
+            _set_tensor_parallel(None)
             dist.destroy_process_group()
         except Exception:
             pass
@@ -136,12 +215,14 @@ class RankPool:
         *,
         collective_timeout_s: float = COLLECTIVE_TIMEOUT_S,
         start_timeout_s: float = START_TIMEOUT_S,
+        thread_bound: int = THREAD_BOUND,
     ):
         if world_size < 1:
             raise ValueError(f"world_size={world_size} must be >= 1")
         self.world_size = world_size
         self.collective_timeout_s = collective_timeout_s
         self.start_timeout_s = start_timeout_s
+        self.thread_bound = thread_bound
         self._procs: list = []
         self._conns: list = []
         self._tmpdir: Optional[tempfile.TemporaryDirectory] = None
@@ -165,7 +246,8 @@ class RankPool:
                 parent_conn, child_conn = ctx.Pipe(duplex=True)
                 proc = ctx.Process(
                     target=_child_main,
-                    args=(rank, self.world_size, init_file, child_conn, self.collective_timeout_s),
+                    args=(rank, self.world_size, init_file, child_conn, self.collective_timeout_s,
+                          self.thread_bound),
                     name=f"tp-rank-{rank}-of-{self.world_size}",
                     daemon=True,
                 )

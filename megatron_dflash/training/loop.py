@@ -64,8 +64,10 @@ class DistContext:
     def close(self) -> None:
         from megatron.core import parallel_state
 
+        from ..parallel import destroy_model_parallel
+
         if self.owns_model_parallel and parallel_state.model_parallel_is_initialized():
-            parallel_state.destroy_model_parallel()
+            destroy_model_parallel()
         if self.owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
         if self.tmpdir is not None:
@@ -84,6 +86,8 @@ def initialize_distributed(job: Job, env=None) -> DistContext:
     Backend: nccl with CUDA, gloo without.
     """
     from megatron.core import parallel_state
+
+    from ..parallel import destroy_model_parallel, initialize_model_parallel
 
     env = os.environ if env is None else env
     args = job.args
@@ -125,10 +129,10 @@ def initialize_distributed(job: Job, env=None) -> DistContext:
                 and parallel_state.get_expert_model_parallel_world_size() == ep
                 and parallel_state.get_expert_tensor_parallel_world_size() == (tp if etp is None else etp))
         if not same:
-            parallel_state.destroy_model_parallel()
+            destroy_model_parallel()
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                                 expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+        initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                  expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
         owns_mp = True
     if use_cuda:
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
