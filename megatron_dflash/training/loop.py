@@ -574,15 +574,22 @@ class TrainResult:
 
 def _export(job: Job, body) -> None:
     """The HF export. Every rank (also off the draft's pipeline stage) checks again that the directory is
-    empty or this run's own earlier export (it may have filled up during training): file reads only, so
-    all ranks raise alike. Then the draft's stage writes it, with the marker that records the run inside
-    (published in the same rename as the weights); every rank learns whether that worked (a full file
-    system: the same `NoSpaceError` on every rank)."""
+    empty or this run's own earlier export (it may have filled up during training), and all ranks agree on
+    the verdict (one all-reduce) before any rank writes. Then the draft's stage writes it, with the marker
+    that records the run inside (published in the same rename as the weights); every rank learns whether
+    that worked (a full file system: the same `NoSpaceError` on every rank)."""
     from .checkpointing import raise_alike_after_write
     from .outputs import check_export_directory, export_marker, run_name
 
-    check_export_directory(job.export_dir, run_name(job.args))
     error: Optional[BaseException] = None
+    try:
+        check_export_directory(job.export_dir, run_name(job.args))
+    except ArgumentError as err:
+        error = err
+    # Every rank has checked before any rank writes: a rank still checking while the draft's stage publishes
+    # the export would otherwise see a directory it did not expect and stop alone.
+    raise_alike_after_write(error, job.export_dir, note=None,
+                            elsewhere=f"the HF export {job.export_dir} was refused on another rank.")
     if body is not None:
         try:
             # collective over the draft's TP group
