@@ -42,7 +42,7 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 DFLASH_ARCHITECTURE = "DFlashDraftModel"
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -56,6 +56,21 @@ _DFLASH_CONFIG_KEYS = (
     "output_multiplier",
     "final_logit_softcapping",
 )
+
+
+def resolve_text_config(config: Any) -> Any:
+    """The decoder-stack config of a target: ``text_config`` of a multimodal wrapper, else the config itself.
+
+    Multimodal checkpoints (``Qwen3_5ForConditionalGeneration``, ``Qwen3VLForConditionalGeneration``,
+    ``KimiK3ForConditionalGeneration``) keep ``num_hidden_layers``, ``hidden_size``, ``vocab_size`` and the
+    attention shapes on a nested ``text_config``; causal LMs keep them at the top level. Works on a
+    ``config.json`` dict and on a transformers config object alike.
+    """
+    if isinstance(config, Mapping):
+        inner = config.get("text_config")
+        return dict(inner) if isinstance(inner, Mapping) and inner else config
+    inner = getattr(config, "text_config", None)
+    return inner if inner is not None else config
 
 
 def resolve_causal(data: dict[str, Any]) -> Optional[bool]:

@@ -7,15 +7,17 @@ architecture names a HF ``config.json`` declares (``architectures[0]``); each en
   non-causal Kimi K3 multi-latent-attention draft),
 * how the **draft config** is derived from the target's *text* config (`resolve_text_config` unwraps the
   ``text_config`` of multimodal checkpoints) and which target layers are **tapped** by default,
-* which **variants** (by name, as `--dflash-variant` spells them) the draft family implements, which **draft
-  attention backends** and which **target backends** it can use, whether packed sequences work,
+* which **draft attention backends** and which **target backends** its draft family can use, whether packed
+  sequences work,
 * how the frozen target is **loaded** in one process (the transformers auto class, or a family's own loader),
   and whether it keeps a KV cache speculative decoding can roll back (else decoding recomputes it; also for
   targets with linear-attention layers, `target_keeps_kv_cache`).
 
 Nothing else in the package maps architecture names to behaviour: `pretrain_dflash.py` (through
 `training/job.py`), the training loop, and `tools/evaluate_acceptance.py` ask `resolve_target_family`.
-Variants are referred to by name only, so this module does not import the variant registry.
+A family names its draft family, never a variant: the variant registry maps a draft family to the variant that
+trains the requested objective on it (`variants.registry.variant_for_draft_family`), so this module does not
+import the registry (nor torch).
 
 A ``config.json`` without ``architectures`` is resolved by its ``model_type``; one with neither is read as a
 Qwen3/Llama-shaped decoder (the fields `qwen3_draft_config` reads), as it always was. An architecture that is
@@ -27,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
 
-from .config import default_target_layer_ids, read_rope_parameters
+from .config import default_target_layer_ids, read_rope_parameters, resolve_text_config
 
 __all__ = [
     "TargetFamily",
@@ -42,29 +44,11 @@ __all__ = [
     "kimi_k3_draft_config",
 ]
 
-# `variants` of a family whose draft is the Qwen3-style body: every variant registered on that body (the
-# built-in DFlash, DFlash 2, Domino and JetSpec, and any `register_variant` adds), not another family's own.
-ANY_QWEN3_STYLE_VARIANT = None
 ALL_ATTENTION_BACKENDS = ("auto", "chunked", "flex", "dense")
 
 
 class TargetFamilyError(ValueError):
     """A target this version cannot train a draft for, or a run its draft family cannot do."""
-
-
-def resolve_text_config(config: Any) -> Any:
-    """The decoder-stack config of a target: ``text_config`` of a multimodal wrapper, else the config itself.
-
-    Multimodal checkpoints (``Qwen3_5ForConditionalGeneration``, ``Qwen3VLForConditionalGeneration``,
-    ``KimiK3ForConditionalGeneration``) keep ``num_hidden_layers``, ``hidden_size``, ``vocab_size`` and the
-    attention shapes on a nested ``text_config``; causal LMs keep them at the top level. Works on a
-    ``config.json`` dict and on a transformers config object alike.
-    """
-    if isinstance(config, Mapping):
-        inner = config.get("text_config")
-        return dict(inner) if isinstance(inner, Mapping) and inner else config
-    inner = getattr(config, "text_config", None)
-    return inner if inner is not None else config
 
 
 def target_architecture(config: Mapping) -> Optional[str]:
@@ -166,15 +150,14 @@ class TargetFamily:
     """How drafts are trained for one family of target architectures.
 
     Attributes:
-        name: the draft family (``qwen3``, ``kimi_k3``).
+        name: the target family (``qwen3``, ``kimi_k3``).
         architectures: ``config.json`` architecture names served, text-only and multimodal wrappers alike.
         model_types: ``model_type`` values that identify the family when ``architectures`` is absent.
         build_draft_config: ``(text_config, *, config_cls, num_layers, block_size, mask_token_id,
             target_layer_ids, **overrides) -> config``: the draft config from the target's text config.
-        draft_variant: the registered variant (`variants.registry`, by name) of the family's own draft body when
-            it is not the requested variant's Qwen3-style body (None); it trains with the requested objective.
-        variants: the `--dflash-variant` names the draft family implements; None (`ANY_QWEN3_STYLE_VARIANT`): every
-            variant registered on the Qwen3-style body, not another family's own draft.
+        draft_family: the draft family trained for its targets (``qwen3``: the Qwen3-style body every variant
+            builds; ``kimi_k3``: the K3 MLA draft); the variant registry says which variant trains the requested
+            objective on it (`variants.registry.variant_for_draft_family`).
         attention_backends: the `--dflash-attention-backend` values its draft can run.
         target_backends: the `--target-backend` values that can run its targets.
         packed_sequences: whether `--pack-sequences` (per-document masks and positions) works with its targets.
@@ -192,11 +175,10 @@ class TargetFamily:
     architectures: tuple
     model_types: tuple
     build_draft_config: Callable
-    variants: Optional[tuple]
+    draft_family: str
     attention_backends: tuple
     target_backends: tuple
     load_hf_target: Callable
-    draft_variant: Optional[str] = None
     packed_sequences: bool = True
     target_kv_cache: bool = True
     default_taps: Callable = default_target_layer_ids
@@ -207,25 +189,14 @@ class TargetFamily:
         """The single-process loader for ``architecture`` (some wrappers need their own auto class)."""
         return self.loader_by_architecture.get(architecture, self.load_hf_target)
 
-    def supports_variant(self, variant: str) -> bool:
-        """Whether ``--dflash-variant variant`` trains this family's draft (see `variants`)."""
-        if self.variants is not None:
-            return variant in self.variants
-        return variant not in {f.draft_variant for f in TARGET_FAMILIES.values() if f.draft_variant}
-
-    def check_run(self, *, variant: str, target_backend: str = "hf", attention_backend: str = "auto",
+    def check_run(self, *, target_backend: str = "hf", attention_backend: str = "auto",
                   pack_sequences: bool = False, text_config: Optional[Mapping] = None) -> None:
         """Refuse, before anything is built, a run this family's draft (or this target, ``text_config``) cannot do.
+        (Whether its draft family has the requested variant is the variant registry's to say.)
 
         Raises:
             TargetFamilyError: naming the family, the refused choice and the supported ones.
         """
-        if not self.supports_variant(variant):
-            supported = list(self.variants) if self.variants is not None else "every variant of the Qwen3-style draft"
-            raise TargetFamilyError(
-                f"--dflash-variant {variant}: the {self.name} draft family has no {variant} draft; it supports "
-                f"{supported}. Train one of those for this target."
-            )
         if target_backend not in self.target_backends:
             raise TargetFamilyError(
                 f"--target-backend {target_backend}: {self.name} targets run with {list(self.target_backends)} only."
@@ -248,21 +219,10 @@ class TargetFamily:
                 "would carry one document into the next; drop --pack-sequences."
             )
 
-    def draft_config(self, target_config: Mapping, *, variant_config_cls: type, **kwargs: Any):
-        """The draft config for ``target_config`` (a full ``config.json`` dict; its text config is used)."""
-        cls = self.adapt_variant(None).config_cls if self.draft_variant is not None else variant_config_cls
-        return self.build_draft_config(resolve_text_config(target_config), config_cls=cls, **kwargs)
-
-    def adapt_variant(self, variant):
-        """The registered variant that trains this family's draft: ``variant`` itself, or the family's own draft
-        body (`draft_variant`) when it has one."""
-        if self.draft_variant is None:
-            return variant
-        # Imported here: the registry loads the draft bodies (torch, megatron), and target config resolution
-        # must not.
-        from .variants.registry import get_variant
-
-        return get_variant(self.draft_variant)
+    def draft_config(self, target_config: Mapping, *, config_cls: type, **kwargs: Any):
+        """The draft config for ``target_config`` (a full ``config.json`` dict; its text config is used), of
+        ``config_cls``: the config class of the variant that trains this family's draft family."""
+        return self.build_draft_config(resolve_text_config(target_config), config_cls=config_cls, **kwargs)
 
 
 QWEN3 = TargetFamily(
@@ -284,7 +244,7 @@ QWEN3 = TargetFamily(
     model_types=("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_vl",
                  "qwen3_vl_moe", "llama", "mistral", "qwen2", "deepseek_v3"),
     build_draft_config=qwen3_draft_config,
-    variants=ANY_QWEN3_STYLE_VARIANT,
+    draft_family="qwen3",
     attention_backends=ALL_ATTENTION_BACKENDS,
     target_backends=("hf", "megatron"),
     load_hf_target=_load_with("AutoModelForCausalLM"),
@@ -301,8 +261,7 @@ KIMI_K3 = TargetFamily(
     architectures=("KimiK3ForCausalLM", "KimiK3ForConditionalGeneration"),
     model_types=("kimi_k3", "kimi_linear"),
     build_draft_config=kimi_k3_draft_config,
-    draft_variant="kimi_k3",
-    variants=("dflash",),
+    draft_family="kimi_k3",
     attention_backends=ALL_ATTENTION_BACKENDS,
     target_backends=("hf",),
     load_hf_target=_load_kimi_k3,

@@ -28,7 +28,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from .families import resolve_text_config
+from .config import resolve_text_config
 
 __all__ = ["KIMI_K3_INSTALL_HINT", "kimi_k3_available", "load_kimi_k3_target", "build_tiny_kimi_k3_target"]
 

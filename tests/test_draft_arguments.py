@@ -151,7 +151,7 @@ def test_every_setting_reaches_the_draft_config(target_dir):
         return draft_config_from_target(
             TARGET, config_cls=spec.config_cls, num_layers=args.dflash_num_layers, block_size=args.dflash_block_size,
             mask_token_id=5, target_layer_ids=None, **draft_config_overrides(args, args.dflash_num_layers),
-            **spec.config_overrides(args),
+            **spec.config_overrides(spec.options.build(vars(args))),
         )
 
     plain = build("dflash")
@@ -208,8 +208,6 @@ def test_variable_prefix_base_defaults_to_the_recipe():
 
 
 def test_selector_loss_weight_reaches_the_dflash2_loss():
-    import argparse
-
     import torch
 
     from megatron_dflash.objectives import OutputHead
@@ -230,9 +228,10 @@ def test_selector_loss_weight_reaches_the_dflash2_loss():
     spec = get_variant("dflash2")
 
     def loss(weight):
-        args = argparse.Namespace(dflash_selector_loss_weight=weight)
+        options = spec.options.build(vars(args_for("--dflash-variant", "dflash2",
+                                                   "--dflash-selector-loss-weight", str(weight))))
         with torch.no_grad():
-            return spec.loss(body, hidden, plan, ids, head, decay_gamma=None, chunk_slots=None, args=args)
+            return spec.loss(body, hidden, plan, ids, head, decay_gamma=None, chunk_slots=None, options=options)
 
     none, one, two = loss(0.0), loss(1.0), loss(2.0)
     assert torch.equal(none.loss_sum.double(), none.metrics.base_loss_sum)

@@ -137,7 +137,9 @@ def test_kimi_k3_targets_resolve_to_the_k3_draft_family(tmp_path, architecture):
 
     config = CONFIGS[architecture]()
     job = _job(tmp_path, _target_dir(tmp_path, architecture, config))
-    assert job.target_family.name == "kimi_k3" and job.target_family.variants == ("dflash",)
+    # The target family names its draft family; the registry's K3 form of the requested DFlash objective trains it.
+    assert job.target_family.name == "kimi_k3" and job.target_family.draft_family == "kimi_k3"
+    assert job.variant.draft_family == "kimi_k3" and job.variant.trains_as == "dflash"
     draft = job.draft_config
     assert isinstance(draft, KimiK3DraftConfig)
     # The MLA shapes of the target's text config (NoPE: no RoPE fields), its depth and vocabulary.

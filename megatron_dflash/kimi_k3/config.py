@@ -31,6 +31,8 @@ from typing import Any, Mapping, Optional
 from ..config import check_draft_fields, default_target_layer_ids, read_config_json, write_config_json
 
 KIMI_K3_DRAFT_ARCHITECTURE = "KimiK3DFlashDraftModel"
+# The draft family this package is (the name a target family names, `families.TargetFamily.draft_family`).
+KIMI_K3_DRAFT_FAMILY = "kimi_k3"
 KIMI_K3_MODEL_TYPE = "kimi_linear"
 
 # Keys of `dflash_config` that map 1:1 to fields (besides block_size).

@@ -20,6 +20,7 @@ import math
 import os
 from typing import Mapping, Optional, Sequence
 
+from ..variants.options import BUILT_IN_OPTIONS, Flag, declared_options
 from .errors import RunError
 
 __all__ = [
@@ -44,6 +45,7 @@ DATA_FORMATS = ("chat", "text", "indexed", "synthetic")
 TARGET_BACKENDS = ("hf", "megatron")
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 ATTENTION_BACKENDS = ("auto", "chunked", "flex", "dense")
+DEFAULT_VARIANT = next(iter(BUILT_IN_OPTIONS))  # the published DFlash draft
 
 # Defaults of the embedded job (no arguments): tuned to finish in a few minutes on a 2-core CPU.
 EMBEDDED_SYNTHETIC_TRAIN_SEED = 20250101
@@ -151,9 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hf: transformers model (TP=PP=1 only); megatron: megatron-core GPTModel at TP/PP.")
 
     g = p.add_argument_group("draft")
-    g.add_argument("--dflash-variant", default="dflash", metavar="NAME",
+    g.add_argument("--dflash-variant", default=DEFAULT_VARIANT, metavar="NAME",
                    help="the draft model to train: a variant of the registry (megatron_dflash.variants; built in: "
-                   "dflash, dflash2, domino, jetspec).")
+                   f"{', '.join(BUILT_IN_OPTIONS)}).")
     g.add_argument("--dflash-block-size", type=int, default=RunDefault(16, 8), help="gamma + 1.")
     g.add_argument("--dflash-anchors-per-sample", type=int, default=RunDefault(512, 8),
                    help="blocks per row (unless given, capped at seq_length - block_size + 1 with --target).")
@@ -172,10 +174,6 @@ def build_parser() -> argparse.ArgumentParser:
                    "when given without a value).")
     g.add_argument("--dflash-distill-temperature", type=float, default=1.0,
                    help="JetSpec, and --dflash-soft-target: temperature of the distillation to the target.")
-    g.add_argument("--dflash-domino-lambda-start", type=float, default=RunDefault(1.0, same=True),
-                   help="Domino: initial weight of the backbone-only loss (curriculum).")
-    g.add_argument("--dflash-domino-decay-ratio", type=float, default=RunDefault(0.5, same=True),
-                   help="Domino: fraction of training over which that weight decays to 0.")
     g.add_argument("--dflash-loss-chunk", type=int, default=1024, help="predicted slots per loss chunk.")
     g.add_argument("--dflash-attention-backend", choices=ATTENTION_BACKENDS, default="auto",
                    help="block attention kernel of the draft.")
@@ -499,10 +497,6 @@ def validate_args(
             f"--dflash-distill-temperature only applies to --dflash-variant {_names_with('needs_final_hidden')} or with "
             "--dflash-soft-target."
         )
-    if not 0.0 <= args.dflash_domino_decay_ratio <= 1.0:
-        raise ArgumentError(f"--dflash-domino-decay-ratio={args.dflash_domino_decay_ratio} must be in [0, 1].")
-    if not (math.isfinite(args.dflash_domino_lambda_start) and 0.0 <= args.dflash_domino_lambda_start <= 1.0):
-        raise ArgumentError(f"--dflash-domino-lambda-start={args.dflash_domino_lambda_start} must be in [0, 1].")
     validate_draft_recipe_args(args)
     if args.dflash_attention_backend == "flex" and not cuda:
         raise ArgumentError("--dflash-attention-backend flex needs CUDA; use auto or chunked on CPU.")
@@ -563,35 +557,37 @@ RECIPE_DECAY_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 DECAY_GAMMA_HELP = "the recipe's (7 for block 16, 5 for 10, 4 for 8, else (block_size - 1) / 2)"
 LAYER_TYPE_NAMES = ("full_attention", "sliding_attention")
 
-# --dflash-* flag (argparse dest) -> (config field, the variant it belongs to, or None for every one).
-# These describe the draft's architecture: with --dflash-init-from they come from the drafter, and a
-# flag given explicitly must agree with it.
+# --dflash-* flag (argparse dest) -> config field, for every variant. These describe the draft's architecture:
+# with --dflash-init-from they come from the drafter, and a flag given explicitly must agree with it. A
+# variant's own architecture flags are declared by the variant (`variants.options.Flag.config_field`).
 DRAFT_CONFIG_FLAGS = {
-    "dflash_num_heads": ("num_attention_heads", None),
-    "dflash_num_kv_heads": ("num_key_value_heads", None),
-    "dflash_head_dim": ("head_dim", None),
-    "dflash_intermediate_size": ("intermediate_size", None),
-    "dflash_sliding_window": ("sliding_window", None),
-    "dflash_layer_types": ("layer_types", None),
-    "dflash_input_embedding_scale": ("input_embedding_scale", None),
-    "dflash_output_multiplier": ("output_multiplier", None),
-    "dflash_final_logit_softcapping": ("final_logit_softcapping", None),
-    "dflash_selector_rank": ("selector_rank", "dflash2"),
-    "dflash_selector_top_k": ("selector_top_k", "dflash2"),
-    "dflash_conv_kernel_size": ("conv_kernel_size", "dflash2"),
-    "dflash_conv_group_size": ("conv_group_size", "dflash2"),
-    "dflash_domino_emb_dim": ("emb_dim", "domino"),
-    "dflash_domino_gru_hidden_dim": ("gru_hidden_dim", "domino"),
-    "dflash_domino_shift_label": ("shift_label", "domino"),
-    "dflash_domino_pure_draft_prefix_len": ("pure_draft_prefix_len", "domino"),
+    "dflash_num_heads": "num_attention_heads",
+    "dflash_num_kv_heads": "num_key_value_heads",
+    "dflash_head_dim": "head_dim",
+    "dflash_intermediate_size": "intermediate_size",
+    "dflash_sliding_window": "sliding_window",
+    "dflash_layer_types": "layer_types",
+    "dflash_input_embedding_scale": "input_embedding_scale",
+    "dflash_output_multiplier": "output_multiplier",
+    "dflash_final_logit_softcapping": "final_logit_softcapping",
 }
-# Training settings of one variant only (not part of the drafter).
-VARIANT_ONLY_FLAGS = {
-    "dflash_selector_loss_weight": "dflash2",
-    "dflash_domino_projector_type": "domino",
-    "dflash_domino_lambda_start": "domino",
-    "dflash_domino_decay_ratio": "domino",
-}
+
+
+def variant_flags() -> list[tuple[str, Flag]]:
+    """`(variant name, flag)` of every flag the registered variants declare (`variants.options`)."""
+    return [(name, flag) for name, options in declared_options().items() for flag in options.flags]
+
+
+def _add_variant_flag(group, flag: Flag) -> None:
+    """The parser option of a variant's flag; its default is a `RunDefault`, so a flag given is told apart."""
+    kwargs = dict(default=RunDefault(flag.default, same=True), help=flag.help)
+    if flag.type is bool:
+        kwargs["action"] = argparse.BooleanOptionalAction
+    else:
+        kwargs["type"] = flag.type
+    if flag.choices is not None:
+        kwargs["choices"] = flag.choices
+    group.add_argument(flag.name, **kwargs)
 
 
 def add_draft_recipe_arguments(p: argparse.ArgumentParser) -> None:
@@ -620,27 +616,8 @@ def add_draft_recipe_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dflash-soft-target", choices=("none", "ce", "kl"), default="none",
                    help="DFlash: train against the target's distribution (soft cross entropy or forward KL at "
                    "--dflash-distill-temperature) instead of the data tokens.")
-    g.add_argument("--dflash-selector-rank", type=int, default=RunDefault(256, same=True),
-                   help="DFlash 2: width of the candidate selector's codebooks.")
-    g.add_argument("--dflash-selector-top-k", type=int, default=RunDefault(16, same=True),
-                   help="DFlash 2: candidates per drafted position.")
-    g.add_argument("--dflash-conv-kernel-size", type=int, default=RunDefault(2, same=True),
-                   help="DFlash 2: taps of the in-block convolutions.")
-    g.add_argument("--dflash-conv-group-size", type=int, default=RunDefault(16, same=True),
-                   help="DFlash 2: channels sharing one dynamic convolution coefficient.")
-    g.add_argument("--dflash-selector-loss-weight", type=float, default=RunDefault(1.0, same=True),
-                   help="DFlash 2: weight of the candidate-selection loss.")
-    g.add_argument("--dflash-domino-projector-type", choices=("domino",), default=RunDefault("domino", same=True),
-                   help="Domino: the correction head (the only one published).")
-    g.add_argument("--dflash-domino-emb-dim", type=int, default=RunDefault(256, same=True),
-                   help="Domino: width of the correction MLP.")
-    g.add_argument("--dflash-domino-gru-hidden-dim", type=int, default=RunDefault(1024, same=True),
-                   help="Domino: GRU state size.")
-    g.add_argument("--dflash-domino-shift-label", action=argparse.BooleanOptionalAction,
-                   default=RunDefault(True, same=True),
-                   help="Domino: slot k of a block at p predicts x[p + 1 + k] (slot 0 included), not x[p + k].")
-    g.add_argument("--dflash-domino-pure-draft-prefix-len", type=int, default=RunDefault(1, same=True),
-                   help="Domino: leading predicted slots left uncorrected.")
+    for _, flag in variant_flags():  # each variant's own settings, declared by the variant
+        _add_variant_flag(g, flag)
 
 
 def resolve_run_defaults(args: argparse.Namespace) -> None:
@@ -663,7 +640,8 @@ def resolve_run_defaults(args: argparse.Namespace) -> None:
         if name in defaulted:
             setattr(args, name, None)
     if args.dflash_init_from is not None:
-        for name in ("dflash_block_size", "dflash_num_layers", *DRAFT_CONFIG_FLAGS):
+        config_flags = [flag.dest for _, flag in variant_flags() if flag.config_field is not None]
+        for name in ("dflash_block_size", "dflash_num_layers", *DRAFT_CONFIG_FLAGS, *config_flags):
             if name in defaulted:
                 setattr(args, name, None)
 
@@ -671,28 +649,22 @@ def resolve_run_defaults(args: argparse.Namespace) -> None:
 def validate_draft_recipe_args(args: argparse.Namespace) -> None:
     """The checks of `add_draft_recipe_arguments`' flags (after `resolve_run_defaults`)."""
     variant = args.dflash_variant
-    for name, owner in [*((n, v) for n, (_, v) in DRAFT_CONFIG_FLAGS.items()), *VARIANT_ONLY_FLAGS.items()]:
-        if owner is not None and owner != variant and name not in args.dflash_defaulted:
-            raise ArgumentError(
-                f"--{name.replace('_', '-')} only applies to --dflash-variant {owner} (this run trains {variant})."
-            )
+    for owner, flag in variant_flags():
+        if owner != variant and flag.dest not in args.dflash_defaulted:
+            raise ArgumentError(f"{flag.name} only applies to --dflash-variant {owner} (this run trains {variant}).")
     for name in ("dflash_num_heads", "dflash_num_kv_heads", "dflash_head_dim", "dflash_intermediate_size",
-                 "dflash_sliding_window", "dflash_selector_rank", "dflash_selector_top_k", "dflash_conv_kernel_size",
-                 "dflash_conv_group_size", "dflash_domino_emb_dim", "dflash_domino_gru_hidden_dim"):
+                 "dflash_sliding_window"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ArgumentError(f"--{name.replace('_', '-')}={value} must be an integer >= 1.")
-    if args.dflash_domino_pure_draft_prefix_len is not None and args.dflash_domino_pure_draft_prefix_len < 0:
-        raise ArgumentError(
-            f"--dflash-domino-pure-draft-prefix-len={args.dflash_domino_pure_draft_prefix_len} must be >= 0."
-        )
+    for _, flag in variant_flags():
+        message = flag.error(getattr(args, flag.dest))
+        if message:
+            raise ArgumentError(message)
     for name in ("dflash_input_embedding_scale", "dflash_output_multiplier", "dflash_final_logit_softcapping"):
         value = getattr(args, name)
         if value is not None and not (math.isfinite(value) and value > 0):
             raise ArgumentError(f"--{name.replace('_', '-')}={value} must be a finite number > 0.")
-    weight = args.dflash_selector_loss_weight
-    if not (math.isfinite(weight) and weight >= 0):
-        raise ArgumentError(f"--dflash-selector-loss-weight={weight} must be a finite number >= 0.")
     if args.dflash_layer_types is not None:
         types = [t for t in str(args.dflash_layer_types).replace(" ", "").split(",") if t]
         unknown = sorted(set(types) - set(LAYER_TYPE_NAMES))
@@ -710,14 +682,14 @@ def validate_draft_recipe_args(args: argparse.Namespace) -> None:
 
 
 def draft_config_overrides(args: argparse.Namespace, num_layers: Optional[int]) -> dict:
-    """`DFlashConfig` fields (of the run's variant) that the command line sets; the rest follow the
-    target (or, with `--dflash-init-from`, the drafter). `num_layers` expands a single layer type."""
+    """`DFlashConfig` fields common to every variant that the command line sets; the rest follow the
+    target (or, with `--dflash-init-from`, the drafter). `num_layers` expands a single layer type. The
+    variant's own architecture settings come from its options record (`Variant.config_overrides`)."""
     out = {}
-    for name, (field, owner) in DRAFT_CONFIG_FLAGS.items():
+    for name, field in DRAFT_CONFIG_FLAGS.items():
         value = getattr(args, name)
-        if value is None or (owner is not None and owner != args.dflash_variant):
-            continue
-        out[field] = value
+        if value is not None:
+            out[field] = value
     if "sliding_window" in out and "layer_types" not in out and num_layers is not None:
         out["layer_types"] = ["sliding_attention"] * num_layers  # as the published recipe does
     types = out.get("layer_types")

@@ -24,7 +24,7 @@ from ..embedded_job.tiny_target import (
     embedded_target_dir,
     matches_recipe,
 )
-from ..variants.registry import Variant
+from ..variants.registry import Variant, variant_for_draft_family
 from .arguments import (
     DRAFT_CONFIG_FLAGS,
     EMBEDDED_SYNTHETIC_HELDOUT_SEED,
@@ -54,6 +54,7 @@ class Job:
     target_config: dict  # the target's config.json as written (a multimodal wrapper keeps its text_config inside)
     draft_config: DFlashConfig
     variant: Variant
+    variant_options: Any  # the run's record of `variant.options.options_cls`, handed to its loss adapter
     export_dir: str
     decay_gamma: Optional[float]
     eval_prompts: Optional[list] = None  # token-id lists
@@ -144,14 +145,15 @@ def draft_config_from_target(
     **overrides: Any,
 ) -> DFlashConfig:
     """The draft config for a target ``config.json`` dict, derived by its family (`families.resolve_target_family`)
-    from its text config; ``config_cls`` is the variant's config class (a family with its own draft overrides it)."""
+    from its text config; ``config_cls`` is the config class of the variant that trains the family's draft family
+    (`variants.registry.variant_for_draft_family`)."""
     family = resolve_target_family(target_config)
-    return family.draft_config(target_config, variant_config_cls=config_cls, num_layers=num_layers,
+    return family.draft_config(target_config, config_cls=config_cls, num_layers=num_layers,
                                block_size=block_size, mask_token_id=mask_token_id,
                                target_layer_ids=target_layer_ids, **overrides)
 
 
-def _config_from_init(args, variant: Variant, target_config: dict) -> DFlashConfig:
+def _config_from_init(args, variant: Variant, options, target_config: dict) -> DFlashConfig:
     """The config of `--dflash-init-from`, checked against the target and the explicit flags."""
     directory = args.dflash_init_from
     try:
@@ -171,7 +173,10 @@ def _config_from_init(args, variant: Variant, target_config: dict) -> DFlashConf
                 ("--dflash-mask-token-id", args.dflash_mask_token_id, config.mask_token_id)]
     given = draft_config_overrides(args, config.num_hidden_layers)  # only the flags set explicitly
     explicit += [("--" + flag.replace("_", "-"), given[field], getattr(config, field))
-                 for flag, (field, _) in DRAFT_CONFIG_FLAGS.items() if field in given]
+                 for flag, field in DRAFT_CONFIG_FLAGS.items() if field in given]
+    own = variant.options.config_overrides(options)  # the variant's own architecture flags given
+    explicit += [(flag.name, own[flag.config_field], getattr(config, flag.config_field))
+                 for flag in variant.options.flags if flag.config_field in own]
     for flag, given, have in explicit:
         if given is not None and given != have:
             mismatches.append(f"{flag}={given} but the drafter has {have}")
@@ -260,16 +265,16 @@ def prepare_job(
     text_config = resolve_text_config(target_config)
     try:
         family = resolve_target_family(target_config)
-        family.check_run(variant=args.dflash_variant, target_backend=args.target_backend,
-                         attention_backend=args.dflash_attention_backend, pack_sequences=args.pack_sequences,
-                         text_config=text_config)
+        try:  # the variant that trains the requested objective on the family's draft family
+            variant = variant_for_draft_family(variant, family.draft_family)
+        except ValueError as err:
+            raise TargetFamilyError(f"--dflash-variant {args.dflash_variant}: {err} Train one of those for this "
+                                    "target.") from None
+        family.check_run(target_backend=args.target_backend, attention_backend=args.dflash_attention_backend,
+                         pack_sequences=args.pack_sequences, text_config=text_config)
     except TargetFamilyError as err:
         raise ArgumentError(f"--target={target_dir}: {err}") from None
-    try:
-        variant = family.adapt_variant(variant)  # a family with its own draft model builds, saves and loads it
-    except ImportError as err:
-        raise ArgumentError(f"--target={target_dir}: the {family.name} draft is not available in this installation "
-                            f"({err}).") from None
+    options = variant.options.build(vars(args))  # the run's settings of its variant, built once
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
         if key not in text_config:
             raise ArgumentError(f"--target={target_dir}: config.json has no {key!r}; not a decoder LLM config.")
@@ -310,17 +315,17 @@ def prepare_job(
         mask = _resolve_mask_token(args, tokenizer, tokenizer_dir)
     try:
         if args.dflash_init_from is not None:
-            config = _config_from_init(args, variant, target_config)
+            config = _config_from_init(args, variant, options, target_config)
         else:
             config = family.draft_config(
                 target_config,
-                variant_config_cls=variant.config_cls,
+                config_cls=variant.config_cls,
                 num_layers=args.dflash_num_layers,
                 block_size=args.dflash_block_size,
                 mask_token_id=mask,
                 target_layer_ids=args.dflash_target_layer_ids_list,
                 **draft_config_overrides(args, args.dflash_num_layers),
-                **variant.config_overrides(args),
+                **variant.config_overrides(options),
             )
         config.validate_tensor_parallel(args.tensor_model_parallel_size)
     except ValueError as err:
@@ -399,6 +404,7 @@ def prepare_job(
         target_config=target_config,
         draft_config=config,
         variant=variant,
+        variant_options=options,
         export_dir=export_dir,
         decay_gamma=decay_gamma,
         eval_prompts=eval_prompts,

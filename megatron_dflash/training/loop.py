@@ -380,7 +380,8 @@ class _StepRunner:
             out = self.job.variant.loss(
                 self.body, hidden, plan, batch["tokens"], self.target.head, decay_gamma=self.job.decay_gamma,
                 chunk_slots=args.dflash_loss_chunk, prefix_lengths=prefix, final_hidden=final_hidden,
-                args=args, step=step, embedding=self.target.embedding, input_mask=batch["loss_mask"],
+                options=self.job.variant_options, step=step, total_steps=args.train_iters,
+                embedding=self.target.embedding, input_mask=batch["loss_mask"],
             )
             if backward:
                 out.loss_sum.backward()

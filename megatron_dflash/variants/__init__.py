@@ -1,79 +1,64 @@
 """Variants of the DFlash draft on the same backbone (docs/design.md §12 Variants).
 
-`registry` is the one place that knows which variants exist; `register_variant` adds one.
+`registry` is the one place that knows which variants exist; `register_variant` adds one. `options` holds
+what each variant takes from the command line, as plain data.
+
+The names below load on first use (PEP 562): `training.arguments` reads `variants.options` to build the
+parser, and `--help` must answer before torch loads.
 """
 
-from .dflash2 import (
-    DFLASH2_ARCHITECTURE,
-    GREEDY_TEMPERATURE_EPS,
-    CandidateSelector,
-    DFlash2Body,
-    DFlash2Config,
-    DFlash2LossOutput,
-    DFlash2Metrics,
-    GroupedDynamicCausalConv,
-    dflash2_loss,
-    topk_vocab_parallel,
-)
-from .domino import (
-    DOMINO_ARCHITECTURE,
-    DominoBody,
-    DominoConfig,
-    DominoHead,
-    DominoLossOutput,
-    DominoMetrics,
-    domino_block_targets,
-    domino_lambda,
-    domino_loss,
-    domino_propose,
-    domino_walk,
-    is_domino_hf_config,
-)
-from .jetspec import JetSpecConfig, jetspec_config, jetspec_loss, teacher_argmax_ids
-from .registry import (
-    Variant,
-    VariantLoss,
-    get_variant,
-    register_variant,
-    unregister_variant,
-    variant_for_hf_config,
-    variant_names,
-    variant_of,
-)
+from __future__ import annotations
 
-__all__ = [
-    "DFLASH2_ARCHITECTURE",
-    "GREEDY_TEMPERATURE_EPS",
-    "CandidateSelector",
-    "DFlash2Body",
-    "DFlash2Config",
-    "DFlash2LossOutput",
-    "DFlash2Metrics",
-    "GroupedDynamicCausalConv",
-    "dflash2_loss",
-    "topk_vocab_parallel",
-    "DOMINO_ARCHITECTURE",
-    "DominoBody",
-    "DominoConfig",
-    "DominoHead",
-    "DominoLossOutput",
-    "DominoMetrics",
-    "domino_block_targets",
-    "domino_lambda",
-    "domino_loss",
-    "domino_propose",
-    "domino_walk",
-    "is_domino_hf_config",
-    "JetSpecConfig",
-    "jetspec_config",
-    "jetspec_loss",
-    "teacher_argmax_ids",
-    "Variant",
-    "VariantLoss",
-    "get_variant",
-    "register_variant",
-    "unregister_variant",
-    "variant_for_hf_config",
-    "variant_names",
-    "variant_of",
-]
+import importlib
+
+_SOURCES = {
+    "DFLASH2_ARCHITECTURE": "dflash2",
+    "GREEDY_TEMPERATURE_EPS": "dflash2",
+    "CandidateSelector": "dflash2",
+    "DFlash2Body": "dflash2",
+    "DFlash2Config": "dflash2",
+    "DFlash2LossOutput": "dflash2",
+    "DFlash2Metrics": "dflash2",
+    "GroupedDynamicCausalConv": "dflash2",
+    "dflash2_loss": "dflash2",
+    "topk_vocab_parallel": "dflash2",
+    "DOMINO_ARCHITECTURE": "domino",
+    "DominoBody": "domino",
+    "DominoConfig": "domino",
+    "DominoHead": "domino",
+    "DominoLossOutput": "domino",
+    "DominoMetrics": "domino",
+    "domino_block_targets": "domino",
+    "domino_lambda": "domino",
+    "domino_loss": "domino",
+    "domino_propose": "domino",
+    "domino_walk": "domino",
+    "is_domino_hf_config": "domino",
+    "JetSpecConfig": "jetspec",
+    "jetspec_config": "jetspec",
+    "jetspec_loss": "jetspec",
+    "teacher_argmax_ids": "jetspec",
+    "Variant": "registry",
+    "VariantLoss": "registry",
+    "get_variant": "registry",
+    "register_variant": "registry",
+    "unregister_variant": "registry",
+    "variant_for_hf_config": "registry",
+    "variant_names": "registry",
+    "variant_of": "registry",
+}
+
+__all__ = list(_SOURCES)
+
+
+def __getattr__(name: str):
+    module = _SOURCES.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_SOURCES))

@@ -7,14 +7,21 @@ A `Variant` says everything the rest of the package asks of a draft variant (doc
   `Qwen3...` classes), and, where a name is shared, the rule that tells its files apart
   (`hf_match`: JetSpec is a causal `DFlashDraftModel`, the first SpecForge Domino layout a
   `DFlashDraftModel` with `projector_type: "domino"`);
-* **its objective**: `loss`, a thin adapter from the training loop's arguments to the variant's loss
-  function, returning a `VariantLoss`;
+* **its settings**: `options`, a `variants.options.VariantOptions`: its options dataclass and the flags
+  that fill it, declared as data (`training.arguments` makes the parser options, `training.job` builds
+  the run's record once);
+* **its objective**: `loss`, a thin adapter from the micro-batch, the run's options record and the
+  schedule's facts (step, total steps) to the variant's loss function, returning a `VariantLoss`;
+* **its draft family**: the body family it builds (`draft_family`; "qwen3", the Qwen3-style draft of
+  `body.py`, unless it says otherwise). A target family names the draft family it is served by
+  (`families.TargetFamily.draft_family`); `variant_for_draft_family` picks the variant that trains the
+  requested objective on that family's body (`trains_as`);
 * **its decoding**: `proposer`, which hands `generate.spec_generate` the function that turns one
   block's draft hidden states into draft tokens (None: each slot's own argmax or sample);
 * **its capabilities**: variable prefixes (D2SD), soft targets, the target's final hidden state,
   the weight dtypes it runs in, a forced in-block direction, uniform loss weights by default.
 
-Who asks: `training.arguments` (choices and checks), `training.job` (config), `training.loop` (body,
+Who asks: `training.arguments` (choices and checks), `training.job` (config, options record, draft family), `training.loop` (body,
 loss), `checkpoint` (HF save / load), `convert` (which variant a file is), `generate` (proposer) and
 `tools/evaluate_acceptance.py` (dtype).
 
@@ -25,7 +32,6 @@ variants registered last first, so a new variant may claim files a built-in one 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 from dataclasses import dataclass
@@ -47,8 +53,10 @@ from .dflash2 import (
 )
 from .domino import DOMINO_ARCHITECTURE, DominoBody, DominoConfig, domino_lambda, domino_loss, is_domino_hf_config
 from .jetspec import JetSpecConfig, jetspec_loss
+from .options import DFLASH_OPTIONS, DFLASH2_OPTIONS, DOMINO_OPTIONS, JETSPEC_OPTIONS, VariantOptions, NoOptions
+from .options import declare_options, forget_options
 from ..kimi_k3.body import KimiK3Body
-from ..kimi_k3.config import KIMI_K3_DRAFT_ARCHITECTURE, KimiK3DraftConfig
+from ..kimi_k3.config import KIMI_K3_DRAFT_ARCHITECTURE, KIMI_K3_DRAFT_FAMILY, KimiK3DraftConfig
 
 __all__ = [
     "Variant",
@@ -59,6 +67,8 @@ __all__ = [
     "variant_names",
     "variant_of",
     "variant_for_hf_config",
+    "variant_for_draft_family",
+    "QWEN3_DRAFT_FAMILY",
     "read_hf_config",
     "config_from_hf_dict",
 ]
@@ -82,8 +92,8 @@ class VariantLoss:
     metrics: AdditiveMetrics
 
 
-def _no_overrides(args: argparse.Namespace) -> dict:
-    return {}
+# The draft family of `body.py`'s Qwen3-style body, which every variant builds unless it says otherwise.
+QWEN3_DRAFT_FAMILY = "qwen3"
 
 
 @dataclass(frozen=True)
@@ -98,13 +108,17 @@ class Variant:
         body_cls: `body_cls(config, parallel_config=, tp_group=, attention_backend=)` builds the body.
         architecture: `architectures[0]` of the config.json it writes.
         loss: `loss(body, hidden, plan, input_ids, head, *, decay_gamma, chunk_slots, prefix_lengths,
-            final_hidden, args, step, embedding, input_mask) -> VariantLoss`.
+            final_hidden, options, step, total_steps, embedding, input_mask) -> VariantLoss`; `options` is
+            the run's record of `options.options_cls`, `total_steps` the schedule's iterations.
+        options: its settings and command-line flags, as data (`variants.options.VariantOptions`).
         hf_aliases: other `architectures[0]` names of the same draft (other trainers' class names).
         hf_match: a predicate on a config.json dict, for variants whose files cannot be told by name
             alone; replaces the name test when given.
         proposer: `proposer(body) -> ProposeFn` for decoding (see `generate.spec_generate`); None: each
             slot proposes its own argmax (or sample).
-        flag_overrides: config fields its own training flags set (`args -> {field: value}`).
+        draft_family: the body family it builds (`QWEN3_DRAFT_FAMILY`, or a target family's own draft).
+        trains_as: for a draft family's own form of another variant's objective, that variant's name (e.g. the
+            Kimi K3 MLA draft trains as "dflash"); such a variant is not asked for by name.
         supports_variable_prefix: trains with `--dflash-variable-prefix` (D2SD).
         supports_soft_targets: trains with `--dflash-soft-target` (the target's distribution).
         needs_final_hidden: its loss reads the target's final hidden state (distillation), so it takes
@@ -124,7 +138,9 @@ class Variant:
     hf_aliases: tuple[str, ...] = ()
     hf_match: Optional[Callable[[Mapping[str, Any]], bool]] = None
     proposer: Optional[Callable[[nn.Module], ProposeFn]] = None
-    flag_overrides: Callable[[argparse.Namespace], dict] = _no_overrides
+    options: VariantOptions = VariantOptions(NoOptions)
+    draft_family: str = QWEN3_DRAFT_FAMILY
+    trains_as: Optional[str] = None
     supports_variable_prefix: bool = False
     supports_soft_targets: bool = False
     needs_final_hidden: bool = False
@@ -151,10 +167,11 @@ class Variant:
         """The config of a HF draft directory, read as this variant."""
         return self.config_cls.from_pretrained(directory)
 
-    def config_overrides(self, args: argparse.Namespace) -> dict:
-        """Config fields this variant sets for a training run (its forced direction, its own flags)."""
+    def config_overrides(self, options) -> dict:
+        """Config fields this variant sets for a training run (its forced direction, its architecture settings
+        in `options`, the run's record of `self.options.options_cls`)."""
         out = {} if self.causal is None else {"causal": self.causal}
-        out.update(self.flag_overrides(args))
+        out.update(self.options.config_overrides(options))
         return out
 
     # ------------------------------------------------------------------ bodies
@@ -197,7 +214,8 @@ def register_variant(variant: Variant) -> Variant:
     """Make `variant` known to training, HF save / load, conversion and decoding.
 
     Raises:
-        ValueError: a variant of that name is registered already, or `variant` is not a `Variant`.
+        ValueError: a variant of that name is registered already, or `variant` is not a `Variant`, or one of
+            its flags is another variant's.
     """
     if not isinstance(variant, Variant):
         raise ValueError(f"register_variant takes a Variant, got {type(variant).__name__}.")
@@ -206,6 +224,7 @@ def register_variant(variant: Variant) -> Variant:
             f"a draft variant named {variant.name!r} is registered already ({_VARIANTS[variant.name].title}); "
             "choose another name, or unregister_variant() the old one first."
         )
+    declare_options(variant.name, variant.options)  # its flags reach the parser built from now on
     _VARIANTS[variant.name] = variant
     return variant
 
@@ -216,6 +235,7 @@ def unregister_variant(name: str) -> Variant:
         raise ValueError(f"{name!r} is a built-in draft variant; it cannot be unregistered.")
     if name not in _VARIANTS:
         raise ValueError(f"no draft variant named {name!r} is registered (registered: {variant_names()}).")
+    forget_options(name)
     return _VARIANTS.pop(name)
 
 
@@ -269,6 +289,25 @@ def variant_for_hf_config(data: Mapping[str, Any], source: str = "config") -> Va
     )
 
 
+def variant_for_draft_family(requested: Variant, draft_family: str) -> Variant:
+    """The variant that trains `requested`'s objective on `draft_family`'s body: `requested` itself when it builds
+    that family's body, else the family's own form of it (a variant with `trains_as` = `requested.name`).
+
+    Raises:
+        ValueError: the draft family has no form of `requested` (the message lists what it supports).
+    """
+    if requested.draft_family == draft_family and requested.trains_as is None:
+        return requested
+    for variant in reversed(_VARIANTS.values()):
+        if variant.draft_family == draft_family and variant.trains_as == requested.name:
+            return variant
+    if draft_family == QWEN3_DRAFT_FAMILY:
+        supported = "every variant of the Qwen3-style draft"
+    else:
+        supported = [v.trains_as or v.name for v in _VARIANTS.values() if v.draft_family == draft_family]
+    raise ValueError(f"the {draft_family} draft family has no {requested.name} draft; it supports {supported}.")
+
+
 def config_from_hf_dict(data: Mapping[str, Any], source: str = "config") -> tuple[Variant, DFlashConfig]:
     """`(variant, config)` of a HF-layout config dict; `ValueError` naming `source` when it is invalid."""
     variant = variant_for_hf_config(data, source)
@@ -295,7 +334,8 @@ def read_hf_config(path: str) -> tuple[Variant, DFlashConfig]:
 
 
 # ================================================================================== loss adapters
-# Thin calls into each variant's loss function: the loop's arguments in, a `VariantLoss` out.
+# Thin calls into each variant's loss function: the micro-batch and the run's options record in, a
+# `VariantLoss` out.
 
 
 def _no_prefix(title: str, prefix_lengths) -> None:
@@ -304,40 +344,43 @@ def _no_prefix(title: str, prefix_lengths) -> None:
 
 
 def _dflash_loss(body, hidden, plan, input_ids, head, *, decay_gamma, chunk_slots, prefix_lengths=None,
-                 final_hidden=None, args=None, **ctx) -> VariantLoss:
-    soft_target = getattr(args, "dflash_soft_target", "none")
+                 final_hidden=None, options=None, **ctx) -> VariantLoss:
+    options = options or DFLASH_OPTIONS.options_cls()
+    soft = options.soft_target != "none"
     out = dflash_loss(hidden, plan, input_ids, head, decay_gamma=decay_gamma, chunk_slots=chunk_slots,
-                      prefix_lengths=prefix_lengths, teacher_hidden=final_hidden if soft_target != "none" else None,
-                      soft_target=soft_target, temperature=float(getattr(args, "dflash_distill_temperature", 1.0)))
+                      prefix_lengths=prefix_lengths, teacher_hidden=final_hidden if soft else None,
+                      soft_target=options.soft_target, temperature=float(options.temperature))
     return VariantLoss(out.loss_sum, out.weight_sum, out.metrics)
 
 
 def _dflash2_loss(body, hidden, plan, input_ids, head, *, decay_gamma, chunk_slots, prefix_lengths=None,
-                  args=None, **ctx) -> VariantLoss:
+                  options=None, **ctx) -> VariantLoss:
     _no_prefix("DFlash 2", prefix_lengths)
+    options = options or DFLASH2_OPTIONS.options_cls()
     out = dflash2_loss(hidden, plan, input_ids, head, body.candidate_selector, decay_gamma=decay_gamma,
-                               chunk_slots=chunk_slots,
-                               selector_weight=float(getattr(args, "dflash_selector_loss_weight", 1.0)))
+                       chunk_slots=chunk_slots, selector_weight=float(options.selector_loss_weight))
     return VariantLoss(out.loss_sum, out.weight_sum, out.metrics)
 
 
 def _jetspec_loss(body, hidden, plan, input_ids, head, *, decay_gamma, chunk_slots, prefix_lengths=None,
-                  final_hidden=None, args=None, **ctx) -> VariantLoss:
+                  final_hidden=None, options=None, **ctx) -> VariantLoss:
     _no_prefix("JetSpec", prefix_lengths)
+    options = options or JETSPEC_OPTIONS.options_cls()
     out = jetspec_loss(hidden, plan, input_ids, head, final_hidden, decay_gamma=decay_gamma,
-                               chunk_slots=chunk_slots,
-                               temperature=float(getattr(args, "dflash_distill_temperature", 1.0)))
+                       chunk_slots=chunk_slots, temperature=float(options.temperature))
     return VariantLoss(out.loss_sum, out.weight_sum, out.metrics)
 
 
 def _domino_loss(body, hidden, plan, input_ids, head, *, decay_gamma, chunk_slots, prefix_lengths=None,
-                 args=None, step=0, embedding=None, input_mask=None, **ctx) -> VariantLoss:
+                 options=None, step=0, total_steps, embedding=None, input_mask=None, **ctx) -> VariantLoss:
+    """`total_steps`: the schedule's iterations (`--train-iters`), over which the curriculum decays."""
     _no_prefix("Domino", prefix_lengths)
-    lam = domino_lambda(int(step), int(args.train_iters), lambda_start=args.dflash_domino_lambda_start,
-                               decay_ratio=args.dflash_domino_decay_ratio)
+    options = options or DOMINO_OPTIONS.options_cls()
+    lam = domino_lambda(int(step), int(total_steps), lambda_start=options.lambda_start,
+                        decay_ratio=options.decay_ratio)
     out = domino_loss(hidden, plan, input_ids, head, body.domino_head, embedding, lambda_base=lam,
-                             decay_gamma=decay_gamma, input_embedding_scale=body.config.input_embedding_scale,
-                             input_mask=input_mask, chunk_slots=chunk_slots)
+                      decay_gamma=decay_gamma, input_embedding_scale=body.config.input_embedding_scale,
+                      input_mask=input_mask, chunk_slots=chunk_slots)
     return VariantLoss(out.loss_sum, out.weight_sum, out.metrics)
 
 
@@ -365,29 +408,30 @@ for _variant in (
     Variant(
         name="dflash", title="DFlash", config_cls=DFlashConfig, body_cls=DFlashBody,
         architecture=DFLASH_ARCHITECTURE, hf_aliases=(_NEMO_DFLASH_ARCHITECTURE,), loss=_dflash_loss,
-        supports_variable_prefix=True, supports_soft_targets=True,
+        options=DFLASH_OPTIONS, supports_variable_prefix=True, supports_soft_targets=True,
     ),
     Variant(
         name="dflash2", title="DFlash 2", config_cls=DFlash2Config, body_cls=DFlash2Body,
         architecture=DFLASH2_ARCHITECTURE, hf_aliases=(NEMO_DFLASH2_ARCHITECTURE,),
-        loss=_dflash2_loss, proposer=_propose_block, dtypes=DFLASH2_DTYPES,
+        loss=_dflash2_loss, options=DFLASH2_OPTIONS, proposer=_propose_block, dtypes=DFLASH2_DTYPES,
         dtype_reason="DFlash 2 overflows in float16: its acceptance drops to 0",
     ),
     Variant(
         name="jetspec", title="JetSpec", config_cls=JetSpecConfig, body_cls=DFlashBody,
         architecture=DFLASH_ARCHITECTURE, hf_aliases=(_NEMO_DFLASH_ARCHITECTURE,), hf_match=_is_causal_dflash_file,
-        loss=_jetspec_loss, needs_final_hidden=True, causal=True, uniform_loss_weights=True,
+        loss=_jetspec_loss, options=JETSPEC_OPTIONS, needs_final_hidden=True, causal=True, uniform_loss_weights=True,
     ),
     Variant(
         name="domino", title="Domino", config_cls=DominoConfig, body_cls=DominoBody,
         architecture=DOMINO_ARCHITECTURE, hf_match=is_domino_hf_config, loss=_domino_loss,
-        proposer=_propose_block,
+        options=DOMINO_OPTIONS, proposer=_propose_block,
     ),
     # The Kimi K3 MLA draft family (docs/design.md §16 Kimi K3 draft family): another body, trained with
-    # the DFlash objective; the target family (`families.py`) picks it for Kimi K3 targets.
+    # the DFlash objective; the Kimi K3 target family (`families.py`) names this draft family.
     Variant(
         name="kimi_k3", title="DFlash (Kimi K3 MLA draft)", config_cls=KimiK3DraftConfig, body_cls=KimiK3Body,
-        architecture=KIMI_K3_DRAFT_ARCHITECTURE, loss=_dflash_loss,
+        architecture=KIMI_K3_DRAFT_ARCHITECTURE, loss=_dflash_loss, options=DFLASH_OPTIONS,
+        draft_family=KIMI_K3_DRAFT_FAMILY, trains_as="dflash",
     ),
 ):
     register_variant(_variant)
