@@ -10,6 +10,7 @@ loader and decoded with `spec_generate`.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import pytest
@@ -30,6 +31,7 @@ from megatron_dflash.variants import (
     variant_for_hf_config,
     variant_names,
 )
+from megatron_dflash.variants.options import Flag, VariantOptions
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -155,3 +157,71 @@ def test_a_registered_variant_trains_exports_and_decodes(gated_variant, tiny_tar
                 reference.append(int(target(torch.tensor([reference])).logits[0, -1].argmax()))
         assert out.sequence(b) == reference, f"row {b}"
     assert out.num_draft_forwards > 0 and all(1 + sum(a) == 12 for a in out.acceptance_lengths)
+
+
+# ================================================================================== the plug-in boundary
+
+
+@dataclass(frozen=True)
+class ScaledOptions:
+    """The toy variant's own settings: a factor on its loss, and the schedule it last saw."""
+
+    loss_scale: float = 1.0
+
+
+SCALED_FLAGS = (Flag("--dflash-toy-loss-scale", "loss_scale", float, 1.0, check="finite_non_negative",
+                     help="toy: factor on the DFlash loss."),)
+SEEN: list = []  # (options, step, total_steps) of every call of the toy's loss adapter
+
+
+def scaled_loss(body, hidden, plan, input_ids, head, *, decay_gamma, chunk_slots, options, step, total_steps, **ctx):
+    SEEN.append((options, step, total_steps))
+    out = dflash_loss(hidden, plan, input_ids, head, decay_gamma=decay_gamma, chunk_slots=chunk_slots)
+    return VariantLoss(out.loss_sum * options.loss_scale, out.weight_sum, out.metrics)
+
+
+SCALED = Variant(name="scaled_toy", title="Scaled DFlash (toy)", config_cls=DFlashConfig, body_cls=DFlashBody,
+                 architecture="ScaledDFlashDraftModel", loss=scaled_loss,
+                 options=VariantOptions(ScaledOptions, flags=SCALED_FLAGS))
+
+
+def test_a_registered_variant_declares_its_flag_as_data_and_its_loss_reads_its_options(tiny_target, tmp_path):
+    """A variant from outside the package: its flag, declared as data, reaches the parser, is checked and
+    refused for the other variants like a built-in one's, and arrives in its loss adapter as its options record
+    (with the schedule's length), through the job and the training loop, with nothing changed outside this test."""
+    from megatron_dflash.training.arguments import ArgumentError, parse_args
+    from megatron_dflash.training.job import prepare_job
+    from megatron_dflash.training.loop import main
+
+    common = ["--target", tiny_target, "--data-format", "synthetic", "--run-dir", str(tmp_path), "--dflash-num-layers",
+              "1", "--dflash-block-size", "4", "--seq-length", "16"]
+    with pytest.raises(SystemExit):  # not a flag before the variant is registered
+        parse_args([*common, "--dflash-toy-loss-scale", "2"])
+    register_variant(SCALED)
+    try:
+        job = prepare_job(parse_args([*common, "--dflash-variant", "scaled_toy", "--dflash-toy-loss-scale", "2.5"]),
+                          1, env={}, cuda=False)
+        assert job.variant is SCALED and job.variant_options == ScaledOptions(loss_scale=2.5)
+        assert prepare_job(parse_args([*common, "--dflash-variant", "scaled_toy"]), 1, env={},
+                           cuda=False).variant_options == ScaledOptions(loss_scale=1.0)
+        with pytest.raises(ArgumentError, match=r"--dflash-toy-loss-scale=-1.0 must be a finite number >= 0"):
+            prepare_job(parse_args([*common, "--dflash-variant", "scaled_toy", "--dflash-toy-loss-scale", "-1"]), 1,
+                        env={}, cuda=False)
+        with pytest.raises(ArgumentError, match="--dflash-toy-loss-scale only applies to --dflash-variant scaled_toy"):
+            prepare_job(parse_args([*common, "--dflash-toy-loss-scale", "2"]), 1, env={}, cuda=False)
+
+        SEEN.clear()
+        code = main([*common, "--dflash-variant", "scaled_toy", "--dflash-toy-loss-scale", "3",
+                     "--no-progress-bar",
+                     "--synthetic-train-samples", "8", "--synthetic-valid-samples", "4", "--eval-iters", "1",
+                     "--dflash-anchors-per-sample", "2", "--lr-warmup-iters", "0", "--train-iters", "2",
+                     "--micro-batch-size", "2", "--global-batch-size", "2", "--dflash-eval-prompts", "0",
+                     "--dflash-export", str(tmp_path / "hf")])
+        assert code == 0
+        trained = [(options, step, total) for options, step, total in SEEN]
+        assert trained and all(options == ScaledOptions(loss_scale=3.0) and total == 2 for options, _, total in trained)
+        assert {step for _, step, _ in trained} >= {0, 1}
+    finally:
+        unregister_variant(SCALED.name)
+    with pytest.raises(SystemExit):  # its flag leaves with it
+        parse_args([*common, "--dflash-toy-loss-scale", "2"])

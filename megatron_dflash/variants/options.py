@@ -49,7 +49,7 @@ class Flag:
     """One command-line flag of a variant, as data (`training.arguments` makes the parser option).
 
     Fields:
-        name: the flag, e.g. "--dflash-selector-rank" (its argparse dest: `dest`).
+        name: the flag, e.g. "--dflash-selector-rank" (the parsed arguments hold it as `dest`).
         field: the options dataclass field it fills.
         type: int, float or str; bool makes an on/off pair (``--x`` / ``--no-x``).
         default: the published recipe's value (the same for a run with `--target` and the embedded job).
@@ -95,7 +95,7 @@ class VariantOptions:
     Fields:
         options_cls: a dataclass; one instance per run (`build`) reaches the variant's loss adapter.
         flags: the variant's own flags (refused for the other variants when given).
-        shared: options field -> argparse dest of a general flag (declared by `training.arguments`).
+        shared: options field -> the parsed-arguments attribute of a general flag (declared by `training.arguments`).
     """
 
     options_cls: type
