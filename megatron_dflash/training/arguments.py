@@ -67,6 +67,18 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         allow_abbrev=False,
     )
+    _add_parallelism_arguments(p)
+    _add_schedule_arguments(p)
+    _add_output_arguments(p)
+    _add_data_arguments(p)
+    _add_target_arguments(p)
+    _add_draft_arguments(p)
+    add_draft_recipe_arguments(p)
+    return p
+
+
+def _add_parallelism_arguments(p: argparse.ArgumentParser) -> None:
+    """The "parallelism" options of `build_parser`."""
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
@@ -85,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="megatron's distributed optimizer: Adam state and fp32 main weights sharded over "
                         "data-parallel ranks (ZeRO-1); checkpoints resume exactly at the same or another DP size.")
 
+
+def _add_schedule_arguments(p: argparse.ArgumentParser) -> None:
+    """The "batch and schedule" options of `build_parser`."""
     g = p.add_argument_group("batch and schedule")
     g.add_argument("--micro-batch-size", type=int, default=16, help="rows per micro-batch per data-parallel rank.")
     g.add_argument("--global-batch-size", type=int, default=None,
@@ -105,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--bf16", action="store_true", help="bf16 weights and activations (fp32 master weights).")
 
+
+def _add_output_arguments(p: argparse.ArgumentParser) -> None:
+    """The "checkpoints, evaluation, logging" options of `build_parser`."""
     g = p.add_argument_group("checkpoints, evaluation, logging")
     g.add_argument("--run-dir", default=None,
                    help="where the run writes args.json, console.log, metrics.jsonl, metrics.png, summary.json "
@@ -133,6 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--wandb-exp-name", default=None)
     g.add_argument("--no-progress-bar", action="store_true")
 
+
+def _add_data_arguments(p: argparse.ArgumentParser) -> None:
+    """The "data" options of `build_parser`."""
     g = p.add_argument_group("data")
     g.add_argument("--data-path", nargs="+", default=None,
                    help="training data: a JSONL file (chat/text) or an indexed-dataset prefix (indexed).")
@@ -145,6 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--synthetic-valid-samples", type=int, default=256)
     g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --target).")
 
+
+def _add_target_arguments(p: argparse.ArgumentParser) -> None:
+    """The "target" options of `build_parser`."""
     g = p.add_argument_group("target")
     g.add_argument("--target", default=None,
                    help="HF directory of the frozen target (default: the embedded tiny target, built "
@@ -152,6 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--target-backend", choices=TARGET_BACKENDS, default="hf",
                    help="hf: transformers model (TP=PP=1 only); megatron: megatron-core GPTModel at TP/PP.")
 
+
+def _add_draft_arguments(p: argparse.ArgumentParser) -> None:
+    """The "draft" options of `build_parser`."""
     g = p.add_argument_group("draft")
     g.add_argument("--dflash-variant", default=DEFAULT_VARIANT, metavar="NAME",
                    help="the draft model to train: a variant of the registry (megatron_dflash.variants; built in: "
@@ -187,8 +214,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dflash-export", default=None,
                    help="HF draft directory written at the end (default: <save>/hf when --save is given, else "
                    "<run-dir>/hf).")
-    add_draft_recipe_arguments(p)
-    return p
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -348,10 +373,21 @@ def validate_args(
         check_input_paths(args)
     except UsageError as err:
         raise ArgumentError(str(err)) from None
+    dp = _check_parallel_layout(args, world_size)
+    _check_batch(args, world_size, dp)
+    _check_optimizer_and_schedule(args)
+    _check_checkpoints_and_logging(args)
+    fmt = _resolve_data(args)
+    _check_target_and_draft(args, cuda)
+    _check_eval_prompts(args, fmt)
+    args.use_cuda = bool(cuda)
+    return args
+
+
+def _check_parallel_layout(args: argparse.Namespace, world_size: int) -> int:
+    """The tensor / pipeline / expert / sequence layout against the world size; returns the data-parallel size."""
     errors: list[str] = []
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-
-    # ---- parallel layout
     _positive_int(errors, "--tensor-model-parallel-size", tp)
     _positive_int(errors, "--pipeline-model-parallel-size", pp)
     if not isinstance(world_size, int) or world_size < 1:
@@ -377,8 +413,13 @@ def validate_args(
             "use --target-backend megatron for tensor/pipeline parallelism."
         )
     _check_expert_and_sequence_parallel(args, world_size, tp, pp)
+    return dp
 
-    # ---- batch
+
+def _check_batch(args: argparse.Namespace, world_size: int, dp: int) -> None:
+    """Sizes and intervals; derives `global_batch_size` (when None), `data_parallel_size`, `num_micro_batches`."""
+    errors: list[str] = []
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     for name in ("micro_batch_size", "seq_length", "train_iters", "log_interval", "eval_iters",
                  "dflash_anchors_per_sample", "dflash_loss_chunk", "dflash_eval_max_new_tokens",
                  "synthetic_train_samples", "synthetic_valid_samples"):
@@ -405,7 +446,9 @@ def validate_args(
     args.data_parallel_size = dp
     args.num_micro_batches = args.global_batch_size // per_micro
 
-    # ---- optimizer and schedule
+
+def _check_optimizer_and_schedule(args: argparse.Namespace) -> None:
+    """Learning rates, Adam, clipping, warm-up / decay lengths (derived when None), loss decay, seed."""
     for name, value in (("--lr", args.lr), ("--min-lr", args.min_lr), ("--weight-decay", args.weight_decay),
                         ("--clip-grad", args.clip_grad), ("--adam-eps", args.adam_eps)):
         if not math.isfinite(value) or value < 0:
@@ -433,7 +476,9 @@ def validate_args(
     if args.seed < 0:
         raise ArgumentError(f"--seed={args.seed} must be >= 0.")
 
-    # ---- checkpoints and logging
+
+def _check_checkpoints_and_logging(args: argparse.Namespace) -> None:
+    """--save / --save-interval and the optional loggers."""
     if args.save_interval is not None and args.save is None:
         raise ArgumentError("--save-interval needs --save (the checkpoint directory).")
     if args.save is not None and os.path.exists(args.save) and not os.path.isdir(args.save):
@@ -443,7 +488,10 @@ def validate_args(
     if args.wandb_project is not None and not _module_available("wandb"):
         raise ArgumentError("--wandb-project is set but the 'wandb' package is not installed (pip install wandb).")
 
-    # ---- data
+
+
+def _resolve_data(args: argparse.Namespace) -> str:
+    """The data format (synthetic by default for the embedded job) and `train_path`; returns the format."""
     if args.data_path is not None and len(args.data_path) != 1:
         raise ArgumentError(
             f"--data-path got {len(args.data_path)} entries; dataset blending is not supported: give one "
@@ -475,8 +523,11 @@ def validate_args(
     elif train_path is None:
         raise ArgumentError(f"--data-format {fmt} needs --train-data (or --data-path).")
     args.train_path = train_path  # the data files were checked by check_input_paths
+    return fmt
 
-    # ---- target and draft (their directories were checked by check_input_paths)
+
+def _check_target_and_draft(args: argparse.Namespace, cuda: bool) -> None:
+    """Layer ids, MASK token, the variant's capabilities, the draft recipe's flags, the attention backend."""
     args.dflash_target_layer_ids_list = parse_layer_ids(args.dflash_target_layer_ids)
     if args.dflash_mask_token_id is not None and args.dflash_mask_token_id < 0:
         raise ArgumentError(f"--dflash-mask-token-id={args.dflash_mask_token_id} must be >= 0.")
@@ -500,6 +551,10 @@ def validate_args(
     validate_draft_recipe_args(args)
     if args.dflash_attention_backend == "flex" and not cuda:
         raise ArgumentError("--dflash-attention-backend flex needs CUDA; use auto or chunked on CPU.")
+
+
+def _check_eval_prompts(args: argparse.Namespace, fmt: str) -> None:
+    """--dflash-eval-prompts given as a number: held-out synthetic chats, so synthetic data only."""
     prompts = args.dflash_eval_prompts
     if prompts is not None and _is_int(prompts):
         if int(prompts) < 0:
@@ -509,8 +564,6 @@ def validate_args(
                 "--dflash-eval-prompts as a number draws held-out synthetic chats, which only match "
                 "--data-format synthetic; give a JSONL file of prompts instead."
             )
-    args.use_cuda = bool(cuda)
-    return args
 
 
 def _is_int(text) -> bool:
