@@ -257,62 +257,108 @@ def prepare_job(
     env = os.environ if env is None else env
     world_size = world_size_from_env(env) if world_size is None else world_size
     validate_args(args, world_size, env, cuda=cuda)
-    variant = run_variant(args)
-
     target_dir = resolve_target_dir(args, env, log=log)
     with open(os.path.join(target_dir, "config.json")) as f:
         target_config = json.load(f)
     text_config = resolve_text_config(target_config)
+    family, variant = _family_and_variant(args, target_dir, target_config)
+    options = variant.options.build(vars(args))  # the run's settings of its variant, built once
+    _check_target_config(args, target_dir, target_config)
+    tokenizer_dir = args.tokenizer or target_dir
+    tokenizer = _checked_tokenizer(tokenizer_dir, int(text_config["vocab_size"]))
+    config = _draft_config(args, family, variant, options, target_config, tokenizer, tokenizer_dir)
+    _check_sequence_length(args, config)
+    run_dir, export_dir = _resolve_outputs(args, env)
+    eval_prompts, skip = _evaluation_prompts(args, tokenizer, target_dir, export_dir, int(text_config["vocab_size"]),
+                                             log)
+    stop = _token_ids(getattr(tokenizer, "eos_token_id", None)) or _token_ids(text_config.get("eos_token_id"))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stop[0] if stop else 0)
+    return Job(
+        args=args,
+        world_size=world_size,
+        target_dir=target_dir,
+        tokenizer_dir=tokenizer_dir,
+        tokenizer=tokenizer,
+        target_config=target_config,
+        draft_config=config,
+        variant=variant,
+        variant_options=options,
+        export_dir=export_dir,
+        decay_gamma=resolve_decay_gamma(args, config.block_size),
+        eval_prompts=eval_prompts,
+        eval_skip_reason=skip,
+        stop_token_ids=stop,
+        pad_token_id=int(pad),
+        init_from=args.dflash_init_from,
+        run_dir=run_dir,
+        embedded_target=args.target is None,
+        target_family=family,
+    )
+
+
+def _family_and_variant(args, target_dir: str, target_config: dict) -> tuple[TargetFamily, Variant]:
+    """The target's family and the variant that trains the requested objective on the family's draft family
+    (`variants.registry.variant_for_draft_family`); a run the family cannot do is refused."""
     try:
         family = resolve_target_family(target_config)
-        try:  # the variant that trains the requested objective on the family's draft family
-            variant = variant_for_draft_family(variant, family.draft_family)
+        try:
+            variant = variant_for_draft_family(run_variant(args), family.draft_family)
         except ValueError as err:
             raise TargetFamilyError(f"--dflash-variant {args.dflash_variant}: {err} Train one of those for this "
                                     "target.") from None
         family.check_run(target_backend=args.target_backend, attention_backend=args.dflash_attention_backend,
-                         pack_sequences=args.pack_sequences, text_config=text_config)
+                         pack_sequences=args.pack_sequences, text_config=resolve_text_config(target_config))
     except TargetFamilyError as err:
         raise ArgumentError(f"--target={target_dir}: {err}") from None
-    options = variant.options.build(vars(args))  # the run's settings of its variant, built once
+    return family, variant
+
+
+def _check_target_config(args, target_dir: str, target_config: dict) -> None:
+    """A decoder LLM config; with the megatron backend, its sizes against the parallel layout."""
+    text_config = resolve_text_config(target_config)
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
         if key not in text_config:
             raise ArgumentError(f"--target={target_dir}: config.json has no {key!r}; not a decoder LLM config.")
-    if args.target_backend == "megatron":
-        from ..target import hf_target_spec, megatron_target_config
+    if args.target_backend != "megatron":
+        return
+    from ..target import hf_target_spec, megatron_target_config
 
-        try:
-            # The target's sizes against the layout (heads, MLP columns and experts per rank), before any rank
-            # builds anything.
-            megatron_target_config(
-                target_config,
-                tensor_model_parallel_size=args.tensor_model_parallel_size,
-                pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-                expert_model_parallel_size=args.expert_model_parallel_size,
-                expert_tensor_parallel_size=args.expert_tensor_parallel_size,
-                sequence_parallel=args.sequence_parallel,
-                use_cpu_initialization=True,
+    try:
+        # The target's sizes against the layout (heads, MLP columns and experts per rank), before any rank
+        # builds anything.
+        megatron_target_config(
+            target_config,
+            tensor_model_parallel_size=args.tensor_model_parallel_size,
+            pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+            expert_model_parallel_size=args.expert_model_parallel_size,
+            expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+            sequence_parallel=args.sequence_parallel,
+            use_cpu_initialization=True,
+        )
+        if args.pack_sequences and hf_target_spec(target_config).mla:
+            raise ValueError(
+                "--pack-sequences gives each document its own positions, but a multi-latent-attention target "
+                "(megatron-core's MLASelfAttention) runs RoPE at positions 0..S-1 only; drop --pack-sequences."
             )
-            if args.pack_sequences and hf_target_spec(target_config).mla:
-                raise ValueError(
-                    "--pack-sequences gives each document its own positions, but a multi-latent-attention target "
-                    "(megatron-core's MLASelfAttention) runs RoPE at positions 0..S-1 only; drop --pack-sequences."
-                )
-        except ValueError as err:
-            raise ArgumentError(f"--target-backend megatron: {err}") from None
-    tokenizer_dir = args.tokenizer or target_dir
+    except ValueError as err:
+        raise ArgumentError(f"--target-backend megatron: {err}") from None
+
+
+def _checked_tokenizer(tokenizer_dir: str, vocab: int):
+    """The tokenizer, refused when its ids reach past the target's vocabulary."""
     tokenizer = _load_tokenizer(tokenizer_dir)
-    vocab = int(text_config["vocab_size"])
     if len(tokenizer) > vocab:
         raise ArgumentError(
             f"the tokenizer in {tokenizer_dir} has {len(tokenizer)} tokens but the target's vocabulary has {vocab} "
             "rows: its ids past the vocabulary would index outside the target's embedding. Use the target's "
             "tokenizer (--tokenizer)."
         )
+    return tokenizer
 
-    mask = None
-    if args.dflash_init_from is None:
-        mask = _resolve_mask_token(args, tokenizer, tokenizer_dir)
+
+def _draft_config(args, family: TargetFamily, variant: Variant, options, target_config: dict, tokenizer,
+                  tokenizer_dir: str) -> DFlashConfig:
+    """The draft config: `--dflash-init-from`'s, or derived by the family from the target and the flags."""
     try:
         if args.dflash_init_from is not None:
             config = _config_from_init(args, variant, options, target_config)
@@ -322,7 +368,7 @@ def prepare_job(
                 config_cls=variant.config_cls,
                 num_layers=args.dflash_num_layers,
                 block_size=args.dflash_block_size,
-                mask_token_id=mask,
+                mask_token_id=_resolve_mask_token(args, tokenizer, tokenizer_dir),
                 target_layer_ids=args.dflash_target_layer_ids_list,
                 **draft_config_overrides(args, args.dflash_num_layers),
                 **variant.config_overrides(options),
@@ -332,6 +378,11 @@ def prepare_job(
         if isinstance(err, ArgumentError):
             raise
         raise ArgumentError(f"draft configuration: {err}") from None
+    return config
+
+
+def _check_sequence_length(args, config: DFlashConfig) -> None:
+    """Anchors per row (the recipe's default capped by what a row can anchor) and the row length."""
     if "dflash_anchors_per_sample" in args.dflash_defaulted:
         # The recipe's 512 blocks per row, but never more than a row can anchor.
         args.dflash_anchors_per_sample = max(1, min(args.dflash_anchors_per_sample,
@@ -350,9 +401,10 @@ def prepare_job(
             f"--seq-length={args.seq_length} exceeds the target's max_position_embeddings="
             f"{config.max_position_embeddings}."
         )
-    decay_gamma = resolve_decay_gamma(args, config.block_size)
 
-    # run directory, export directory; the embedded job keeps a checkpoint by default
+
+def _resolve_outputs(args, env) -> tuple[str, str]:
+    """`(run_dir, export_dir)`; the embedded job keeps a checkpoint by default (sets `args.save`)."""
     from .rundir import resolve_run_dir
 
     run_dir = resolve_run_dir(args, env)
@@ -367,8 +419,13 @@ def prepare_job(
     if args.save is None and args.target is None:
         args.save = os.path.join(run_dir, "checkpoints")
     check_outputs(args, export_dir)
+    return run_dir, export_dir
 
-    # evaluation prompts
+
+def _evaluation_prompts(args, tokenizer, target_dir: str, export_dir: str, vocab: int,
+                        log) -> tuple[Optional[list], Optional[str]]:
+    """`(prompts, skip_reason)` of the acceptance evaluation: a prompt file, N synthetic chats, the held-out
+    chats' prompts, or none (and why)."""
     eval_prompts = None
     skip = None
     source = args.dflash_eval_prompts
@@ -393,26 +450,4 @@ def prepare_job(
         eval_prompts = None
     if eval_prompts is not None:
         _check_prompt_ids(eval_prompts, vocab, source)
-    stop = _token_ids(getattr(tokenizer, "eos_token_id", None)) or _token_ids(text_config.get("eos_token_id"))
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stop[0] if stop else 0)
-    return Job(
-        args=args,
-        world_size=world_size,
-        target_dir=target_dir,
-        tokenizer_dir=tokenizer_dir,
-        tokenizer=tokenizer,
-        target_config=target_config,
-        draft_config=config,
-        variant=variant,
-        variant_options=options,
-        export_dir=export_dir,
-        decay_gamma=decay_gamma,
-        eval_prompts=eval_prompts,
-        eval_skip_reason=skip,
-        stop_token_ids=stop,
-        pad_token_id=int(pad),
-        init_from=args.dflash_init_from,
-        run_dir=run_dir,
-        embedded_target=args.target is None,
-        target_family=family,
-    )
+    return eval_prompts, skip
