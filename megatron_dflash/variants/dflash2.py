@@ -731,18 +731,7 @@ def dflash2_loss(
     the candidates' gradient through their K rows of the head's weight); the selector term forms its
     gradients in the same forward pass, chunk by chunk (`_SelectorLoss`), and recomputes nothing.
     """
-    check_block_hidden(hidden, plan)
-    check_loss_options(head, chunk_slots, fused)
-    if not isinstance(selector, CandidateSelector):
-        raise ValueError(f"selector must be a CandidateSelector, got {type(selector).__name__}.")
-    if head.vocab_size != selector.vocab_size:
-        raise ValueError(
-            f"the head's vocab_size={head.vocab_size} differs from the selector's {selector.vocab_size}; "
-            "the selector's codebooks are indexed by the target's token ids."
-        )
-    if not (isinstance(selector_weight, (int, float)) and selector_weight >= 0):
-        raise ValueError(f"selector_weight={selector_weight!r} must be a non-negative number.")
-
+    _check_dflash2_loss_inputs(hidden, plan, head, selector, selector_weight, chunk_slots, fused)
     device = hidden.device
     plan = plan.to(device)
     B, N, W = plan.batch_size, plan.num_blocks, plan.block_size
@@ -775,28 +764,60 @@ def dflash2_loss(
         scale = weight_sum / selector_weight_sum.clamp(min=1e-12)
     loss_sum = terms.loss_sum + selector_weight * scale * selector_sum
 
-    with torch.no_grad():
-        base = dflash_metrics(targets, terms.base_correct, plan)
-        top1 = top1.view(B, N, T) & supervised
-        # The decode-time walk: each step after the walk's own previous pick.
-        path, _, _ = selector.walk_candidates(
-            selector.project(hidden[:, :, 1:, :].detach()), unary_all.detach().view(B, N, T, K),
-            ids_all.view(B, N, T, K), labels[:, :, 0], 0.0,
-        )
-        walk = dflash_metrics(targets, path == labels[:, :, 1:], plan)
-        f64 = torch.float64
-        metrics = DFlash2Metrics(
-            supervised_tokens=walk.supervised_tokens,
-            valid_blocks=walk.valid_blocks,
-            correct_tokens=walk.correct_tokens,
-            acceptance_sum=walk.acceptance_sum,
-            base_correct_tokens=base.correct_tokens,
-            base_acceptance_sum=base.acceptance_sum,
-            candidate_hits=hits.sum().to(f64),
-            teacher_forced_correct=top1.sum().to(f64),
-            base_loss_sum=terms.base_sum.detach().to(f64),
-            selector_loss_sum=selector_sum.detach().to(f64),
-            loss_weight_sum=weight_sum.to(f64),
-            selector_weight_sum=selector_weight_sum.to(f64),
-        )
+    metrics = _dflash2_metrics(hidden, targets, terms, plan, selector, hits=hits, top1=top1.view(B, N, T) & supervised,
+                               selector_sum=selector_sum, selector_weight_sum=selector_weight_sum)
     return DFlash2LossOutput(loss_sum=loss_sum, weight_sum=weight_sum, metrics=metrics)
+
+
+def _check_dflash2_loss_inputs(hidden, plan, head, selector, selector_weight, chunk_slots, fused) -> None:
+    """`dflash2_loss`'s argument checks (shapes, the selector and its vocabulary, the selector weight)."""
+    check_block_hidden(hidden, plan)
+    check_loss_options(head, chunk_slots, fused)
+    if not isinstance(selector, CandidateSelector):
+        raise ValueError(f"selector must be a CandidateSelector, got {type(selector).__name__}.")
+    if head.vocab_size != selector.vocab_size:
+        raise ValueError(
+            f"the head's vocab_size={head.vocab_size} differs from the selector's {selector.vocab_size}; "
+            "the selector's codebooks are indexed by the target's token ids."
+        )
+    if not (isinstance(selector_weight, (int, float)) and selector_weight >= 0):
+        raise ValueError(f"selector_weight={selector_weight!r} must be a non-negative number.")
+
+
+@torch.no_grad()
+def _dflash2_metrics(hidden, targets, terms, plan: DFlashBatchPlan, selector: CandidateSelector, *, hits, top1,
+                     selector_sum, selector_weight_sum) -> "DFlash2Metrics":
+    """The additive metrics: the greedy walk (as decoding runs it) next to the backbone argmax, candidate recall.
+
+    Args:
+        hidden: ``[B, N, W, H]`` body output.
+        targets: the slot targets; terms: `head_loss`'s output (top-k candidates ``[M, K]``, base loss).
+        hits: ``[B, N, W - 1]`` supervised slots whose label is among the candidates.
+        top1: ``[B, N, W - 1]`` supervised slots where the teacher-forced selector picks the label.
+        selector_sum, selector_weight_sum: the selector term's loss and weight sums.
+    """
+    B, N, W = plan.batch_size, plan.num_blocks, plan.block_size
+    T, K = W - 1, selector.top_k
+    labels = targets.tokens
+    base = dflash_metrics(targets, terms.base_correct, plan)
+    # The decode-time walk: each step after the walk's own previous pick.
+    path, _, _ = selector.walk_candidates(
+        selector.project(hidden[:, :, 1:, :].detach()), terms.candidate_values.detach().view(B, N, T, K),
+        terms.candidate_ids.view(B, N, T, K), labels[:, :, 0], 0.0,
+    )
+    walk = dflash_metrics(targets, path == labels[:, :, 1:], plan)
+    f64 = torch.float64
+    return DFlash2Metrics(
+        supervised_tokens=walk.supervised_tokens,
+        valid_blocks=walk.valid_blocks,
+        correct_tokens=walk.correct_tokens,
+        acceptance_sum=walk.acceptance_sum,
+        base_correct_tokens=base.correct_tokens,
+        base_acceptance_sum=base.acceptance_sum,
+        candidate_hits=hits.sum().to(f64),
+        teacher_forced_correct=top1.sum().to(f64),
+        base_loss_sum=terms.base_sum.detach().to(f64),
+        selector_loss_sum=selector_sum.detach().to(f64),
+        loss_weight_sum=targets.weight_sum.to(f64),
+        selector_weight_sum=selector_weight_sum.to(f64),
+    )

@@ -653,28 +653,10 @@ def domino_loss(
     Returns:
         `DominoLossOutput`.
     """
-    check_block_hidden(hidden, plan, domino.hidden_size if isinstance(domino, DominoHead) else None)
-    check_loss_options(head, chunk_slots, fused)
-    if not isinstance(domino, DominoHead):
-        raise ValueError(f"domino must be a DominoHead (body.domino_head), got {type(domino).__name__}.")
-    if head.vocab_size != domino.vocab_size:
-        raise ValueError(
-            f"the head's vocab_size={head.vocab_size} differs from the Domino head's {domino.vocab_size}; "
-            "embed_proj's rows are the target's token ids."
-        )
-    if not (isinstance(lambda_base, (int, float)) and not isinstance(lambda_base, bool) and 0.0 <= lambda_base <= 1.0):
-        raise ValueError(f"lambda_base={lambda_base!r} must be in [0, 1] (see domino_lambda).")
+    _check_domino_loss_inputs(hidden, plan, head, domino, lambda_base, loss_mask, weights, chunk_slots, fused)
     B, N, W = plan.batch_size, plan.num_blocks, plan.block_size
-    if domino.correction_start > W - 1:
-        raise ValueError(f"the Domino head corrects from slot {domino.correction_start}, past a block of {W}.")
     shift = domino.shift_label
     P = W if shift else W - 1
-    for name, tensor in (("loss_mask", loss_mask), ("weights", weights)):
-        if tensor is not None and tuple(tensor.shape) != (B, N, P):
-            raise ValueError(
-                f"{name} must have shape [batch, blocks, predicted slots] = {(B, N, P)}, got {tuple(tensor.shape)}."
-            )
-
     device = hidden.device
     plan = plan.to(device)
     labels, supervised, prev_ids = domino_block_targets(
@@ -700,30 +682,67 @@ def domino_loss(
         mix=lam,
     )
 
-    with torch.no_grad():
-        # Decoding proposes W - 1 tokens: predicted indices 0..W-2 (slots 1..W-1, or 0..W-2 with shift).
-        used = slice(0, W - 1)
-        sup_used = supervised[:, :, used]
-        counted = counted_blocks(sup_used, plan.block_valid)
-        f64 = torch.float64
-        stats = {}
-        for name, hit in (("final", terms.final_correct), ("base", terms.base_correct)):
-            correct = hit.view(B, N, P) & targets.supervised
-            acceptance = acceptance_lengths(correct[:, :, used], sup_used, plan.block_valid)
-            stats[name] = (correct.sum().to(f64), acceptance.sum().to(f64))
-        weight_sum = targets.weight_sum
-        metrics = DominoMetrics(
-            supervised_tokens=targets.supervised.sum().to(f64),
-            valid_blocks=counted.sum().to(f64),
-            correct_tokens=stats["final"][0],
-            acceptance_sum=stats["final"][1],
-            base_correct_tokens=stats["base"][0],
-            base_acceptance_sum=stats["base"][1],
-            final_loss_sum=terms.final_sum.detach().to(f64),
-            base_loss_sum=terms.base_sum.detach().to(f64),
-            loss_weight_sum=weight_sum.to(f64),
+    metrics = _domino_metrics(terms, targets, supervised, plan, P)
+    return DominoLossOutput(loss_sum=terms.loss_sum, weight_sum=targets.weight_sum, metrics=metrics, lambda_base=lam)
+
+
+def _check_domino_loss_inputs(hidden, plan, head, domino, lambda_base, loss_mask, weights, chunk_slots, fused) -> None:
+    """`domino_loss`'s argument checks (shapes, the head's vocabulary, the curriculum weight, the layout)."""
+    check_block_hidden(hidden, plan, domino.hidden_size if isinstance(domino, DominoHead) else None)
+    check_loss_options(head, chunk_slots, fused)
+    if not isinstance(domino, DominoHead):
+        raise ValueError(f"domino must be a DominoHead (body.domino_head), got {type(domino).__name__}.")
+    if head.vocab_size != domino.vocab_size:
+        raise ValueError(
+            f"the head's vocab_size={head.vocab_size} differs from the Domino head's {domino.vocab_size}; "
+            "embed_proj's rows are the target's token ids."
         )
-    return DominoLossOutput(loss_sum=terms.loss_sum, weight_sum=weight_sum, metrics=metrics, lambda_base=lam)
+    if not (isinstance(lambda_base, (int, float)) and not isinstance(lambda_base, bool) and 0.0 <= lambda_base <= 1.0):
+        raise ValueError(f"lambda_base={lambda_base!r} must be in [0, 1] (see domino_lambda).")
+    B, N, W = plan.batch_size, plan.num_blocks, plan.block_size
+    if domino.correction_start > W - 1:
+        raise ValueError(f"the Domino head corrects from slot {domino.correction_start}, past a block of {W}.")
+    P = W if domino.shift_label else W - 1
+    for name, tensor in (("loss_mask", loss_mask), ("weights", weights)):
+        if tensor is not None and tuple(tensor.shape) != (B, N, P):
+            raise ValueError(
+                f"{name} must have shape [batch, blocks, predicted slots] = {(B, N, P)}, got {tuple(tensor.shape)}."
+            )
+
+
+@torch.no_grad()
+def _domino_metrics(terms, targets: SlotTargets, supervised: torch.Tensor, plan: DFlashBatchPlan, P: int) -> "DominoMetrics":
+    """The additive metrics of the corrected (final) and backbone-only (base) predictions.
+
+    Args:
+        terms: `head_loss`'s output (`final_correct` / `base_correct` flat over ``[B * N * P]``, the loss sums).
+        targets: the slot targets (``supervised`` ``[B, N, P]``, `weight_sum`).
+        supervised: ``[B, N, P]`` slots with a label (before the slot weights).
+        plan: the batch plan (on the loss's device).
+        P: predicted slots per block.
+    """
+    B, N, W = plan.batch_size, plan.num_blocks, plan.block_size
+    # Decoding proposes W - 1 tokens: predicted indices 0..W-2 (slots 1..W-1, or 0..W-2 with shift).
+    used = slice(0, W - 1)
+    sup_used = supervised[:, :, used]
+    counted = counted_blocks(sup_used, plan.block_valid)
+    f64 = torch.float64
+    stats = {}
+    for name, hit in (("final", terms.final_correct), ("base", terms.base_correct)):
+        correct = hit.view(B, N, P) & targets.supervised
+        acceptance = acceptance_lengths(correct[:, :, used], sup_used, plan.block_valid)
+        stats[name] = (correct.sum().to(f64), acceptance.sum().to(f64))
+    return DominoMetrics(
+        supervised_tokens=targets.supervised.sum().to(f64),
+        valid_blocks=counted.sum().to(f64),
+        correct_tokens=stats["final"][0],
+        acceptance_sum=stats["final"][1],
+        base_correct_tokens=stats["base"][0],
+        base_acceptance_sum=stats["base"][1],
+        final_loss_sum=terms.final_sum.detach().to(f64),
+        base_loss_sum=terms.base_sum.detach().to(f64),
+        loss_weight_sum=targets.weight_sum.to(f64),
+    )
 
 
 # ================================================================================== decoding
