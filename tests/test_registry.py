@@ -225,3 +225,31 @@ def test_a_registered_variant_declares_its_flag_as_data_and_its_loss_reads_its_o
         unregister_variant(SCALED.name)
     with pytest.raises(SystemExit):  # its flag leaves with it
         parse_args([*common, "--dflash-toy-loss-scale", "2"])
+
+
+def test_nothing_outside_the_variants_names_a_variant_or_reads_argparse_inside_them():
+    """docs/design.md §12's boundary rule: no variant name as a string outside `variants/` (and the K3 draft
+    family's package), except where a target family names its draft family, target family or HF model type
+    (`families.py`: those are not variant names, though K3's coincide); no `argparse` inside `variants/`."""
+    import ast
+    import pathlib
+
+    import megatron_dflash
+    from megatron_dflash.families import TARGET_FAMILIES
+
+    package = pathlib.Path(megatron_dflash.__file__).parent
+    family_names = {n for f in TARGET_FAMILIES.values() for n in (f.name, f.draft_family, *f.model_types)}
+    names = {name for name in variant_names() if name != "dflash"}  # "dflash" is also the package's own word
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        relative = path.relative_to(package).as_posix()
+        source = path.read_text()
+        if relative.startswith("variants/"):
+            assert "argparse" not in source, f"{relative} reads argparse; declare flags as variants.options.Flag data"
+            continue
+        if relative.startswith("kimi_k3/"):
+            continue
+        allowed = family_names if relative == "families.py" else set()
+        found += [f"{relative}:{node.lineno} {node.value!r}" for node in ast.walk(ast.parse(source))
+                  if isinstance(node, ast.Constant) and node.value in names - allowed]
+    assert not found, f"variant names outside variants/: {found}"
