@@ -71,6 +71,8 @@ import contextlib
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ..target_masks import causal_mask  # the CPU callers' explicit mask, re-exported for them
+
 __all__ = ["cuda_on_cpu", "megatron_target_on_cpu", "causal_mask"]
 
 _CPU = torch.device("cpu")
@@ -122,11 +124,6 @@ def cuda_on_cpu():
 
 
 # ------------------------------------------------------------------------------------------ the target
-
-
-def causal_mask(seq_length: int, device="cpu") -> torch.Tensor:
-    """``[1, 1, S, S]`` bool, True = masked (megatron's convention): the causal mask megatron builds on CUDA."""
-    return torch.ones(seq_length, seq_length, dtype=torch.bool, device=device).triu(1)[None, None]
 
 
 def _host_split_sizes(self, point, tokens_per_expert=None):
