@@ -48,7 +48,7 @@ from __future__ import annotations
 import inspect
 import math
 from dataclasses import dataclass, field
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -760,135 +760,228 @@ def _decode(
     target, draft, prompts, rows: _Rows, stats, *, device, max_new_tokens, temperature, top_p, top_k,
     stop_set, generator, sampling, W, attention_backend,
 ) -> None:
-    """Prefill + draft/verify cycles; fills `rows` (per original row) and `stats`."""
+    """Prefill + draft/verify cycles; fills `rows` (per original row) and `stats`.
+
+    Its keyword arguments are the seam the decoding-parity oracle replaces (`spec_generate` calls it by
+    name); from here on they travel as one `_DecodeSettings`.
+    """
+    settings = _DecodeSettings(
+        device=device, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+        stop_set=stop_set, generator=generator, sampling=sampling, W=W, attention_backend=attention_backend,
+    )
     verifier = (_CachedTarget if target_keeps_kv_cache(target.config) else _RecomputedTarget)(
         target, draft.config.target_layer_ids, draft.config.mask_token_id, W
     )
     try:
-        _cycles(
-            verifier, target, draft, prompts, rows, stats, device=device, max_new_tokens=max_new_tokens,
-            temperature=temperature, top_p=top_p, top_k=top_k, stop_set=stop_set, generator=generator,
-            sampling=sampling, W=W, attention_backend=attention_backend,
-        )
+        _cycles(verifier, _DraftSide.of(target, draft), prompts, rows, stats, settings)
     finally:
         verifier.close()
 
 
-def _cycles(
-    verifier, target, draft, prompts, rows: _Rows, stats, *, device, max_new_tokens, temperature, top_p, top_k,
-    stop_set, generator, sampling, W, attention_backend,
-) -> None:
+@dataclass(frozen=True)
+class _DecodeSettings:
+    """What `spec_generate` was asked for, fixed for the whole decode.
+
+    ``W``: the block size; ``sampling``: ``temperature > 0``; ``stop_set``: the stop token ids.
+    """
+
+    device: torch.device
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    stop_set: set
+    generator: Optional[torch.Generator]
+    sampling: bool
+    W: int
+    attention_backend: str
+
+    def target_dist(self, logits: torch.Tensor) -> torch.Tensor:
+        """``[..., V]`` logits -> the target's sampling distribution ``[..., V]``."""
+        return sampling_probs(logits, self.temperature, self.top_p, self.top_k)
+
+    def draw(self, logits: torch.Tensor) -> torch.Tensor:
+        """``[B, V]`` target logits -> ``[B]`` next token: sampled, or the argmax when greedy."""
+        return _sample(self.target_dist(logits), self.generator) if self.sampling else logits.argmax(dim=-1)
+
+
+@dataclass(frozen=True)
+class _DraftSide:
+    """The draft and the target modules it proposes with: the target's input embedding and output layer (as
+    an `OutputHead`), and the variant's proposer.
+
+    ``propose`` (DFlash 2's selector walk, Domino's `propose_block`): ``propose(hidden [B, W, H], anchor_ids
+    [B], head, embedding, temperature, generator) -> (tokens [B, W-1], draft_probs [B, W-1, V] or None)``, see
+    `_propose`; None: each slot proposes its own token.
+    """
+
+    draft: DraftBody
+    embedding: nn.Module
+    head_layer: nn.Module
+    head: OutputHead
+    propose: Optional[Callable]
+
+    @classmethod
+    def of(cls, target: nn.Module, draft: DraftBody) -> "_DraftSide":
+        head_layer = target.get_output_embeddings()
+        return cls(
+            draft=draft,
+            embedding=target.get_input_embeddings(),
+            head_layer=head_layer,
+            head=OutputHead.from_config(head_layer, draft.config),
+            propose=variant_of(draft).propose_fn(draft),
+        )
+
+
+@dataclass
+class _DecodeState:
+    """The batch rows still decoding (B of them) and what the next cycle starts from.
+
+    ``committed [B]``: committed length = position of the next block's slot 0; ``last [B]``: the next block's
+    anchor token; ``new_context [B, C, taps*H]``: context committed but not yet seen by the draft, which the
+    next draft forward writes into ``draft_cache`` at positions ``new_start[b] + j`` (``new_start [B]``)
+    before its block attends over the cache; ``row_ids``: the original row of each batch row; ``active``:
+    which batch rows go on.
+    """
+
+    committed: torch.Tensor
+    last: torch.Tensor
+    new_context: torch.Tensor
+    new_start: torch.Tensor
+    draft_cache: DraftKVCache
+    row_ids: list
+    active: list
+
+
+def _cycles(verifier, side: _DraftSide, prompts, rows: _Rows, stats, settings: _DecodeSettings) -> None:
     """The prefill and the draft / verify / commit cycles, the target's side through `verifier` (a
     `_CachedTarget` or `_RecomputedTarget`: `prefill`, `verify`, `commit`, `select_rows`)."""
-    cfg = draft.config
+    state = _prefill(verifier, side.draft, prompts, rows, stats, settings)
+    while _drop_finished_rows(state, verifier, settings.device):
+        block, draft_probs = _draft_block(state, side, stats, settings)
+        # ---- verify: the target over the block at positions committed .. committed + W - 1 ----
+        target_logits, block_taps = verifier.verify(block, state.committed)  # [B, W, V], [B, W, taps*H]
+        stats["target"] += 1
+        if settings.sampling:
+            accepted, bonus = rejection_verify(
+                block[:, 1:], settings.target_dist(target_logits), draft_probs, settings.generator
+            )
+        else:
+            accepted, bonus = greedy_verify(block[:, 1:], target_logits)
+        # ---- commit: anchor + accepted become context (all W verified slots go to the draft's
+        # next forward; those past the accepted ones are scratch); the bonus is the next anchor ----
+        state.new_context, state.new_start = block_taps, state.committed
+        verifier.commit(accepted)
+        state.committed = state.committed + accepted + 1
+        state.last = bonus
+        _record_produced(rows, state, block, accepted, bonus, settings)
+
+
+def _prefill(verifier, draft: DraftBody, prompts, rows: _Rows, stats, settings: _DecodeSettings) -> _DecodeState:
+    """The target over the prompts, each row's first token recorded in `rows`; the state of the first cycle."""
     B = len(prompts)
+    device = settings.device
     lengths = torch.tensor([len(p) for p in prompts], dtype=torch.int64, device=device)
     S = int(lengths.max())
-    embedding = target.get_input_embeddings()
-    head_layer = target.get_output_embeddings()
-    head = OutputHead.from_config(head_layer, cfg)
-    # The variant's proposer (DFlash 2's selector walk, Domino's `propose_block`): `propose(hidden
-    # [B, W, H], anchor_ids [B], head, embedding, temperature, generator) -> (tokens [B, W-1],
-    # draft_probs [B, W-1, V] or None)`, see `_propose`; None: each slot proposes its own token.
-    propose = variant_of(draft).propose_fn(draft)
-
-    def target_dist(logits: torch.Tensor) -> torch.Tensor:
-        return sampling_probs(logits, temperature, top_p, top_k)
-
-    # ---- prefill ----
     last_logits, new_context = verifier.prefill(prompts, lengths)
     stats["prefill"] += 1
-    first = _sample(target_dist(last_logits), generator) if sampling else last_logits.argmax(dim=-1)
-
+    first = settings.draw(last_logits)
     # The draft's KV cache, sized for the first cycles only; a forward that writes past its end
     # grows it (doubling), so it follows what is committed.
-    draft_cache = DraftKVCache(draft, B, S + W + min(max_new_tokens, 4 * W))
-    # Context committed but not yet seen by the draft: the next draft forward writes it into the
-    # cache (at positions `new_start[b] + j`) before its block attends over the cache. First the
-    # prompt's taps, at index = position.
-    new_start = torch.zeros(B, dtype=torch.int64, device=device)
-
-    committed = lengths.clone()  # [B] committed length = position of the next block's slot 0
-    row_ids = list(range(B))  # original row of each batch row
+    W = settings.W
+    draft_cache = DraftKVCache(draft, B, S + W + min(settings.max_new_tokens, 4 * W))
     active = []
     for b in range(B):
         token = int(first[b])
         rows.generated[b].append(token)
-        done = token in stop_set
+        done = token in settings.stop_set
         rows.stopped[b] = done
-        active.append(not done and len(rows.generated[b]) < max_new_tokens)
-    last = first
+        active.append(not done and len(rows.generated[b]) < settings.max_new_tokens)
+    # The prompt's taps go to the draft's first forward, at index = position.
+    return _DecodeState(
+        committed=lengths.clone(), last=first, new_context=new_context,
+        new_start=torch.zeros(B, dtype=torch.int64, device=device), draft_cache=draft_cache,
+        row_ids=list(range(B)), active=active,
+    )
+
+
+def _drop_finished_rows(state: _DecodeState, verifier, device) -> bool:
+    """Drop the rows that are not active from every piece of state; False when none is left."""
+    if all(state.active):
+        return True
+    keep = [i for i, a in enumerate(state.active) if a]
+    if not keep:
+        return False
+    index = torch.tensor(keep, dtype=torch.int64, device=device)
+    verifier.select_rows(index)
+    state.draft_cache.select_rows(index)
+    state.committed, state.last = state.committed[index], state.last[index]
+    state.new_context, state.new_start = state.new_context[index], state.new_start[index]
+    state.row_ids = [state.row_ids[i] for i in keep]
+    state.active = [True] * len(keep)
+    return True
+
+
+def _draft_block(
+    state: _DecodeState, side: _DraftSide, stats, settings: _DecodeSettings
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """One draft forward: ``(block [B, W] int64, draft_probs [B, W-1, V] or None)``, slot 0 the anchor
+    ``state.last``, slots 1.. the proposals (with the distributions they were drawn from when sampling)."""
+    cfg = side.draft.config
+    W, device = settings.W, settings.device
+    B = len(state.row_ids)
+    block = torch.full((B, W), cfg.mask_token_id, dtype=torch.int64, device=device)
+    block[:, 0] = state.last
+    embedded = side.embedding(block)
+    if isinstance(embedded, tuple):
+        embedded = embedded[0]
     scale = float(cfg.input_embedding_scale)
-    mask_id = cfg.mask_token_id
-
-    while True:
-        # ---- drop finished rows from every piece of state ----
-        if not all(active):
-            keep = [i for i, a in enumerate(active) if a]
-            if not keep:
-                break
-            index = torch.tensor(keep, dtype=torch.int64, device=device)
-            verifier.select_rows(index)
-            draft_cache.select_rows(index)
-            committed, last = committed[index], last[index]
-            new_context, new_start = new_context[index], new_start[index]
-            row_ids = [row_ids[i] for i in keep]
-            active = [True] * len(keep)
-        B = len(row_ids)
-
-        # ---- draft ----
-        block = torch.full((B, W), mask_id, dtype=torch.int64, device=device)
-        block[:, 0] = last
-        embedded = embedding(block)
-        if isinstance(embedded, tuple):
-            embedded = embedded[0]
-        if scale != 1.0:
-            embedded = embedded * scale
-        plan = DFlashBatchPlan.for_decoding(
-            committed, new_start[:, None] + torch.arange(new_context.shape[1], device=device), block_size=W
+    if scale != 1.0:
+        embedded = embedded * scale
+    plan = DFlashBatchPlan.for_decoding(
+        state.committed, state.new_start[:, None] + torch.arange(state.new_context.shape[1], device=device),
+        block_size=W,
+    )
+    hidden = side.draft(state.new_context, embedded[:, None], plan, state.draft_cache, settings.attention_backend)
+    hidden = hidden[:, 0]  # [B, W, H]
+    stats["draft"] += 1
+    draft_probs = None
+    if side.propose is not None:
+        temperature = settings.temperature if settings.sampling else 0.0
+        path, draft_probs = _propose(
+            side.propose, hidden, state.last, side.head, side.embedding, temperature, settings.generator
         )
-        hidden = draft(new_context, embedded[:, None], plan, draft_cache, attention_backend)[:, 0]  # [B, W, H]
-        stats["draft"] += 1
-        draft_probs = None
-        if propose is not None:
-            path, draft_probs = _propose(
-                propose, hidden, last, head, embedding, temperature if sampling else 0.0, generator
-            )
-            block[:, 1:] = path
+        block[:, 1:] = path
+    else:
+        # The head's full width (columns past the draft's vocab_size are -inf), so draft and
+        # target distributions share one index space.
+        draft_logits = side.head.local_logits(hidden[:, 1:].to(side.head_layer.weight.dtype))  # [B, T, V]
+        if settings.sampling:
+            draft_probs = torch.softmax(draft_logits / settings.temperature, dim=-1)
+            block[:, 1:] = _sample(draft_probs, settings.generator)
         else:
-            # The head's full width (columns past the draft's vocab_size are -inf), so draft and
-            # target distributions share one index space.
-            draft_logits = head.local_logits(hidden[:, 1:].to(head_layer.weight.dtype))  # [B, T, V]
-            if sampling:
-                draft_probs = torch.softmax(draft_logits / temperature, dim=-1)
-                block[:, 1:] = _sample(draft_probs, generator)
-            else:
-                block[:, 1:] = draft_logits.argmax(dim=-1)
+            block[:, 1:] = draft_logits.argmax(dim=-1)
+    return block, draft_probs
 
-        # ---- verify: the target over the block at positions committed .. committed + W - 1 ----
-        target_logits, block_taps = verifier.verify(block, committed)  # [B, W, V], [B, W, taps*H]
-        stats["target"] += 1
-        if sampling:
-            accepted, bonus = rejection_verify(block[:, 1:], target_dist(target_logits), draft_probs, generator)
-        else:
-            accepted, bonus = greedy_verify(block[:, 1:], target_logits)
 
-        # ---- commit: anchor + accepted become context (all W verified slots go to the draft's
-        # next forward; those past the accepted ones are scratch); the bonus is the next anchor ----
-        new_context, new_start = block_taps, committed
-        verifier.commit(accepted)
-        committed = committed + accepted + 1
-        last = bonus
-        block_host, accepted_host, bonus_host = block.tolist(), accepted.tolist(), bonus.tolist()
-        for i, row in enumerate(row_ids):
-            a = accepted_host[i]
-            produced = block_host[i][1 : 1 + a] + [bonus_host[i]]
-            produced = produced[: max_new_tokens - len(rows.generated[row])]
-            for j, token in enumerate(produced):
-                if token in stop_set:
-                    produced = produced[: j + 1]
-                    rows.stopped[row] = True
-                    break
-            rows.generated[row].extend(produced)
-            rows.acceptance[row].append(len(produced))
-            active[i] = not rows.stopped[row] and len(rows.generated[row]) < max_new_tokens
+def _record_produced(
+    rows: _Rows, state: _DecodeState, block: torch.Tensor, accepted: torch.Tensor, bonus: torch.Tensor,
+    settings: _DecodeSettings,
+) -> None:
+    """Each batch row's accepted tokens of ``block [B, W]`` (``accepted [B]`` of them) and its ``bonus [B]``
+    token, cut at ``max_new_tokens`` and after a stop token, appended to its original row in `rows`; marks
+    which batch rows go on."""
+    max_new_tokens = settings.max_new_tokens
+    block_host, accepted_host, bonus_host = block.tolist(), accepted.tolist(), bonus.tolist()
+    for i, row in enumerate(state.row_ids):
+        a = accepted_host[i]
+        produced = block_host[i][1 : 1 + a] + [bonus_host[i]]
+        produced = produced[: max_new_tokens - len(rows.generated[row])]
+        for j, token in enumerate(produced):
+            if token in settings.stop_set:
+                produced = produced[: j + 1]
+                rows.stopped[row] = True
+                break
+        rows.generated[row].extend(produced)
+        rows.acceptance[row].append(len(produced))
+        state.active[i] = not rows.stopped[row] and len(rows.generated[row]) < max_new_tokens

@@ -182,158 +182,61 @@ class _FusedHeadLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, labels, weights, teacher, teacher_index, features, shard, head, soft_target,
                 temperature, mix, chunk, with_grad, top_k):
-        group = head.tp_group
-        weight = head.weight if head.weight is not None else head.layer.weight
-        bias = getattr(head.layer, "bias", None)
-        start = head.vocab_range[0]
-        real = max(0, min(head.local_vocab_size, head.vocab_size - start))  # this shard's real columns
-        weight = weight[:real]
-        bias = bias[:real].float() if bias is not None else None
+        local = _LocalHead.of(head, temperature, hidden.device)
         soft = soft_target != "none"
         domino = features is not None
-        cap = head.final_logit_softcapping
-        multiplier = float(head.output_multiplier)
         M = hidden.shape[0]
-        device = hidden.device
         rows_max = max(1, min(chunk, M))
-        # The reused buffers: logits (turned into exp, then into the gradient), and for soft targets the
-        # teacher's, for Domino the final logits, for the soft cap its tanh (needed for the chain rule).
-        logits_buf = torch.empty(rows_max, real, dtype=torch.float32, device=device)
-        second_buf = torch.empty_like(logits_buf) if soft or domino else None
-        tanh_buf = torch.empty_like(logits_buf) if cap is not None else None
-        grad_hidden = torch.empty(M if with_grad else 0, hidden.shape[-1], dtype=weight.dtype, device=device)
-        if domino:
-            shard_real = shard[:real].float()
-            grad_features = torch.empty(M if with_grad else 0, features.shape[-1], dtype=torch.float32, device=device)
-            grad_shard = torch.zeros(shard.shape, dtype=torch.float32, device=device)
-        zero = torch.zeros((), device=device)
-        base_sum = torch.zeros((), dtype=torch.float32, device=device)
-        final_sum = torch.zeros((), dtype=torch.float32, device=device)
-        base_correct = torch.empty(M, dtype=torch.bool, device=device)
-        final_correct = torch.empty(M, dtype=torch.bool, device=device) if domino else base_correct
+        out = _FusedBuffers.allocate(local, hidden, features, shard, rows_max, soft, with_grad, top_k)
         scale = temperature * temperature if soft else 1.0
-        if top_k:
-            candidate_values = torch.empty(M, top_k, dtype=torch.float32, device=device)
-            candidate_ids = torch.empty(M, top_k, dtype=torch.int64, device=device)
-        else:
-            candidate_values = torch.empty(M, 0, dtype=torch.float32, device=device)
-            candidate_ids = torch.empty(M, 0, dtype=torch.int64, device=device)
         # d loss_r / d logits after the transform = (softmax - q) * w * T^2 / T (soft: T^2 scales the loss,
         # 1/T comes from z / T). The transform's own factor (multiplier, tanh') follows; without Domino the
         # multiplier is folded into the row factor (one pass less).
-        base_factor = (mix if domino else 1.0) * scale / temperature * (1.0 if domino else multiplier)
+        base_factor = (mix if domino else 1.0) * scale / temperature * (1.0 if domino else local.multiplier)
         final_factor = 1.0 - mix
-
-        def transformed_logits(h, out, tanh_out):
-            """``out <- transform(h @ W_real^T + b) / T`` in place; returns the view of ``n`` rows."""
-            n = h.shape[0]
-            out = out[:n]
-            if weight.dtype == torch.float32:
-                torch.matmul(h.to(torch.float32), weight.t(), out=out)
-            else:
-                out.copy_(F.linear(h.to(weight.dtype), weight))
-            if bias is not None:
-                out.add_(bias)
-            if cap is not None:
-                t = tanh_out[:n] if tanh_out is not None else out
-                torch.tanh(out.mul_(multiplier / cap), out=t)
-                if t is not out:
-                    out.copy_(t)
-                out.mul_(cap / temperature)
-            elif multiplier / temperature != 1.0:
-                out.mul_(multiplier / temperature)
-            return out
-
-        def cross_entropy_to_grad(z, label, owned, q, row):
-            """Per-row loss and correctness of logits ``z``; ``z`` becomes ``(softmax - q) * row`` in place
-            (``q``: the soft target, or the one-hot of ``label`` when None)."""
-            n = z.shape[0]
-            z_max = _all_reduce(_row_amax(z), dist.ReduceOp.MAX, group)
-            label_shifted = torch.where(owned, z.gather(1, label)[:, 0] - z_max, zero) if real else zero.expand(n)
-            if q is not None:
-                picked = _row_dot(q, z) - z_max * q.sum(dim=-1)
-            z.sub_(z_max[:, None]).exp_()
-            stats = [z.sum(dim=-1), label_shifted] + ([picked] if q is not None else [])
-            stats = _all_reduce(torch.stack(stats), dist.ReduceOp.SUM, group)
-            sum_exp = stats[0]
-            loss = torch.log(sum_exp) - (stats[2] if q is not None else stats[1])
-            if with_grad:
-                # exp * (row / sum_exp), then - q * row: as few passes over the buffer as possible.
-                z.mul_((row / sum_exp)[:, None])
-                if q is not None:
-                    z.addcmul_(q, row[:, None], value=-1.0)
-                elif real:
-                    z.scatter_add_(1, label, -(owned * row).to(z.dtype)[:, None])
-            return loss, stats[1] == 0
-
+        zero = local.zero
         for lo in range(0, M, rows_max):
             hi = min(lo + rows_max, M)
             n = hi - lo
             w = weights[lo:hi]
-            label = labels[lo:hi] - start
-            owned = (label >= 0) & (label < real)
-            label = label.clamp(0, max(real - 1, 0))[:, None]
+            label, owned = local.local_labels(labels[lo:hi])
             q = None
             if soft:
-                # Teacher: q = softmax(t), and sum_v q_v log q_v = sum_v q_v (t_v - tmax) - log(sum exp).
-                t = transformed_logits(teacher.index_select(0, teacher_index[lo:hi]), second_buf, None)
-                t_max = _all_reduce(_row_amax(t), dist.ReduceOp.MAX, group)
-                t.sub_(t_max[:, None])
-                e = logits_buf[:n]  # scratch for exp(t - tmax) until the draft's logits are formed
-                torch.exp(t, out=e)
-                t_stats = _all_reduce(torch.stack([e.sum(dim=-1), _row_dot(e, t)]), dist.ReduceOp.SUM, group)
-                neg_entropy = t_stats[1] / t_stats[0] - torch.log(t_stats[0])
-                q = t.copy_(e).div_(t_stats[0][:, None])
-            z = transformed_logits(hidden[lo:hi], logits_buf, tanh_buf)
+                q, neg_entropy = _teacher_distribution(
+                    local, teacher.index_select(0, teacher_index[lo:hi]), out.second, out.logits[:n]
+                )
+            z = _transformed_logits(local, hidden[lo:hi], out.logits, out.tanh)
             if top_k:  # before `z` turns into the gradient
-                candidate_values[lo:hi], candidate_ids[lo:hi] = _global_topk(z, top_k, start, group)
+                out.candidate_values[lo:hi], out.candidate_ids[lo:hi] = _global_topk(z, top_k, local.start, local.group)
             if domino:
-                final = second_buf[:n].copy_(z).addmm_(features[lo:hi].float(), shard_real.t())
-            loss, base_correct[lo:hi] = cross_entropy_to_grad(z, label, owned, q, w * base_factor)
+                final = out.second[:n].copy_(z).addmm_(features[lo:hi].float(), out.shard_real.t())
+            loss, out.base_correct[lo:hi] = _cross_entropy_to_grad(local, z, label, owned, q, w * base_factor, with_grad)
             if soft_target == "kl":
                 loss = loss + neg_entropy
             # `where`, not a product: an unsupervised slot's loss may be inf and 0 * inf is NaN.
-            base_sum += torch.where(w != 0, loss * (w * scale), zero).sum()
+            out.base_sum += torch.where(w != 0, loss * (w * scale), zero).sum()
             if domino:
-                loss, final_correct[lo:hi] = cross_entropy_to_grad(final, label, owned, None, w * final_factor)
-                final_sum += torch.where(w != 0, loss * w, zero).sum()
-            if not with_grad:
-                continue
-            if domino:
-                # `final` holds d loss / d final logits = d loss / d delta; it joins the base gradient.
-                torch.matmul(final, shard_real, out=grad_features[lo:hi])
-                grad_shard[:real].addmm_(final.t(), features[lo:hi].float())
-                z.add_(final)
-                if multiplier != 1.0:
-                    z.mul_(multiplier)
-            if cap is not None:
-                th = tanh_buf[:n]
-                z.mul_(th.mul_(th).neg_().add_(1.0))
-            if weight.dtype == torch.float32:
-                torch.matmul(z, weight, out=grad_hidden[lo:hi])
-            else:
-                grad_hidden[lo:hi] = z.to(weight.dtype) @ weight
+                loss, out.final_correct[lo:hi] = _cross_entropy_to_grad(
+                    local, final, label, owned, None, w * final_factor, with_grad
+                )
+                out.final_sum += torch.where(w != 0, loss * w, zero).sum()
+            if with_grad:
+                _chunk_grads(local, out, z, final if domino else None, features, lo, hi)
         if domino:
-            loss_sum = mix * base_sum + (1.0 - mix) * final_sum
-            ctx.save_for_backward(grad_hidden, grad_features, grad_shard)
+            loss_sum = mix * out.base_sum + (1.0 - mix) * out.final_sum
+            ctx.save_for_backward(out.grad_hidden, out.grad_features, out.grad_shard)
             ctx.dtypes = (hidden.dtype, features.dtype, shard.dtype)
         else:
-            loss_sum = base_sum.clone()
-            ctx.save_for_backward(grad_hidden)
+            loss_sum = out.base_sum.clone()
+            ctx.save_for_backward(out.grad_hidden)
             ctx.dtypes = (hidden.dtype,)
-        ctx.group = group
+        ctx.group = local.group
         ctx.candidates = None
-        if top_k and with_grad and real > 0:  # a shard of padding only owns no candidate
-            # d z / d hidden of a candidate is its factor times its row of W_real (rows of this shard only):
-            # the factor is multiplier / T, times 1 - tanh^2 under the soft cap (tanh read back from z).
-            local = candidate_ids - start
-            owned_c = (local >= 0) & (local < real)
-            factor = torch.full_like(candidate_values, multiplier / temperature)
-            if cap is not None:
-                factor.mul_(1.0 - (candidate_values * (temperature / cap)).square())
-            ctx.candidates = (local.clamp(0, max(real - 1, 0)), torch.where(owned_c, factor, zero), weight)
-        ctx.mark_non_differentiable(base_sum, final_sum, base_correct, final_correct, candidate_ids)
-        return loss_sum, base_sum, final_sum, base_correct, final_correct, candidate_values, candidate_ids
+        if top_k and with_grad and local.real > 0:  # a shard of padding only owns no candidate
+            ctx.candidates = _candidate_grad_inputs(local, out.candidate_values, out.candidate_ids)
+        ctx.mark_non_differentiable(out.base_sum, out.final_sum, out.base_correct, out.final_correct, out.candidate_ids)
+        return (loss_sum, out.base_sum, out.final_sum, out.base_correct, out.final_correct, out.candidate_values,
+                out.candidate_ids)
 
     @staticmethod
     def backward(ctx, grad_loss_sum, grad_base, grad_final, grad_base_correct, grad_final_correct,
@@ -357,6 +260,204 @@ def _row_amax(logits: torch.Tensor) -> torch.Tensor:
     if logits.shape[-1] == 0:
         return torch.full(logits.shape[:-1], float("-inf"), device=logits.device)
     return logits.amax(dim=-1)
+
+
+# The steps of `_FusedHeadLoss.forward`. Each works in place on the chunk's reused buffers: no copy and no
+# host sync more than the single-function forward had.
+
+
+@dataclass(frozen=True)
+class _LocalHead:
+    """This rank's shard of a frozen head as the fused loss reads it.
+
+    ``weight [V_real, H]`` and ``bias [V_real]`` fp32 (or None): the rows of this shard's ``V_real`` real
+    columns (those below ``vocab_size``; the padding columns are never formed), ``start`` the global id of its
+    first column; the output transform ``cap`` (tanh soft cap or None), ``multiplier`` and the temperature;
+    ``zero``: a scalar 0 on the device, for the ``where`` of every chunk.
+    """
+
+    group: object
+    weight: torch.Tensor
+    bias: Optional[torch.Tensor]
+    start: int
+    real: int
+    cap: Optional[float]
+    multiplier: float
+    temperature: float
+    zero: torch.Tensor
+
+    @classmethod
+    def of(cls, head: OutputHead, temperature: float, device) -> "_LocalHead":
+        weight = head.weight if head.weight is not None else head.layer.weight
+        bias = getattr(head.layer, "bias", None)
+        start = head.vocab_range[0]
+        real = max(0, min(head.local_vocab_size, head.vocab_size - start))  # this shard's real columns
+        return cls(
+            group=head.tp_group, weight=weight[:real], bias=bias[:real].float() if bias is not None else None,
+            start=start, real=real, cap=head.final_logit_softcapping, multiplier=float(head.output_multiplier),
+            temperature=temperature, zero=torch.zeros((), device=device),
+        )
+
+    def local_labels(self, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Global ``labels [c]`` -> ``(local column [c, 1] clamped into the shard, owned [c] bool)``."""
+        label = labels - self.start
+        owned = (label >= 0) & (label < self.real)
+        return label.clamp(0, max(self.real - 1, 0))[:, None], owned
+
+
+@dataclass
+class _FusedBuffers:
+    """What the fused loss allocates once per call: the reused ``[c, V_real]`` fp32 chunk buffers and the
+    outputs filled chunk by chunk.
+
+    ``logits`` (turned into exp, then into the gradient); ``second``: the teacher's logits (soft targets) or
+    Domino's final logits; ``tanh``: the soft cap's tanh (for the chain rule). ``grad_hidden [M, H]`` (``[0, H]``
+    without gradients), Domino's ``shard_real [V_real, E]`` fp32, ``grad_features [M, E]`` and ``grad_shard
+    [V_local, E]``; the loss sums, ``base_correct`` / ``final_correct [M]`` (the same tensor without Domino)
+    and the candidates ``[M, K]``.
+    """
+
+    logits: torch.Tensor
+    second: Optional[torch.Tensor]
+    tanh: Optional[torch.Tensor]
+    grad_hidden: torch.Tensor
+    shard_real: Optional[torch.Tensor]
+    grad_features: Optional[torch.Tensor]
+    grad_shard: Optional[torch.Tensor]
+    base_sum: torch.Tensor
+    final_sum: torch.Tensor
+    base_correct: torch.Tensor
+    final_correct: torch.Tensor
+    candidate_values: torch.Tensor
+    candidate_ids: torch.Tensor
+
+    @classmethod
+    def allocate(cls, local: _LocalHead, hidden, features, shard, rows_max: int, soft: bool, with_grad: bool,
+                 top_k: int) -> "_FusedBuffers":
+        domino = features is not None
+        M = hidden.shape[0]
+        device = hidden.device
+        logits = torch.empty(rows_max, local.real, dtype=torch.float32, device=device)
+        grad_rows = M if with_grad else 0
+        base_correct = torch.empty(M, dtype=torch.bool, device=device)
+        return cls(
+            logits=logits,
+            second=torch.empty_like(logits) if soft or domino else None,
+            tanh=torch.empty_like(logits) if local.cap is not None else None,
+            grad_hidden=torch.empty(grad_rows, hidden.shape[-1], dtype=local.weight.dtype, device=device),
+            shard_real=shard[: local.real].float() if domino else None,
+            grad_features=(torch.empty(grad_rows, features.shape[-1], dtype=torch.float32, device=device)
+                           if domino else None),
+            grad_shard=torch.zeros(shard.shape, dtype=torch.float32, device=device) if domino else None,
+            base_sum=torch.zeros((), dtype=torch.float32, device=device),
+            final_sum=torch.zeros((), dtype=torch.float32, device=device),
+            base_correct=base_correct,
+            final_correct=torch.empty(M, dtype=torch.bool, device=device) if domino else base_correct,
+            candidate_values=torch.empty(M, top_k, dtype=torch.float32, device=device),
+            candidate_ids=torch.empty(M, top_k, dtype=torch.int64, device=device),
+        )
+
+
+def _transformed_logits(local: _LocalHead, h: torch.Tensor, out: torch.Tensor, tanh_out) -> torch.Tensor:
+    """``out <- transform(h @ W_real^T + b) / T`` in place; returns the view of ``n`` rows.
+
+    ``h [n, H]``, ``out [c >= n, V_real]`` fp32; ``tanh_out`` like ``out`` (keeps the soft cap's tanh) or None.
+    """
+    weight, cap, multiplier, temperature = local.weight, local.cap, local.multiplier, local.temperature
+    n = h.shape[0]
+    out = out[:n]
+    if weight.dtype == torch.float32:
+        torch.matmul(h.to(torch.float32), weight.t(), out=out)
+    else:
+        out.copy_(F.linear(h.to(weight.dtype), weight))
+    if local.bias is not None:
+        out.add_(local.bias)
+    if cap is not None:
+        t = tanh_out[:n] if tanh_out is not None else out
+        torch.tanh(out.mul_(multiplier / cap), out=t)
+        if t is not out:
+            out.copy_(t)
+        out.mul_(cap / temperature)
+    elif multiplier / temperature != 1.0:
+        out.mul_(multiplier / temperature)
+    return out
+
+
+def _teacher_distribution(
+    local: _LocalHead, teacher_hidden: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The soft target of ``n`` rows: ``(q [n, V_real] = softmax(teacher logits), sum_v q_v log q_v [n])``.
+
+    ``teacher_hidden [n, H]``; ``q`` is formed in ``out`` (a ``[c, V_real]`` buffer); ``scratch [n, V_real]``
+    holds ``exp(t - tmax)`` until the draft's logits are formed there.
+    """
+    # q = softmax(t), and sum_v q_v log q_v = sum_v q_v (t_v - tmax) - log(sum exp).
+    t = _transformed_logits(local, teacher_hidden, out, None)
+    t_max = _all_reduce(_row_amax(t), dist.ReduceOp.MAX, local.group)
+    t.sub_(t_max[:, None])
+    torch.exp(t, out=scratch)
+    t_stats = _all_reduce(torch.stack([scratch.sum(dim=-1), _row_dot(scratch, t)]), dist.ReduceOp.SUM, local.group)
+    neg_entropy = t_stats[1] / t_stats[0] - torch.log(t_stats[0])
+    return t.copy_(scratch).div_(t_stats[0][:, None]), neg_entropy
+
+
+def _cross_entropy_to_grad(local: _LocalHead, z, label, owned, q, row, with_grad: bool):
+    """Per-row loss ``[n]`` and correctness ``[n]`` bool of logits ``z [n, V_real]``; with ``with_grad`` ``z``
+    becomes ``(softmax - q) * row`` in place (``q [n, V_real]``: the soft target, or the one-hot of ``label
+    [n, 1]`` when None; ``owned [n]``: the label is this shard's; ``row [n]``: each row's factor)."""
+    group, real, zero = local.group, local.real, local.zero
+    n = z.shape[0]
+    z_max = _all_reduce(_row_amax(z), dist.ReduceOp.MAX, group)
+    label_shifted = torch.where(owned, z.gather(1, label)[:, 0] - z_max, zero) if real else zero.expand(n)
+    if q is not None:
+        picked = _row_dot(q, z) - z_max * q.sum(dim=-1)
+    z.sub_(z_max[:, None]).exp_()
+    stats = [z.sum(dim=-1), label_shifted] + ([picked] if q is not None else [])
+    stats = _all_reduce(torch.stack(stats), dist.ReduceOp.SUM, group)
+    sum_exp = stats[0]
+    loss = torch.log(sum_exp) - (stats[2] if q is not None else stats[1])
+    if with_grad:
+        # exp * (row / sum_exp), then - q * row: as few passes over the buffer as possible.
+        z.mul_((row / sum_exp)[:, None])
+        if q is not None:
+            z.addcmul_(q, row[:, None], value=-1.0)
+        elif real:
+            z.scatter_add_(1, label, -(owned * row).to(z.dtype)[:, None])
+    return loss, stats[1] == 0
+
+
+def _chunk_grads(local: _LocalHead, out: _FusedBuffers, z, final, features, lo: int, hi: int) -> None:
+    """Rows ``lo:hi`` of ``grad_hidden`` (and Domino's ``grad_features``, ``grad_shard``) from the chunk's
+    ``d loss / d z`` in ``z [n, V_real]`` (and ``d loss / d final`` in ``final``, Domino), through the output
+    transform's derivative; ``z`` is overwritten."""
+    weight = local.weight
+    if final is not None:
+        # `final` holds d loss / d final logits = d loss / d delta; it joins the base gradient.
+        torch.matmul(final, out.shard_real, out=out.grad_features[lo:hi])
+        out.grad_shard[: local.real].addmm_(final.t(), features[lo:hi].float())
+        z.add_(final)
+        if local.multiplier != 1.0:
+            z.mul_(local.multiplier)
+    if local.cap is not None:
+        th = out.tanh[: hi - lo]
+        z.mul_(th.mul_(th).neg_().add_(1.0))
+    if weight.dtype == torch.float32:
+        torch.matmul(z, weight, out=out.grad_hidden[lo:hi])
+    else:
+        out.grad_hidden[lo:hi] = z.to(weight.dtype) @ weight
+
+
+def _candidate_grad_inputs(local: _LocalHead, candidate_values: torch.Tensor, candidate_ids: torch.Tensor):
+    """``(rows [M, K] of W_real, factor [M, K], W_real)`` for `_add_candidate_grad`: ``d z / d hidden`` of a
+    candidate is its factor times its row of ``W_real`` (this shard's candidates only, factor 0 elsewhere)."""
+    real, temperature, cap = local.real, local.temperature, local.cap
+    # The factor is multiplier / T, times 1 - tanh^2 under the soft cap (tanh read back from z).
+    ids = candidate_ids - local.start
+    owned = (ids >= 0) & (ids < real)
+    factor = torch.full_like(candidate_values, local.multiplier / temperature)
+    if cap is not None:
+        factor.mul_(1.0 - (candidate_values * (temperature / cap)).square())
+    return ids.clamp(0, max(real - 1, 0)), torch.where(owned, factor, local.zero), local.weight
 
 
 # --------------------------------------------------------------------------------------------------

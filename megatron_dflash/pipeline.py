@@ -56,6 +56,7 @@ from torch import nn
 from .head import OutputHead
 from .parallel import gather_disagreement
 from .target import MegatronTarget, concat_taps
+from .target_masks import causal_mask
 
 __all__ = [
     "DraftStagePlacement",
@@ -429,7 +430,7 @@ def run_target_pipeline(
     H = layout.hidden
     wire = _wire_dtype(target.model.config)
     if attention_mask is None and device.type != "cuda":
-        attention_mask = torch.ones(S, S, dtype=torch.bool, device=device).triu(1)[None, None]
+        attention_mask = causal_mask(S, device)
     with torch.no_grad():
         # 1-3: the activation chain.
         if stage == 0:

@@ -366,83 +366,19 @@ class DFlashBatchPlan:
                 (with ``document_ids``) crosses a document boundary or starts in padding.
         """
         block_size = _check_block_size(block_size)
-        if not isinstance(anchor_positions, torch.Tensor) or anchor_positions.dim() != 2:
-            raise ValueError(
-                f"anchor_positions must be a tensor of shape [batch, blocks], got {_describe(anchor_positions)}."
-            )
-        if not _is_integer_dtype(anchor_positions.dtype):
-            raise ValueError(
-                f"anchor_positions must be an integer tensor, got dtype {anchor_positions.dtype}; use .long()."
-            )
+        _check_anchor_positions(anchor_positions)
         device = anchor_positions.device
         batch, num_blocks = anchor_positions.shape
         _check_plan_size(batch, num_blocks, block_size)
-
-        if input_mask is None:
-            if seq_length is None:
-                raise ValueError("from_anchors needs the sequence length: pass seq_length=S or input_mask=[B, S].")
-            seq_length = _check_int("seq_length", seq_length, minimum=1)
-            input_mask = torch.ones(batch, seq_length, dtype=torch.bool, device=device)
-        else:
-            input_mask = _check_input_mask(input_mask)
-            if input_mask.shape[0] != batch:
-                raise ValueError(
-                    f"input_mask has batch {input_mask.shape[0]} but anchor_positions has batch {batch}; "
-                    f"they must match."
-                )
-            if seq_length is not None and _check_int("seq_length", seq_length) != input_mask.shape[1]:
-                raise ValueError(f"seq_length={seq_length} disagrees with input_mask.shape[1]={input_mask.shape[1]}.")
-            _check_device("input_mask", input_mask, "anchor_positions", device)
-            seq_length = input_mask.shape[1]
-
-        if block_valid is None:
-            block_valid = torch.ones(batch, num_blocks, dtype=torch.bool, device=device)
-        else:
-            if not isinstance(block_valid, torch.Tensor) or tuple(block_valid.shape) != (batch, num_blocks):
-                raise ValueError(
-                    f"block_valid must have the shape of anchor_positions, {(batch, num_blocks)}, "
-                    f"got {_describe(block_valid)}."
-                )
-            if block_valid.dtype != torch.bool:
-                raise ValueError(f"block_valid must be a bool tensor, got dtype {block_valid.dtype}; use .bool().")
-            _check_device("block_valid", block_valid, "anchor_positions", device)
-
+        input_mask, seq_length = _resolve_input_mask(input_mask, seq_length, batch, device)
+        block_valid = _resolve_block_valid(block_valid, batch, num_blocks, device)
         document_ids = _check_document_ids(document_ids, batch, seq_length, device)
         zero = torch.zeros((), dtype=torch.int64, device=device)
         anchors = torch.where(block_valid, anchor_positions.to(torch.int64), zero)
-
-        # compared without adding to the anchor: an anchor near the int64 maximum would wrap around
-        out_of_range = block_valid & ((anchors < 0) | (anchors > seq_length - block_size))
-        if bool(out_of_range.any()):
-            row, blk = (int(v) for v in out_of_range.nonzero()[0])
-            raise ValueError(
-                f"block {blk} of row {row} with anchor {int(anchors[row, blk])} and block_size {block_size} "
-                f"does not fit in a sequence of length {seq_length} (need 0 <= anchor <= {seq_length - block_size}); "
-                f"choose another anchor or mark the block invalid with block_valid."
-            )
-
-        last = anchors + (block_size - 1)  # in range now
+        _check_blocks_fit(anchors, block_valid, block_size, seq_length)
         run_start, run_id = _runs(document_ids, batch, seq_length, device)
         if document_ids is not None:
-            first_run = torch.gather(run_id, 1, anchors)
-            last_run = torch.gather(run_id, 1, last.clamp(max=seq_length - 1))
-            anchor_doc = torch.gather(document_ids, 1, anchors)
-            crosses = block_valid & (first_run != last_run)
-            in_padding = block_valid & (anchor_doc < 0)
-            if bool(crosses.any()):
-                row, blk = (int(v) for v in crosses.nonzero()[0])
-                raise ValueError(
-                    f"block {blk} of row {row} (anchor {int(anchors[row, blk])}, block_size {block_size}) crosses a "
-                    f"document boundary; a block must lie inside one document. "
-                    f"Choose another anchor or mark it invalid."
-                )
-            if bool(in_padding.any()):
-                row, blk = (int(v) for v in in_padding.nonzero()[0])
-                raise ValueError(
-                    f"block {blk} of row {row} (anchor {int(anchors[row, blk])}) lies in padding "
-                    f"(negative document id); "
-                    f"choose another anchor or mark it invalid."
-                )
+            _check_blocks_in_documents(anchors, block_valid, block_size, document_ids, run_id)
 
         context_start, position_ids, context_position_ids, loss_mask = _derive_fields(
             anchors, block_valid, input_mask, run_start, block_size
@@ -497,6 +433,100 @@ class DFlashBatchPlan:
 
 
 # --------------------------------------------------------------------------------------------------
+# The checks of `DFlashBatchPlan.from_anchors` (they synchronise with the host)
+# --------------------------------------------------------------------------------------------------
+
+
+def _check_anchor_positions(anchor_positions) -> None:
+    """``anchor_positions`` is a ``[B, N]`` integer tensor."""
+    if not isinstance(anchor_positions, torch.Tensor) or anchor_positions.dim() != 2:
+        raise ValueError(
+            f"anchor_positions must be a tensor of shape [batch, blocks], got {_describe(anchor_positions)}."
+        )
+    if not _is_integer_dtype(anchor_positions.dtype):
+        raise ValueError(
+            f"anchor_positions must be an integer tensor, got dtype {anchor_positions.dtype}; use .long()."
+        )
+
+
+def _resolve_input_mask(input_mask, seq_length, batch: int, device) -> tuple[torch.Tensor, int]:
+    """``(input_mask [B, S] bool, S)``: the given mask checked against ``seq_length`` and the anchors' batch
+    and device, or all True over ``seq_length`` tokens when None."""
+    if input_mask is None:
+        if seq_length is None:
+            raise ValueError("from_anchors needs the sequence length: pass seq_length=S or input_mask=[B, S].")
+        seq_length = _check_int("seq_length", seq_length, minimum=1)
+        return torch.ones(batch, seq_length, dtype=torch.bool, device=device), seq_length
+    input_mask = _check_input_mask(input_mask)
+    if input_mask.shape[0] != batch:
+        raise ValueError(
+            f"input_mask has batch {input_mask.shape[0]} but anchor_positions has batch {batch}; "
+            f"they must match."
+        )
+    if seq_length is not None and _check_int("seq_length", seq_length) != input_mask.shape[1]:
+        raise ValueError(f"seq_length={seq_length} disagrees with input_mask.shape[1]={input_mask.shape[1]}.")
+    _check_device("input_mask", input_mask, "anchor_positions", device)
+    return input_mask, input_mask.shape[1]
+
+
+def _resolve_block_valid(block_valid, batch: int, num_blocks: int, device) -> torch.Tensor:
+    """``block_valid [B, N]`` bool, checked, or all True when None."""
+    if block_valid is None:
+        return torch.ones(batch, num_blocks, dtype=torch.bool, device=device)
+    if not isinstance(block_valid, torch.Tensor) or tuple(block_valid.shape) != (batch, num_blocks):
+        raise ValueError(
+            f"block_valid must have the shape of anchor_positions, {(batch, num_blocks)}, "
+            f"got {_describe(block_valid)}."
+        )
+    if block_valid.dtype != torch.bool:
+        raise ValueError(f"block_valid must be a bool tensor, got dtype {block_valid.dtype}; use .bool().")
+    _check_device("block_valid", block_valid, "anchor_positions", device)
+    return block_valid
+
+
+def _check_blocks_fit(anchors: torch.Tensor, block_valid: torch.Tensor, block_size: int, seq_length: int) -> None:
+    """Every valid block ``anchors [B, N] .. + W - 1`` lies in ``[0, S)``."""
+    # compared without adding to the anchor: an anchor near the int64 maximum would wrap around
+    out_of_range = block_valid & ((anchors < 0) | (anchors > seq_length - block_size))
+    if bool(out_of_range.any()):
+        row, blk = (int(v) for v in out_of_range.nonzero()[0])
+        raise ValueError(
+            f"block {blk} of row {row} with anchor {int(anchors[row, blk])} and block_size {block_size} "
+            f"does not fit in a sequence of length {seq_length} (need 0 <= anchor <= {seq_length - block_size}); "
+            f"choose another anchor or mark the block invalid with block_valid."
+        )
+
+
+def _check_blocks_in_documents(
+    anchors: torch.Tensor, block_valid: torch.Tensor, block_size: int, document_ids: torch.Tensor,
+    run_id: torch.Tensor,
+) -> None:
+    """Every valid block (``anchors [B, N]``, in range) lies in one run of ``run_id [B, S]`` and not in padding
+    (``document_ids [B, S]`` negative)."""
+    seq_length = document_ids.shape[1]
+    last = anchors + (block_size - 1)
+    first_run = torch.gather(run_id, 1, anchors)
+    last_run = torch.gather(run_id, 1, last.clamp(max=seq_length - 1))
+    anchor_doc = torch.gather(document_ids, 1, anchors)
+    crosses = block_valid & (first_run != last_run)
+    in_padding = block_valid & (anchor_doc < 0)
+    if bool(crosses.any()):
+        row, blk = (int(v) for v in crosses.nonzero()[0])
+        raise ValueError(
+            f"block {blk} of row {row} (anchor {int(anchors[row, blk])}, block_size {block_size}) crosses a "
+            f"document boundary; a block must lie inside one document. "
+            f"Choose another anchor or mark it invalid."
+        )
+    if bool(in_padding.any()):
+        row, blk = (int(v) for v in in_padding.nonzero()[0])
+        raise ValueError(
+            f"block {blk} of row {row} (anchor {int(anchors[row, blk])}) lies in padding "
+            f"(negative document id); "
+            f"choose another anchor or mark it invalid."
+        )
+
+
+# --------------------------------------------------------------------------------------------------
 # The builder
 # --------------------------------------------------------------------------------------------------
 
@@ -543,6 +573,36 @@ def build_dflash_batch_plan(
     input_mask = _check_input_mask(input_mask)
     batch, seq_length = input_mask.shape
     device = input_mask.device
+    sample_ids = _check_sample_ids(sample_ids, input_mask)
+    num_blocks = _check_int("anchors_per_sample", anchors_per_sample, minimum=1)
+    if num_blocks > MAX_BLOCKS_PER_ROW:
+        raise ValueError(f"anchors_per_sample must be <= {MAX_BLOCKS_PER_ROW}, got {num_blocks}.")
+    block_size = _check_block_size(block_size)
+    _check_plan_size(batch, num_blocks, block_size)
+    step_hash = seed_step_hash(*_check_seed_and_step(seed, optimizer_step))
+    document_ids = _check_document_ids(document_ids, batch, seq_length, device)
+
+    run_start, run_id = _runs(document_ids, batch, seq_length, device)
+    eligible = _eligible_anchors(input_mask, block_size, document_ids, run_id)
+    anchor_positions, block_valid = _draw_anchors(eligible, step_hash, sample_ids, num_blocks)
+
+    context_start, position_ids, context_position_ids, loss_mask = _derive_fields(
+        anchor_positions, block_valid, input_mask, run_start, block_size
+    )
+    return DFlashBatchPlan(
+        anchor_positions=anchor_positions,
+        block_valid=block_valid,
+        context_start=context_start,
+        position_ids=position_ids,
+        context_position_ids=context_position_ids,
+        loss_mask=loss_mask,
+        block_size=block_size,
+    )
+
+
+def _check_sample_ids(sample_ids, input_mask: torch.Tensor) -> torch.Tensor:
+    """``sample_ids [B]`` as int64, checked against ``input_mask [B, S]``."""
+    batch = input_mask.shape[0]
     if not isinstance(sample_ids, torch.Tensor):
         raise ValueError(f"sample_ids must be a torch.Tensor of shape [batch], got {type(sample_ids).__name__}.")
     if tuple(sample_ids.shape) != (batch,):
@@ -552,26 +612,30 @@ def build_dflash_batch_plan(
         )
     if not _is_integer_dtype(sample_ids.dtype):
         raise ValueError(f"sample_ids must be an integer tensor, got dtype {sample_ids.dtype}; use .long().")
-    _check_device("sample_ids", sample_ids, "input_mask", device)
-    sample_ids = sample_ids.to(torch.int64)
-    num_blocks = _check_int("anchors_per_sample", anchors_per_sample, minimum=1)
-    if num_blocks > MAX_BLOCKS_PER_ROW:
-        raise ValueError(f"anchors_per_sample must be <= {MAX_BLOCKS_PER_ROW}, got {num_blocks}.")
-    block_size = _check_block_size(block_size)
-    _check_plan_size(batch, num_blocks, block_size)
-    block_size = _check_block_size(block_size)
+    _check_device("sample_ids", sample_ids, "input_mask", input_mask.device)
+    return sample_ids.to(torch.int64)
+
+
+def _check_seed_and_step(seed, optimizer_step) -> tuple[int, int]:
+    """``(seed, optimizer_step)`` checked: the seed fits in 64 bits, the step is in ``[0, 2**64)``."""
     optimizer_step = _check_int("optimizer_step", optimizer_step, minimum=0)
     if optimizer_step >= 1 << 64:
         raise ValueError(f"optimizer_step must be < 2**64, got {optimizer_step}.")
     seed = _check_int("seed", seed)
     if not -(1 << 63) <= seed < (1 << 64):
         raise ValueError(f"seed must fit in 64 bits (-2**63 <= seed < 2**64), got {seed}.")
-    document_ids = _check_document_ids(document_ids, batch, seq_length, device)
+    return seed, optimizer_step
 
-    positions = torch.arange(seq_length, dtype=torch.int64, device=device)  # [S]
-    run_start, run_id = _runs(document_ids, batch, seq_length, device)
 
-    # ---- eligibility [B, S] ----
+def _eligible_anchors(
+    input_mask: torch.Tensor, block_size: int, document_ids: Optional[torch.Tensor], run_id: torch.Tensor
+) -> torch.Tensor:
+    """``[B, S]`` bool: the positions that may anchor a block (the rule of `build_dflash_batch_plan`).
+
+    ``input_mask [B, S]`` bool; ``document_ids [B, S]`` or None; ``run_id [B, S]`` the run index of `_runs`.
+    """
+    batch, seq_length = input_mask.shape
+    positions = torch.arange(seq_length, dtype=torch.int64, device=input_mask.device)  # [S]
     fits = positions <= seq_length - block_size  # [S]; the block p .. p + W - 1 is in range when this holds
     # Supervised slots 1 .. W-1 of the block at p, from a prefix count: C[p + W - 1] - C[p] with C the
     # inclusive cumulative sum of input_mask (clamped reads only where ``fits`` is False anyway).
@@ -582,9 +646,19 @@ def build_dflash_batch_plan(
     if document_ids is not None:
         same_run = torch.gather(run_id, 1, last[None, :].expand(batch, seq_length)) == run_id
         eligible = eligible & same_run & (document_ids >= 0)
+    return eligible
 
-    # ---- unique keys and top-N ----
-    hashes = _position_hashes(seed_step_hash(seed, optimizer_step), sample_ids, seq_length)  # [B, S] < 2**32
+
+def _draw_anchors(
+    eligible: torch.Tensor, step_hash: int, sample_ids: torch.Tensor, num_blocks: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(anchor_positions [B, N] int64, block_valid [B, N] bool)``: the ``min(N, #eligible)`` eligible
+    positions (``eligible [B, S]``) of each row with the smallest hash rank, ascending, then invalid blocks
+    (anchor 0). No host sync."""
+    batch, seq_length = eligible.shape
+    device = eligible.device
+    positions = torch.arange(seq_length, dtype=torch.int64, device=device)  # [S]
+    hashes = _position_hashes(step_hash, sample_ids, seq_length)  # [B, S] < 2**32
     keys = (hashes << 31) | positions[None, :]  # < 2**63, unique per row
     keys = torch.where(eligible, keys, torch.full((), -1, dtype=torch.int64, device=device))
     k = min(num_blocks, seq_length)
@@ -599,16 +673,4 @@ def build_dflash_batch_plan(
     order_key = order_key.sort(dim=1).values  # [B, N]
     block_valid = order_key < seq_length
     anchor_positions = torch.where(block_valid, order_key, torch.zeros((), dtype=torch.int64, device=device))
-
-    context_start, position_ids, context_position_ids, loss_mask = _derive_fields(
-        anchor_positions, block_valid, input_mask, run_start, block_size
-    )
-    return DFlashBatchPlan(
-        anchor_positions=anchor_positions,
-        block_valid=block_valid,
-        context_start=context_start,
-        position_ids=position_ids,
-        context_position_ids=context_position_ids,
-        loss_mask=loss_mask,
-        block_size=block_size,
-    )
+    return anchor_positions, block_valid

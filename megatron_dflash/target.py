@@ -52,6 +52,7 @@ from torch import nn
 from .config import DFlashConfig, check_target_layer_ids, read_rope_parameters
 from .families import resolve_text_config
 from .head import OutputHead
+from .target_masks import causal_mask
 from .target_weights import convert_with_plan, fused_qkv_weight, megatron_weight_plan, safetensors_files, stream_with_plan
 
 __all__ = [
@@ -1332,8 +1333,7 @@ class MegatronTarget(_FrozenTarget):
                     f"got {tuple(attention_mask.shape)}."
                 )
             keep = attention_mask.to(device=device, dtype=torch.bool)
-            causal = torch.ones(seq_length, seq_length, dtype=torch.bool, device=device).triu(1)
-            return causal[None, None] | ~keep[:, None, None, :]
+            return causal_mask(seq_length, device) | ~keep[:, None, None, :]
         if attention_mask.dim() == 4 and attention_mask.dtype == torch.bool and attention_mask.shape[-2:] == (seq_length, seq_length):
             return attention_mask.to(device)  # [B or 1, 1, S, S], True = masked (megatron's convention)
         raise ValueError(

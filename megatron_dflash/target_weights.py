@@ -94,96 +94,140 @@ def megatron_weight_plan(
     ``etp_rank``/``etp_size`` (expert tensor parallelism) default to ``tp_rank``/``tp_size``, megatron's
     default. Layers ``layer_offset .. layer_offset + num_layers - 1`` are named ``decoder.layers.0 ..``.
     """
-    etp_rank = tp_rank if etp_rank is None else etp_rank
-    etp_size = tp_size if etp_size is None else etp_size
-    plan: list[MegatronWeight] = []
+    plan = _RankWeightPlan(
+        spec, tp_rank=tp_rank, tp_size=tp_size, padded_vocab=padded_vocab, dtype=dtype,
+        etp_rank=tp_rank if etp_rank is None else etp_rank, etp_size=tp_size if etp_size is None else etp_size,
+    )
+    if transformer_engine_names:
+        norm_names = ("self_attention.linear_qkv.layer_norm_weight", "mlp.linear_fc1.layer_norm_weight")
+    else:
+        norm_names = ("input_layernorm.weight", "pre_mlp_layernorm.weight")
+    if pre_process:
+        plan.add("embedding.word_embeddings.weight", ["model.embed_tokens.weight"], plan.vocab_shard)
+    experts_per_rank = spec.num_experts // ep_size if spec.num_experts else 0
+    experts = range(ep_rank * experts_per_rank, (ep_rank + 1) * experts_per_rank)  # this EP rank's, in order
+    for local in range(num_layers):
+        plan.decoder_layer(layer_offset + local, f"decoder.layers.{local}.", norm_names, experts)
+    if post_process:
+        plan.add("decoder.final_layernorm.weight", ["model.norm.weight"], _same)
+        if not spec.tie_word_embeddings:
+            plan.add("output_layer.weight", ["lm_head.weight"], plan.vocab_shard)
+        elif not pre_process:
+            # Tied, but the embedding lives on another stage: this stage keeps its own copy.
+            plan.add("output_layer.weight", ["model.embed_tokens.weight"], plan.vocab_shard)
+    return plan.weights
 
-    def add(name: str, sources: Sequence[str], build: Callable[..., torch.Tensor]) -> None:
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+class _RankWeightPlan:
+    """The `MegatronWeight` list of one rank as it is built, with the steps that add a layer's tensors.
+
+    ``spec`` is the `HFTargetSpec`; TP splits attention, dense MLPs and the vocabulary, expert TP
+    (``etp_rank``/``etp_size``) the experts' MLPs. Every built tensor is cast to ``dtype`` (when given) and made
+    contiguous.
+    """
+
+    def __init__(self, spec: Any, *, tp_rank: int, tp_size: int, etp_rank: int, etp_size: int, padded_vocab: int,
+                 dtype: Optional[torch.dtype]):
+        self.spec = spec
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.etp_rank, self.etp_size = etp_rank, etp_size
+        self.padded_vocab = padded_vocab
+        self.dtype = dtype
+        self.weights: list[MegatronWeight] = []
+
+    def add(self, name: str, sources: Sequence[str], build: Callable[..., torch.Tensor]) -> None:
+        dtype = self.dtype
+
         def cast(*tensors: torch.Tensor) -> torch.Tensor:
             out = build(*tensors)
             out = out.to(dtype) if dtype is not None else out
             return out.contiguous()
 
-        plan.append(MegatronWeight(name, tuple(sources), cast))
+        self.weights.append(MegatronWeight(name, tuple(sources), cast))
 
-    def same(t: torch.Tensor) -> torch.Tensor:
-        return t
+    # ---- builds: HF tensor(s) -> this rank's megatron tensor
 
-    def vocab_shard(weight: torch.Tensor) -> torch.Tensor:
-        if weight.shape[0] != spec.vocab_size:
-            raise ValueError(f"the vocabulary matrix has {weight.shape[0]} rows but vocab_size={spec.vocab_size}.")
-        return _chunk(_pad_rows(weight, padded_vocab), tp_rank, tp_size, 0)
+    def vocab_shard(self, weight: torch.Tensor) -> torch.Tensor:
+        """``[V, H]`` -> this rank's rows of the ``[padded_vocab, H]`` matrix (padding rows zero)."""
+        if weight.shape[0] != self.spec.vocab_size:
+            raise ValueError(f"the vocabulary matrix has {weight.shape[0]} rows but vocab_size={self.spec.vocab_size}.")
+        return _chunk(_pad_rows(weight, self.padded_vocab), self.tp_rank, self.tp_size, 0)
 
-    def qkv(q, k, v):
+    def qkv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # Groups are contiguous row blocks of the fused matrix: TP takes whole groups.
-        return _chunk(fused_qkv_weight(q, k, v, spec.num_key_value_heads, spec.head_dim), tp_rank, tp_size, 0)
+        fused = fused_qkv_weight(q, k, v, self.spec.num_key_value_heads, self.spec.head_dim)
+        return _chunk(fused, self.tp_rank, self.tp_size, 0)
 
-    def mlp(prefix: str, src: str, rank: int, size: int) -> None:
-        add(prefix + "linear_fc1.weight", [src + "gate_proj.weight", src + "up_proj.weight"],
-            lambda gate, up: torch.cat([_chunk(gate, rank, size, 0), _chunk(up, rank, size, 0)], dim=0))
-        add(prefix + "linear_fc2.weight", [src + "down_proj.weight"], lambda down: _chunk(down, rank, size, 1))
+    def rows(self, t: torch.Tensor) -> torch.Tensor:
+        """Column-parallel: this rank's block of output rows."""
+        return _chunk(t, self.tp_rank, self.tp_size, 0)
 
-    def rows(t):  # column-parallel: this rank's block of output rows
-        return _chunk(t, tp_rank, tp_size, 0)
+    def columns(self, t: torch.Tensor) -> torch.Tensor:
+        """Row-parallel: this rank's block of input columns."""
+        return _chunk(t, self.tp_rank, self.tp_size, 1)
 
-    def mla(prefix: str, attn: str) -> None:
+    # ---- a decoder layer's tensors
+
+    def mlp(self, prefix: str, src: str, rank: int, size: int) -> None:
+        """A gated MLP: ``linear_fc1 = [gate shard; up shard]`` and ``linear_fc2`` split on its input dim."""
+        self.add(prefix + "linear_fc1.weight", [src + "gate_proj.weight", src + "up_proj.weight"],
+                 lambda gate, up: torch.cat([_chunk(gate, rank, size, 0), _chunk(up, rank, size, 0)], dim=0))
+        self.add(prefix + "linear_fc2.weight", [src + "down_proj.weight"], lambda down: _chunk(down, rank, size, 1))
+
+    def mla(self, prefix: str, attn: str) -> None:
+        """Multi-latent attention's projections and norms (DeepSeek-V3 / Kimi)."""
         # Head-major outputs ([heads, nope + rope] for q, [heads, nope + v] for kv) split by whole heads;
         # the down projections' outputs ([q_lora] and [kv_lora + rope]) by rows, gathered again by megatron.
-        if spec.q_lora_rank:
-            add(prefix + "linear_q_down_proj.weight", [attn + "q_a_proj.weight"], rows)
-            add(prefix + "q_layernorm.weight", [attn + "q_a_layernorm.weight"], same)
-            add(prefix + "linear_q_up_proj.weight", [attn + "q_b_proj.weight"], rows)
+        if self.spec.q_lora_rank:
+            self.add(prefix + "linear_q_down_proj.weight", [attn + "q_a_proj.weight"], self.rows)
+            self.add(prefix + "q_layernorm.weight", [attn + "q_a_layernorm.weight"], _same)
+            self.add(prefix + "linear_q_up_proj.weight", [attn + "q_b_proj.weight"], self.rows)
         else:
-            add(prefix + "linear_q_proj.weight", [attn + "q_proj.weight"], rows)
-        add(prefix + "linear_kv_down_proj.weight", [attn + "kv_a_proj_with_mqa.weight"], rows)
-        add(prefix + "kv_layernorm.weight", [attn + "kv_a_layernorm.weight"], same)
-        add(prefix + "linear_kv_up_proj.weight", [attn + "kv_b_proj.weight"], rows)
+            self.add(prefix + "linear_q_proj.weight", [attn + "q_proj.weight"], self.rows)
+        self.add(prefix + "linear_kv_down_proj.weight", [attn + "kv_a_proj_with_mqa.weight"], self.rows)
+        self.add(prefix + "kv_layernorm.weight", [attn + "kv_a_layernorm.weight"], _same)
+        self.add(prefix + "linear_kv_up_proj.weight", [attn + "kv_b_proj.weight"], self.rows)
 
-    if transformer_engine_names:
-        input_norm, mlp_norm = "self_attention.linear_qkv.layer_norm_weight", "mlp.linear_fc1.layer_norm_weight"
-    else:
-        input_norm, mlp_norm = "input_layernorm.weight", "pre_mlp_layernorm.weight"
+    def attention(self, dst: str, attn: str) -> None:
+        """Self-attention of one layer (``dst``: its megatron prefix, ``attn``: its HF ``self_attn.`` prefix)."""
+        if self.spec.mla:
+            self.mla(dst + "self_attention.", attn)
+        else:
+            self.add(dst + "self_attention.linear_qkv.weight",
+                     [attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"], self.qkv)
+        self.add(dst + "self_attention.linear_proj.weight", [attn + "o_proj.weight"], self.columns)
+        if self.spec.qk_layernorm:
+            self.add(dst + "self_attention.q_layernorm.weight", [attn + "q_norm.weight"], _same)
+            self.add(dst + "self_attention.k_layernorm.weight", [attn + "k_norm.weight"], _same)
 
-    if pre_process:
-        add("embedding.word_embeddings.weight", ["model.embed_tokens.weight"], vocab_shard)
-    experts_per_rank = spec.num_experts // ep_size if spec.num_experts else 0
-    for local in range(num_layers):
-        layer = layer_offset + local
+    def moe(self, dst: str, src: str, experts: range) -> None:
+        """A MoE layer: its own pre-MLP norm, router, shared experts and this EP rank's ``experts``."""
+        # The MoE layer keeps its own pre-MLP norm (TE fuses norms only into dense linear_fc1).
+        self.add(dst + "pre_mlp_layernorm.weight", [src + "post_attention_layernorm.weight"], _same)
+        self.add(dst + "mlp.router.weight", [src + "mlp.gate.weight"], _same)
+        if self.spec.expert_bias:
+            self.add(dst + "mlp.router.expert_bias", [src + "mlp.gate.e_score_correction_bias"], _same)
+        if self.spec.shared_expert_intermediate_size:
+            self.mlp(dst + "mlp.shared_experts.", src + "mlp.shared_experts.", self.tp_rank, self.tp_size)
+        for j, expert in enumerate(experts):
+            self.mlp(dst + f"mlp.experts.local_experts.{j}.", src + f"mlp.experts.{expert}.", self.etp_rank, self.etp_size)
+
+    def decoder_layer(self, layer: int, dst: str, norm_names: tuple[str, str], experts: range) -> None:
+        """HF layer ``layer`` as megatron's layer prefix ``dst``; ``norm_names``: the (input, pre-MLP) norm names
+        of the spec (local or Transformer Engine)."""
         src = f"model.layers.{layer}."
-        dst = f"decoder.layers.{local}."
-        attn = src + "self_attn."
-        if spec.mla:
-            mla(dst + "self_attention.", attn)
+        input_norm, mlp_norm = norm_names
+        self.attention(dst, src + "self_attn.")
+        self.add(dst + input_norm, [src + "input_layernorm.weight"], _same)
+        if self.spec.is_moe_layer(layer):
+            self.moe(dst, src, experts)
         else:
-            add(dst + "self_attention.linear_qkv.weight",
-                [attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"], qkv)
-        add(dst + "self_attention.linear_proj.weight", [attn + "o_proj.weight"], lambda o: _chunk(o, tp_rank, tp_size, 1))
-        if spec.qk_layernorm:
-            add(dst + "self_attention.q_layernorm.weight", [attn + "q_norm.weight"], same)
-            add(dst + "self_attention.k_layernorm.weight", [attn + "k_norm.weight"], same)
-        add(dst + input_norm, [src + "input_layernorm.weight"], same)
-        if spec.is_moe_layer(layer):
-            # The MoE layer keeps its own pre-MLP norm (TE fuses norms only into dense linear_fc1).
-            add(dst + "pre_mlp_layernorm.weight", [src + "post_attention_layernorm.weight"], same)
-            add(dst + "mlp.router.weight", [src + "mlp.gate.weight"], same)
-            if spec.expert_bias:
-                add(dst + "mlp.router.expert_bias", [src + "mlp.gate.e_score_correction_bias"], same)
-            if spec.shared_expert_intermediate_size:
-                mlp(dst + "mlp.shared_experts.", src + "mlp.shared_experts.", tp_rank, tp_size)
-            for j in range(experts_per_rank):
-                expert = ep_rank * experts_per_rank + j
-                mlp(dst + f"mlp.experts.local_experts.{j}.", src + f"mlp.experts.{expert}.", etp_rank, etp_size)
-        else:
-            add(dst + mlp_norm, [src + "post_attention_layernorm.weight"], same)
-            mlp(dst + "mlp.", src + "mlp.", tp_rank, tp_size)
-    if post_process:
-        add("decoder.final_layernorm.weight", ["model.norm.weight"], same)
-        if not spec.tie_word_embeddings:
-            add("output_layer.weight", ["lm_head.weight"], vocab_shard)
-        elif not pre_process:
-            # Tied, but the embedding lives on another stage: this stage keeps its own copy.
-            add("output_layer.weight", ["model.embed_tokens.weight"], vocab_shard)
-    return plan
+            self.add(dst + mlp_norm, [src + "post_attention_layernorm.weight"], _same)
+            self.mlp(dst + "mlp.", src + "mlp.", self.tp_rank, self.tp_size)
 
 
 def convert_with_plan(plan: Sequence[MegatronWeight], hf: Mapping[str, torch.Tensor], model_type: str) -> dict:

@@ -36,7 +36,7 @@ The target (`megatron_target_on_cpu`)
 -------------------------------------
 
 The frozen target is built with ``use_cpu_initialization`` and its callers pass explicit causal masks on the
-CPU (megatron's default mask, ``get_default_causal_mask``, is built with ``device="cuda"``; `causal_mask` is
+CPU (megatron's default mask, ``get_default_causal_mask``, is built with ``device="cuda"``; `target_masks.causal_mask` is
 that mask on the CPU). What is left, each patch restored on exit:
 
 * **RoPE device**: ``RotaryEmbedding.get_emb`` moves ``inv_freq`` to ``torch.cuda.current_device()``, which
@@ -70,6 +70,8 @@ import contextlib
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from ..target_masks import causal_mask  # the CPU callers' explicit mask, re-exported for them
 
 __all__ = ["cuda_on_cpu", "megatron_target_on_cpu", "causal_mask"]
 
@@ -122,11 +124,6 @@ def cuda_on_cpu():
 
 
 # ------------------------------------------------------------------------------------------ the target
-
-
-def causal_mask(seq_length: int, device="cpu") -> torch.Tensor:
-    """``[1, 1, S, S]`` bool, True = masked (megatron's convention): the causal mask megatron builds on CUDA."""
-    return torch.ones(seq_length, seq_length, dtype=torch.bool, device=device).triu(1)[None, None]
 
 
 def _host_split_sizes(self, point, tokens_per_expert=None):

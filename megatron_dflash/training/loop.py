@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from ..objectives import AdditiveMetrics, all_reduce_together
 from ..checkpoint import load_hf_checkpoint, save_hf_checkpoint
+from ..target_masks import causal_mask, document_mask, hf_document_mask
 from .arguments import EMBEDDED_SYNTHETIC_HELDOUT_SEED, EMBEDDED_SYNTHETIC_TRAIN_SEED, ArgumentError, parse_args
 from .job import Job, prepare_job
 
@@ -191,19 +192,17 @@ class _Target:
         if self.backend == "hf":
             mask = None
             if self.pack:
-                allowed = _packed_allowed(batch["document_ids"])  # [B, 1, S, S] True = attend
-                mask = torch.zeros(allowed.shape, dtype=self.dtype, device=tokens.device)
-                mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
+                mask = hf_document_mask(batch["document_ids"], self.dtype)
             out = self.module(tokens, attention_mask=mask, position_ids=positions,
                               need_final_hidden=self.need_final_hidden)
             return out.taps, out.final_hidden
         # megatron: True = masked. Explicit masks on CPU (megatron builds its default on CUDA only).
         if self.pack:
-            mask = ~_packed_allowed(batch["document_ids"])
+            mask = document_mask(batch["document_ids"])
         elif tokens.is_cuda:
             mask = None
         else:
-            mask = torch.ones(S, S, dtype=torch.bool, device=tokens.device).triu(1)[None, None]
+            mask = causal_mask(S, tokens.device)
         if self.placement is not None:
             from ..pipeline import run_target_pipeline
 
@@ -214,14 +213,6 @@ class _Target:
         from ..target import concat_taps
 
         return concat_taps(out.taps, self.module.target_layer_ids), out.final_hidden
-
-
-def _packed_allowed(document_ids: torch.Tensor) -> torch.Tensor:
-    """[B, 1, S, S] bool: causal and same document (padding, id -1, attends to padding only)."""
-    S = document_ids.shape[1]
-    causal = torch.ones(S, S, dtype=torch.bool, device=document_ids.device).tril()
-    same = document_ids[:, :, None] == document_ids[:, None, :]
-    return (causal[None] & same)[:, None]
 
 
 def _load_hf_model(job: Job, dtype: torch.dtype):
