@@ -1086,14 +1086,16 @@ def verify_plan_agreement(plan: DFlashBatchPlan, group=None, *,
     """
     import torch.distributed as dist
 
-    names, local = plan_checksum(plan, extra)
-    if not dist.is_available() or not dist.is_initialized():
-        return local
-    if group is None:
-        from megatron.core import parallel_state
+    # Local: megatron's parallel state is only needed by a distributed caller, not by data loading.
+    from .parallel import current_process_groups, distributed_ready, is_distributed_group, megatron_ready
 
-        if parallel_state.model_parallel_is_initialized():
-            group = parallel_state.get_tensor_model_parallel_group()
+    names, local = plan_checksum(plan, extra)
+    if not distributed_ready():
+        return local
+    if group is None and megatron_ready():
+        group = current_process_groups().tp
+    if group is not None and not is_distributed_group(group):
+        return local
     world = dist.get_world_size(group)
     if world == 1:
         return local

@@ -20,7 +20,8 @@ Pipeline parallelism (`--pipeline-model-parallel-size > 1`, megatron target): ev
 stage of the target; the draft body and its optimizer exist only on the stage `--dflash-pipeline-stage`
 (default the last), which gets frozen copies of the target's embedding and output layer
 (`pipeline.copy_frozen_target_heads`). Every rank runs every micro-batch through
-`pipeline.run_target_pipeline` (same data on every stage: the DP rank comes from `parallel_state`); the
+`pipeline.run_target_pipeline` (same data on every stage: the DP rank comes from the job's
+`parallel.ProcessGroups`, built once by `initialize_distributed` and handed down); the
 other stages contribute zero statistics, and the step statistics are summed over DP, then over the
 pipeline group, so every rank (rank 0 included) logs the draft's numbers. The grad norm is reduced over
 TP only. Checkpoints: every rank joins the collective save / load, the draft's stage with the draft and
@@ -42,6 +43,8 @@ import torch.distributed as dist
 
 from ..objectives import AdditiveMetrics, all_reduce_together
 from ..checkpoint import load_hf_checkpoint, save_hf_checkpoint
+from ..decode_metric import decode_metric, no_verify_cycle_reason
+from ..parallel import ProcessGroups, distributed_ready, megatron_ready
 from .arguments import EMBEDDED_SYNTHETIC_HELDOUT_SEED, EMBEDDED_SYNTHETIC_TRAIN_SEED, ArgumentError, parse_args
 from .job import Job, prepare_job
 
@@ -60,13 +63,16 @@ class DistContext:
     owns_process_group: bool
     owns_model_parallel: bool
     tmpdir: Optional[tempfile.TemporaryDirectory] = None
+    # The job's process groups, built once here and handed down to the target, the step, the optimizer and
+    # the checkpoints (nothing below reads megatron's global parallel_state).
+    groups: ProcessGroups = field(default_factory=ProcessGroups.single)
 
     def close(self) -> None:
-        from megatron.core import parallel_state
-
         from ..parallel import destroy_model_parallel
 
-        if self.owns_model_parallel and parallel_state.model_parallel_is_initialized():
+        # Drop the references first: a gloo group's threads end only when its last reference goes.
+        self.groups = ProcessGroups.single()
+        if self.owns_model_parallel and megatron_ready():
             destroy_model_parallel()
         if self.owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
@@ -85,8 +91,6 @@ def initialize_distributed(job: Job, env=None) -> DistContext:
 
     Backend: nccl with CUDA, gloo without.
     """
-    from megatron.core import parallel_state
-
     from ..parallel import destroy_model_parallel, initialize_model_parallel
 
     env = os.environ if env is None else env
@@ -123,14 +127,13 @@ def initialize_distributed(job: Job, env=None) -> DistContext:
     tp, pp = job.tp, job.pp
     ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size
     owns_mp = False
-    if parallel_state.model_parallel_is_initialized():
-        same = (parallel_state.get_tensor_model_parallel_world_size() == tp
-                and parallel_state.get_pipeline_model_parallel_world_size() == pp
-                and parallel_state.get_expert_model_parallel_world_size() == ep
-                and parallel_state.get_expert_tensor_parallel_world_size() == (tp if etp is None else etp))
+    if megatron_ready():
+        current = ProcessGroups.from_megatron()
+        same = (current.tp_size == tp and current.pp_size == pp and current.ep_size == ep
+                and current.etp_size == (tp if etp is None else etp))
         if not same:
             destroy_model_parallel()
-    if not parallel_state.model_parallel_is_initialized():
+    if not megatron_ready():
         initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                   expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
         owns_mp = True
@@ -139,7 +142,8 @@ def initialize_distributed(job: Job, env=None) -> DistContext:
 
         model_parallel_cuda_manual_seed(args.seed)
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
-    return DistContext(dist.get_rank(), world, local_rank, device, owns_pg, owns_mp, tmpdir)
+    return DistContext(dist.get_rank(), world, local_rank, device, owns_pg, owns_mp, tmpdir,
+                       groups=ProcessGroups.from_megatron())
 
 
 # ------------------------------------------------------------------------------------------ target
@@ -154,9 +158,10 @@ class _Target:
     `__call__` is then collective over the pipeline and returns None off the draft's stage.
     """
 
-    def __init__(self, job: Job, device: torch.device, dtype: torch.dtype):
+    def __init__(self, job: Job, device: torch.device, dtype: torch.dtype, groups: ProcessGroups):
         from ..target import HFTarget, MegatronTarget
 
+        self.groups = groups
         self.backend = job.args.target_backend
         self.device = device
         self.pack = job.args.pack_sequences
@@ -169,7 +174,7 @@ class _Target:
             self.module = HFTarget.from_config(self.hf_model, job.draft_config)
         else:
             self.module = MegatronTarget.from_pretrained(job.target_dir, config=job.draft_config, params_dtype=dtype,
-                                                         sequence_parallel=job.args.sequence_parallel)
+                                                         sequence_parallel=job.args.sequence_parallel, groups=groups)
             if device.type == "cuda":
                 self.module.cuda()
         self.dtype = dtype
@@ -177,8 +182,9 @@ class _Target:
             from ..pipeline import copy_frozen_target_heads, resolve_draft_stage
 
             self.placement = resolve_draft_stage(job.args.dflash_pipeline_stage, job.pp)
-            self.embedding, self.head = copy_frozen_target_heads(self.module, self.placement)  # every rank
-            self.is_draft = self.placement.holds_draft()
+            self.embedding, self.head = copy_frozen_target_heads(self.module, self.placement,  # every rank
+                                                                 groups=groups)
+            self.is_draft = self.placement.holds_draft(groups.pp_rank)
             return
         self.embedding = self.module.embedding
         self.head = self.module.output_head
@@ -208,7 +214,7 @@ class _Target:
             from ..pipeline import run_target_pipeline
 
             out = run_target_pipeline(self.module, batch, draft_stage=self.placement, attention_mask=mask,
-                                      need_final_hidden=self.need_final_hidden)
+                                      need_final_hidden=self.need_final_hidden, groups=self.groups)
             return None if out is None else (out.taps, out.final_hidden)
         out = self.module(tokens, attention_mask=mask, position_ids=positions, need_final_hidden=self.need_final_hidden)
         from ..target import concat_taps
@@ -330,8 +336,9 @@ class StepStatistics:
 
 
 class _StepRunner:
-    def __init__(self, job: Job, body, model, target: _Target, device):
+    def __init__(self, job: Job, body, model, target: _Target, device, groups: ProcessGroups):
         self.job, self.body, self.model, self.target, self.device = job, body, model, target, device
+        self.groups = groups
         self.args = job.args
         self.config = job.draft_config
         self._verified_step: Optional[int] = None  # last step whose plan the TP group compared
@@ -357,7 +364,7 @@ class _StepRunner:
             from .errors import DataError
 
             try:
-                verify_plan_agreement(plan, extra={"tokens": batch["tokens"]})
+                verify_plan_agreement(plan, self.groups.tp, extra={"tokens": batch["tokens"]})
             except PlanDisagreementError as err:  # raised on every rank of the group alike
                 raise DataError(f"{err} The tensor-parallel ranks read different data: the data files must be "
                                 "identical on every node.") from err
@@ -398,16 +405,13 @@ class _StepRunner:
         contributes: every rank, rank 0 included, gets the real numbers, on the host. One all-reduce per
         group for the counts and the metrics together. `scalars` (learning rate, grad norm: known on the
         draft's stage only) come back from the draft's stage as they are."""
-        from megatron.core import parallel_state
-
         counts, metrics = stats.counts, stats.metrics
-        dp_group = parallel_state.get_data_parallel_group() if dist.is_initialized() else None
-        if metrics is not None and dp_group is not None and parallel_state.get_data_parallel_world_size() > 1:
-            counts, metrics = all_reduce_together([counts, metrics], dp_group)
+        if metrics is not None and self.groups.dp_size > 1:
+            counts, metrics = all_reduce_together([counts, metrics], self.groups.dp)
         scalars = dict(scalars or {})
         if self.target.placement is not None:
-            group = parallel_state.get_pipeline_model_parallel_group()
-            src = dist.get_global_rank(group, self.target.placement.draft_stage)
+            group = self.groups.pp
+            src = self.groups.pp_peer(self.target.placement.draft_stage)
             meta = [type(metrics), scalars] if self.target.is_draft else [None, None]
             dist.broadcast_object_list(meta, src=src, group=group)
             kind, scalars = meta
@@ -457,7 +461,7 @@ class _RankData:
         from .errors import DataError
 
         messages = [self.error]
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        if distributed_ready() and dist.get_world_size() > 1:
             messages = [None] * dist.get_world_size()
             dist.all_gather_object(messages, self.error)
         raise DataError(next(m for m in messages if m is not None))
@@ -471,14 +475,12 @@ def validation_loss(runner: _StepRunner, dataset, job: Job) -> dict:
 
     The plans use a fixed step (0) and a derived seed, so every evaluation sees the same blocks.
     """
-    from megatron.core import parallel_state
-
     from ..data import Collator, MicroBatchIterator
 
     args = job.args
     collate = Collator(job.pad_token_id, args.seq_length, args.pack_sequences)
     it = MicroBatchIterator(dataset, micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
-                            dp_rank=parallel_state.get_data_parallel_rank(), dp_size=job.dp, seed=args.seed + 1,
+                            dp_rank=runner.groups.dp_rank, dp_size=job.dp, seed=args.seed + 1,
                             start_step=0, collate_fn=collate)
     reader = _RankData(it, collate, job.pad_token_id, args.micro_batch_size)
     acc = None
@@ -501,7 +503,7 @@ def acceptance_length(target_model, draft, prompts: list, job: Job, batch_size: 
     """Greedy speculative decoding of `prompts`: mean committed tokens per target forward."""
     from ..generate import spec_generate
 
-    lengths, generated, forwards = [], 0, 0
+    lengths, generated = [], []
     was_training = draft.training
     draft.eval()
     try:
@@ -511,21 +513,19 @@ def acceptance_length(target_model, draft, prompts: list, job: Job, batch_size: 
                                 stop_token_ids=None if job.args.dflash_eval_ignore_eos else (job.stop_token_ids or None),
                                 pad_token_id=job.pad_token_id,
                                 attention_backend="chunked")
-            lengths += [a for row in out.acceptance_lengths for a in row]
-            generated += int(out.num_generated.sum())
-            # per row: one prefill forward (its first token) plus one verify forward per cycle
-            forwards += sum(len(row) for row in out.acceptance_lengths) + int((out.num_generated > 0).sum())
+            lengths += [list(row) for row in out.acceptance_lengths]
+            generated += [int(n) for n in out.num_generated]
     finally:
         draft.train(was_training)
-    mean = sum(lengths) / len(lengths) if lengths else float("nan")
-    result = {"acceptance_length": mean, "cycles": len(lengths), "generated_tokens": generated,
-              "tokens_per_target_forward": generated / max(1, forwards), "prompts": len(prompts)}
-    if not lengths:
+    metric = decode_metric(lengths, generated)  # the tool's definition (tools/evaluate_acceptance.py)
+    result = {"acceptance_length": metric["acceptance_length"] if metric["cycles"] else float("nan"),
+              "cycles": metric["cycles"], "generated_tokens": metric["generated_tokens"],
+              "tokens_per_target_forward": metric["tokens_per_target_forward"] or 0.0, "prompts": len(prompts)}
+    if not metric["cycles"]:
         # Each prompt's first token comes from the prefill; a cycle needs a second one to draft for.
-        result["no_cycle_reason"] = (
-            f"no verify cycle ran: every prompt ended at the target's first generated token "
-            f"({generated} tokens for {len(prompts)} prompts: a stop token, or prompts the target cannot "
-            "continue); use prompts the target knows, or --dflash-eval-ignore-eos")
+        result["no_cycle_reason"] = no_verify_cycle_reason(
+            f"{metric['generated_tokens']} tokens for {len(prompts)} prompts: a stop token, or prompts the target "
+            "cannot continue", "use prompts the target knows, or --dflash-eval-ignore-eos")
     return result
 
 
@@ -642,8 +642,6 @@ def train(job: Job, *, hooks: Optional[dict] = None, env=None) -> TrainResult:
 
 
 def _train(job: Job, *, hooks: Optional[dict], env) -> TrainResult:
-    from megatron.core import parallel_state
-
     from ..body import default_parallel_config
     from ..data import Collator, MicroBatchIterator
     from ..parallel import SingleRankGroup
@@ -681,7 +679,7 @@ def _train(job: Job, *, hooks: Optional[dict], env) -> TrainResult:
         _check_data(job, train_ds, collate, log=lambda t: _log(rank, t))
 
         # ---- models
-        target = _Target(job, ctx.device, dtype)
+        target = _Target(job, ctx.device, dtype, ctx.groups)
         # PP > 1: the draft (body, optimizer) lives on one stage only; the other stages run the target.
         is_draft = target.is_draft
         if target.placement is not None:
@@ -701,8 +699,9 @@ def _train(job: Job, *, hooks: Optional[dict], env) -> TrainResult:
                 _log(rank, f"[dflash] initialised the draft from {job.init_from}")
             body.to(ctx.device)
             body.train()
-            engine = build_engine(body, args, cfg, use_cuda=args.use_cuda)
-        runner = _StepRunner(job, body, engine.model if engine is not None else None, target, ctx.device)
+            engine = build_engine(body, args, cfg, use_cuda=args.use_cuda, groups=ctx.groups)
+        runner = _StepRunner(job, body, engine.model if engine is not None else None, target, ctx.device,
+                             ctx.groups)
 
         # ---- resume
         start_iteration = 0
@@ -732,7 +731,7 @@ def _train(job: Job, *, hooks: Optional[dict], env) -> TrainResult:
         # ---- data
         data_iter = MicroBatchIterator(
             train_ds, micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
-            dp_rank=parallel_state.get_data_parallel_rank(), dp_size=job.dp, seed=args.seed,
+            dp_rank=ctx.groups.dp_rank, dp_size=job.dp, seed=args.seed,
             start_step=start_iteration, collate_fn=collate,
         )
         train_data = _RankData(data_iter, collate, job.pad_token_id, args.micro_batch_size)
@@ -765,7 +764,8 @@ def _train(job: Job, *, hooks: Optional[dict], env) -> TrainResult:
                 "data": {"format": args.data_format, "seed": args.seed, "next_step": iteration},
             }
             t0 = time.time()
-            result.checkpoint_dir = save_checkpoint(args.save, iteration, body, engine, common=common, log=log)
+            result.checkpoint_dir = save_checkpoint(args.save, iteration, body, engine, common=common, log=log,
+                                                    groups=ctx.groups)
             last_saved = iteration
             log(f"[checkpoint] saved iteration {iteration} to {result.checkpoint_dir} ({time.time() - t0:.1f}s)")
 
@@ -783,7 +783,7 @@ def _train(job: Job, *, hooks: Optional[dict], env) -> TrainResult:
                 monitor.scalars(_decode_record(iteration, acc), iteration, prefix="decode")
                 run_dir.metrics({"iteration": iteration, "split": "decode", **_decode_record(iteration, acc)})
             run_dir.plot()
-            if dist.is_initialized() and ctx.world_size > 1:
+            if ctx.groups.is_distributed:
                 dist.barrier()
 
         # ---- train
@@ -895,7 +895,7 @@ def _train(job: Job, *, hooks: Optional[dict], env) -> TrainResult:
         _export(job, body)
         result.export_dir = job.export_dir
         _log(rank, f"[export] HF draft written to {job.export_dir}")
-        if dist.is_initialized() and ctx.world_size > 1:
+        if ctx.groups.is_distributed:
             dist.barrier()
         if job.eval_prompts is not None and rank == 0:
             exported = load_hf_checkpoint(job.export_dir, tp_group=SingleRankGroup(),
@@ -908,7 +908,7 @@ def _train(job: Job, *, hooks: Optional[dict], env) -> TrainResult:
             run_dir.metrics({"iteration": iteration, "split": "decode", **_decode_record(iteration, final)})
         elif job.eval_prompts is None:
             _log(rank, f"[final] acceptance evaluation skipped: {job.eval_skip_reason}.")
-        if dist.is_initialized() and ctx.world_size > 1:
+        if ctx.groups.is_distributed:
             dist.barrier()
         result.wall_time_s = time.time() - t_start
         skipped = ""
