@@ -52,7 +52,6 @@ __all__ = [
     "load_sharded_state_dict_into",
 ]
 
-_local_tensors = local_tensors  # the name the conversion code imports
 
 SAFETENSORS_NAME = "model.safetensors"
 SAFETENSORS_INDEX_NAME = "model.safetensors.index.json"

@@ -41,12 +41,41 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..objectives import AdditiveMetrics, all_reduce_together
-from ..checkpoint import load_hf_checkpoint, save_hf_checkpoint
+from .. import data
+from ..body import default_parallel_config
+from ..checkpoint import load_hf_checkpoint, load_hf_state_dict_into, read_safetensors, save_hf_checkpoint
+from ..cli import is_no_space, report_failure, report_interrupt
+from ..data import attach_dflash_plan, Collator, MicroBatchIterator, PlanDisagreementError, verify_plan_agreement
 from ..decode_metric import decode_metric, no_verify_cycle_reason
-from ..parallel import ProcessGroups, distributed_ready, megatron_ready
-from .arguments import EMBEDDED_SYNTHETIC_HELDOUT_SEED, EMBEDDED_SYNTHETIC_TRAIN_SEED, ArgumentError, parse_args
+from ..families import resolve_target_family, target_architecture
+from ..generate import spec_generate
+from ..objectives import AdditiveMetrics, all_reduce_together, embed_blocks
+from ..parallel import (
+    destroy_model_parallel,
+    distributed_ready,
+    initialize_model_parallel,
+    megatron_ready,
+    ProcessGroups,
+    SingleRankGroup,
+)
+from ..pipeline import copy_frozen_target_heads, resolve_draft_stage, run_target_pipeline
+from ..target import concat_taps, HFTarget, MegatronTarget
+from ..variable_prefix import sample_prefix_lengths
+from .agreement import agree_on_job
+from .arguments import ArgumentError, EMBEDDED_SYNTHETIC_HELDOUT_SEED, EMBEDDED_SYNTHETIC_TRAIN_SEED, parse_args
+from .checkpointing import load_checkpoint, raise_alike_after_write, save_checkpoint
+from .data_checks import check_indexed_token_range, check_something_to_learn
+from .device_shim import megatron_target_on_cpu
+from .errors import DataError, DivergenceError, RunError
 from .job import Job, prepare_job
+from .monitor import DECODE_ACCEPTANCE, DECODE_TOKENS_PER_FORWARD, format_metrics, labelled, Monitor
+from .optim import build_engine, optimizer_layout
+from .outputs import check_export_directory, export_marker, run_name
+from .resume import agree_on_resume_point
+from .rundir import ConsoleLog, RunWriter
+from .savelock import lock_save_directory
+from .signals import STOPPED_EXIT_STATUS, StopSignals
+
 
 __all__ = ["TrainResult", "DistContext", "initialize_distributed", "train", "run", "main"]
 
@@ -68,8 +97,6 @@ class DistContext:
     groups: ProcessGroups = field(default_factory=ProcessGroups.single)
 
     def close(self) -> None:
-        from ..parallel import destroy_model_parallel
-
         # Drop the references first: a gloo group's threads end only when its last reference goes.
         self.groups = ProcessGroups.single()
         if self.owns_model_parallel and megatron_ready():
@@ -91,7 +118,6 @@ def initialize_distributed(job: Job, env=None) -> DistContext:
 
     Backend: nccl with CUDA, gloo without.
     """
-    from ..parallel import destroy_model_parallel, initialize_model_parallel
 
     env = os.environ if env is None else env
     args = job.args
@@ -121,7 +147,6 @@ def initialize_distributed(job: Job, env=None) -> DistContext:
     if world != job.world_size:
         raise RuntimeError(f"the process group has {world} ranks but the job was validated for {job.world_size}.")
     # before megatron's groups and any other collective: every rank resolved the same job
-    from .agreement import agree_on_job
 
     agree_on_job(job)
     tp, pp = job.tp, job.pp
@@ -159,8 +184,6 @@ class _Target:
     """
 
     def __init__(self, job: Job, device: torch.device, dtype: torch.dtype, groups: ProcessGroups):
-        from ..target import HFTarget, MegatronTarget
-
         self.groups = groups
         self.backend = job.args.target_backend
         self.device = device
@@ -179,8 +202,6 @@ class _Target:
                 self.module.cuda()
         self.dtype = dtype
         if job.pp > 1:
-            from ..pipeline import copy_frozen_target_heads, resolve_draft_stage
-
             self.placement = resolve_draft_stage(job.args.dflash_pipeline_stage, job.pp)
             self.embedding, self.head = copy_frozen_target_heads(self.module, self.placement,  # every rank
                                                                  groups=groups)
@@ -211,13 +232,10 @@ class _Target:
         else:
             mask = torch.ones(S, S, dtype=torch.bool, device=tokens.device).triu(1)[None, None]
         if self.placement is not None:
-            from ..pipeline import run_target_pipeline
-
             out = run_target_pipeline(self.module, batch, draft_stage=self.placement, attention_mask=mask,
                                       need_final_hidden=self.need_final_hidden, groups=self.groups)
             return None if out is None else (out.taps, out.final_hidden)
         out = self.module(tokens, attention_mask=mask, position_ids=positions, need_final_hidden=self.need_final_hidden)
-        from ..target import concat_taps
 
         return concat_taps(out.taps, self.module.target_layer_ids), out.final_hidden
 
@@ -232,7 +250,6 @@ def _packed_allowed(document_ids: torch.Tensor) -> torch.Tensor:
 
 def _load_hf_model(job: Job, dtype: torch.dtype):
     """The target causal LM in one process, loaded as its family says (`families.TargetFamily.loader`)."""
-    from ..families import resolve_target_family, target_architecture
 
     family = job.target_family or resolve_target_family(job.target_config)
     model = family.loader(target_architecture(job.target_config))(job.target_dir, dtype)
@@ -245,8 +262,6 @@ def _load_hf_model(job: Job, dtype: torch.dtype):
 
 def build_datasets(job: Job):
     """(train, valid or None) map-style datasets of `data.py`."""
-    from .. import data
-    from .errors import DataError
 
     args, tok = job.args, job.tokenizer
     fmt = args.data_format
@@ -277,7 +292,6 @@ def build_datasets(job: Job):
 def _check_data(job: Job, train_ds, collate, log=print) -> None:
     """Token ids of pre-tokenised data inside the target's vocabulary; something to learn in the training data
     (JSONL and synthetic data come from a tokenizer that `prepare_job` checked against the vocabulary)."""
-    from .data_checks import check_indexed_token_range, check_something_to_learn
 
     args = job.args
     if args.data_format == "indexed":
@@ -345,8 +359,6 @@ class _StepRunner:
 
     def micro_batch(self, batch: dict, step: int, seed: int, backward: bool) -> StepStatistics:
         """Forward (+ backward) of one micro-batch; returns its additive statistics."""
-        from ..data import attach_dflash_plan
-        from ..objectives import embed_blocks
 
         args, cfg = self.args, self.config
         batch = {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
@@ -360,8 +372,6 @@ class _StepRunner:
                 self._verified_step is None or step % args.log_interval == 0):
             # The TP ranks of a group must hold the same batch and plan (they build them independently): checked
             # on the first step and then once per logging interval (one small all-reduce over the TP group).
-            from ..data import PlanDisagreementError, verify_plan_agreement
-            from .errors import DataError
 
             try:
                 verify_plan_agreement(plan, self.groups.tp, extra={"tokens": batch["tokens"]})
@@ -371,8 +381,6 @@ class _StepRunner:
             self._verified_step = step
         prefix = None
         if args.dflash_variable_prefix is not None:
-            from ..variable_prefix import sample_prefix_lengths
-
             prefix = sample_prefix_lengths(plan, seed=seed, optimizer_step=step, base=args.dflash_variable_prefix,
                                            sample_ids=batch["sample_ids"])
         from_target = self.target(batch)  # collective over the pipeline when PP > 1
@@ -458,7 +466,6 @@ class _RankData:
         (the reduced count says so on every rank; the messages are gathered on this failure path only)."""
         if float(totals.counts.unreadable_micro_batches) <= 0:
             return
-        from .errors import DataError
 
         messages = [self.error]
         if distributed_ready() and dist.get_world_size() > 1:
@@ -475,7 +482,6 @@ def validation_loss(runner: _StepRunner, dataset, job: Job) -> dict:
 
     The plans use a fixed step (0) and a derived seed, so every evaluation sees the same blocks.
     """
-    from ..data import Collator, MicroBatchIterator
 
     args = job.args
     collate = Collator(job.pad_token_id, args.seq_length, args.pack_sequences)
@@ -501,7 +507,6 @@ def validation_loss(runner: _StepRunner, dataset, job: Job) -> dict:
 @torch.no_grad()
 def acceptance_length(target_model, draft, prompts: list, job: Job, batch_size: int = 8) -> dict:
     """Greedy speculative decoding of `prompts`: mean committed tokens per target forward."""
-    from ..generate import spec_generate
 
     lengths, generated = [], []
     was_training = draft.training
@@ -530,8 +535,6 @@ def acceptance_length(target_model, draft, prompts: list, job: Job, batch_size: 
 
 
 def _acceptance_line(result: dict) -> str:
-    from .monitor import DECODE_ACCEPTANCE, DECODE_TOKENS_PER_FORWARD
-
     if not result["cycles"]:
         return f"{DECODE_ACCEPTANCE} n/a over {result['prompts']} held-out prompts: {result['no_cycle_reason']}"
     return (f"{DECODE_ACCEPTANCE} {result['acceptance_length']:.3f} (autoregressive baseline 1.0) over "
@@ -541,7 +544,6 @@ def _acceptance_line(result: dict) -> str:
 
 def _decode_record(iteration: int, result: dict) -> dict:
     """The metrics.jsonl / TensorBoard values of one speculative-decoding evaluation."""
-    from .monitor import DECODE_ACCEPTANCE, DECODE_TOKENS_PER_FORWARD
 
     return {DECODE_ACCEPTANCE: result["acceptance_length"] if result["cycles"] else None,
             DECODE_TOKENS_PER_FORWARD: result["tokens_per_target_forward"], "verify cycles": result["cycles"],
@@ -578,8 +580,6 @@ def _export(job: Job, body) -> None:
     the verdict (one all-reduce) before any rank writes. Then the draft's stage writes it, with the marker
     that records the run inside (published in the same rename as the weights); every rank learns whether
     that worked (a full file system: the same `NoSpaceError` on every rank)."""
-    from .checkpointing import raise_alike_after_write
-    from .outputs import check_export_directory, export_marker, run_name
 
     error: Optional[BaseException] = None
     try:
@@ -634,26 +634,12 @@ def train(job: Job, *, hooks: Optional[dict] = None, env=None) -> TrainResult:
 
     A megatron target without CUDA runs under `device_shim.megatron_target_on_cpu()` (gloo CPU ranks)."""
     if job.args.target_backend == "megatron" and not job.args.use_cuda:
-        from .device_shim import megatron_target_on_cpu
-
         with megatron_target_on_cpu():
             return _train(job, hooks=hooks, env=env)
     return _train(job, hooks=hooks, env=env)
 
 
 def _train(job: Job, *, hooks: Optional[dict], env) -> TrainResult:
-    from ..body import default_parallel_config
-    from ..data import Collator, MicroBatchIterator
-    from ..parallel import SingleRankGroup
-    from .checkpointing import load_checkpoint, save_checkpoint
-    from .errors import DivergenceError
-    from .monitor import Monitor, format_metrics, labelled
-    from .optim import build_engine, optimizer_layout
-    from .resume import agree_on_resume_point
-    from .rundir import RunWriter
-    from .savelock import lock_save_directory
-    from .signals import StopSignals
-
     hooks = hooks or {}
     args = job.args
     t_start = time.time()
@@ -690,8 +676,6 @@ def _train(job: Job, *, hooks: Optional[dict], env) -> TrainResult:
             parallel_config = default_parallel_config(params_dtype=dtype, bf16=args.bf16)
             body = job.variant.build_body(cfg, parallel_config, attention_backend=args.dflash_attention_backend)
             if job.init_from is not None:
-                from ..checkpoint import load_hf_state_dict_into, read_safetensors
-
                 try:
                     load_hf_state_dict_into(body, read_safetensors(job.init_from))
                 except ValueError as err:  # damaged weights: the same on every rank (each reads the file)
@@ -946,10 +930,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     under a checkpoint or the export) end in one line on stderr (exit 2 for arguments, 1 otherwise) on every
     rank; bugs keep their traceback. A run stopped by SIGTERM / SIGINT during the steps ends in one line with
     `signals.STOPPED_EXIT_STATUS`, a SIGINT outside them in one line with `cli.INTERRUPTED_EXIT_STATUS`."""
-    from ..cli import is_no_space, report_failure, report_interrupt
-    from .errors import RunError
-    from .rundir import ConsoleLog
-    from .signals import STOPPED_EXIT_STATUS
 
     # rank 0 keeps the console log (the other ranks print nothing but errors)
     console = ConsoleLog.start() if os.environ.get("RANK", "0") == "0" else None
