@@ -24,6 +24,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..parallel import ProcessGroups, current_process_groups, distributed_ready, is_distributed_group
+from .device_shim import cuda_on_cpu
+from .errors import DivergenceError
 
 __all__ = ["DISTRIBUTED_OPTIMIZER_FORMAT", "Engine", "MegatronEngine", "build_engine", "build_scheduler",
            "optimizer_layout"]
@@ -159,8 +161,6 @@ class MegatronEngine(Engine):
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.transformer.transformer_config import TransformerConfig
 
-        from .device_shim import cuda_on_cpu
-
         self.groups = current_process_groups() if groups is None else groups
         self.device_context = contextlib.nullcontext if use_cuda else cuda_on_cpu
         self.device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
@@ -260,8 +260,6 @@ class MegatronEngine(Engine):
         if _group_size(group) > 1:
             dist.all_reduce(finite, op=dist.ReduceOp.MIN, group=group)
         if float(finite.item()) < 1.0:
-            from .errors import DivergenceError
-
             raise DivergenceError(
                 "non-finite gradients (NaN or Inf) after this step's micro-batches, on at least one rank; the "
                 "update is skipped and training stops: lower --lr, check the data, or drop --bf16."
@@ -272,8 +270,6 @@ class MegatronEngine(Engine):
         with self.device_context():
             ok, grad_norm, _ = self.optimizer.step()
         if not ok:
-            from .errors import DivergenceError
-
             raise DivergenceError("megatron's optimizer skipped the step (non-finite gradients); training stops: "
                                   "lower --lr, check the data, or drop --bf16.")
         self.scheduler.step(1)
