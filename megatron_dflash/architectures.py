@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional
 if TYPE_CHECKING:
     from .variants.registry import Variant
 
-__all__ = ["architecture_of", "architecture_for_config", "known_architectures", "build_body_for_checkpoint"]
+__all__ = ["architecture_of", "architecture_for_config", "known_architectures", "build_body_for_checkpoint",
+           "read_json_object", "config_from_dict", "architecture_hint"]
 
 
 def _registry():
@@ -31,7 +32,9 @@ def known_architectures() -> list[str]:
     return sorted({name for v in registry.variant_names() for name in registry.get_variant(v).hf_names})
 
 
-def _read_json(path: str) -> dict:
+def read_json_object(path: str) -> dict:
+    """The JSON object in the file `path` (a config); ValueError naming `path` when it is not valid JSON or
+    not an object."""
     try:
         with open(path) as f:
             data = json.load(f)
@@ -42,7 +45,7 @@ def _read_json(path: str) -> dict:
     return data
 
 
-def _config_from_dict(data: Mapping[str, Any], source: str):
+def config_from_dict(data: Mapping[str, Any], source: str):
     """`(Variant, config)` of a HF-layout config dict; ValueError naming `source` otherwise."""
     return _registry().config_from_hf_dict(data, source)
 
@@ -78,7 +81,7 @@ def build_body_for_checkpoint(architecture: "Variant", config, *, params_dtype=N
 
 
 
-def _architecture_hint(architecture: Optional["Variant"], unexpected: list[str]) -> Optional[str]:
+def architecture_hint(architecture: Optional["Variant"], unexpected: list[str]) -> Optional[str]:
     """When the unexpected tensors are neither an embedding/LM head nor prefixed, they likely
     belong to another variant whose file was labelled with this architecture (docs/design.md §15 Pitfalls)."""
     if architecture is None:

@@ -21,13 +21,12 @@ import os
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from .atomic import NoSpaceError, as_no_space, atomic_directory, check_destination
+from .atomic import atomic_directory, check_destination
 from .body import default_parallel_config
 from .config import DFlashConfig
-from .parallel import is_distributed_group
+from .parallel import agree_or_raise
 from .sharding import (
     check_tensor_shapes,
     data_parallel_rank,
@@ -47,12 +46,12 @@ __all__ = [
     "load_hf_state_dict_into",
     "read_safetensors",
     "safetensors_index_files",
+    "safetensors_files",
     "check_tensor_shapes",
     "sharded_state_dict",
     "load_sharded_state_dict_into",
 ]
 
-_local_tensors = local_tensors  # the name the conversion code imports
 
 SAFETENSORS_NAME = "model.safetensors"
 SAFETENSORS_INDEX_NAME = "model.safetensors.index.json"
@@ -92,19 +91,9 @@ def _write_directory(
 def _agree_on_success(error: Optional[BaseException], group, device, directory: str) -> None:
     """Barrier over `group` that also tells every rank whether the writer succeeded, so a
     failed save raises everywhere instead of leaving the other ranks waiting; a full file system
-    is the same `NoSpaceError` on every rank."""
-    if not is_distributed_group(group):
-        return
-    # 0: written, 1: the writer failed, 2: the writer found the file system full
-    code = 0 if error is None else (2 if as_no_space(error, directory) is not None else 1)
-    flag = torch.tensor([code], dtype=torch.int64, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    if flag.item() and error is None:
-        if flag.item() == 2:
-            raise NoSpaceError(os.path.abspath(directory))
-        raise RuntimeError(
-            f"saving the HF checkpoint to {directory} failed on the writing rank; see its error."
-        )
+    is the same `NoSpaceError` on every rank (`parallel.agree_or_raise`, one all-reduce)."""
+    agree_or_raise(error, group=group, device=device, path=directory,
+                   elsewhere=f"saving the HF checkpoint to {directory} failed on the writing rank; see its error.")
 
 
 def save_hf_checkpoint(
@@ -197,20 +186,32 @@ def safetensors_index_files(index: str) -> list[str]:
     return files
 
 
-def read_safetensors(directory: str) -> dict[str, torch.Tensor]:
+def safetensors_files(directory: str, missing: Optional[str] = None) -> list[str]:
+    """The safetensors files of the HF directory `directory`, drafts and targets alike: `model.safetensors`,
+    else the shards its `model.safetensors.index.json` names (`safetensors_index_files`); HF's own order.
+
+    Raises:
+        FileNotFoundError: neither exists; `missing` is the message (default: the draft's).
+        ValueError: the index names a file outside `directory`.
+    """
     single = os.path.join(directory, SAFETENSORS_NAME)
     index = os.path.join(directory, SAFETENSORS_INDEX_NAME)
     if os.path.isfile(single):
-        return _load_safetensors_file(single)
+        return [single]
     if os.path.isfile(index):  # a sharded HF save
-        out: dict[str, torch.Tensor] = {}
-        for path in safetensors_index_files(index):
-            out.update(_load_safetensors_file(path))
-        return out
-    raise FileNotFoundError(
+        return safetensors_index_files(index)
+    raise FileNotFoundError(missing or (
         f"{directory} has neither {SAFETENSORS_NAME} nor {SAFETENSORS_INDEX_NAME}: not a HF draft "
         "checkpoint in safetensors format."
-    )
+    ))
+
+
+def read_safetensors(directory: str) -> dict[str, torch.Tensor]:
+    """Every tensor of the HF draft directory `directory` (`safetensors_files`), each file checked for NaN / inf."""
+    out: dict[str, torch.Tensor] = {}
+    for path in safetensors_files(directory):
+        out.update(_load_safetensors_file(path))
+    return out
 
 
 def _load_safetensors_file(path: str) -> dict[str, torch.Tensor]:

@@ -27,11 +27,12 @@ from typing import Any, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from .architectures import _architecture_hint, _config_from_dict, _read_json, build_body_for_checkpoint
+from .architectures import architecture_hint, config_from_dict, read_json_object, build_body_for_checkpoint
 from .atomic import atomic_directory, check_destination
 from .body import default_parallel_config
-from .checkpoint import _local_tensors, hf_state_dict, load_hf_state_dict_into, read_safetensors, save_hf_checkpoint
+from .checkpoint import hf_state_dict, load_hf_state_dict_into, read_safetensors, save_hf_checkpoint
 from .config import resolve_causal
+from .sharding import local_tensors
 from .torch_dist import (
     DRAFT_CONFIG_FILENAME,
     RELEASE,
@@ -211,7 +212,7 @@ def convert_megatron_to_hf(
             written = read_safetensors(tmp)
             _compare_exact(source, written, f"the written {os.path.join(output, 'model.safetensors')}")
             with open(os.path.join(tmp, "config.json")) as f:
-                written_arch, written_config = _config_from_dict(json.load(f), "the written config.json")
+                written_arch, written_config = config_from_dict(json.load(f), "the written config.json")
             if written_arch.architecture != architecture.architecture:
                 raise ValueError(
                     f"validation failed: the written config.json says {written_arch.architecture}, expected "
@@ -220,7 +221,7 @@ def convert_megatron_to_hf(
             _compare_configs(config, written_config, "the written config.json")
             rebuilt = build_body_for_checkpoint(written_arch, written_config, params_dtype=out_dtype)
             load_hf_state_dict_into(rebuilt, written)  # the written config agrees with the weights
-    local = _local_tensors(body)
+    local = local_tensors(body)
     return ConversionResult(
         architecture=architecture.architecture,
         source=iteration_dir,
@@ -229,7 +230,7 @@ def convert_megatron_to_hf(
         num_tensors=len(local),
         num_parameters=sum(t.numel() for t in local.values()),
         validated=validate,
-        notes=serving_notes(_read_json(os.path.join(output, "config.json"))),
+        notes=serving_notes(read_json_object(os.path.join(output, "config.json"))),
     )
 
 
@@ -269,7 +270,7 @@ def convert_hf_to_megatron(
         raise FileNotFoundError(f"{config_file} does not exist: not a HF draft directory.{hint}")
     iteration = parse_iteration(iteration)
     check_destination(output, replace=force, source=load, replace_flag="force=True")
-    architecture, config = _config_from_dict(_read_json(config_file), config_file)
+    architecture, config = config_from_dict(read_json_object(config_file), config_file)
     if target_tensor_parallel_size is not None:
         config.validate_tensor_parallel(int(target_tensor_parallel_size))
     dtype = _parse_dtype(dtype)
@@ -283,7 +284,7 @@ def convert_hf_to_megatron(
             load_hf_state_dict_into(body, tensors)
         except ValueError as err:
             message = f"{load}: {err}"
-            hint = _architecture_hint(architecture, sorted(set(tensors) - set(_local_tensors(body))))
+            hint = architecture_hint(architecture, sorted(set(tensors) - set(local_tensors(body))))
             if hint:
                 message += f" Also: {hint}."
             raise ValueError(message) from None

@@ -41,6 +41,8 @@ from .embedded_job.synthetic_corpus import conversations
 from .hashing import M32 as _M32
 from .hashing import absorb, mix32
 from .plan import DFlashBatchPlan, build_dflash_batch_plan
+from .parallel import current_process_groups, distributed_ready, is_distributed_group, megatron_ready
+from .training.errors import DataError
 
 __all__ = [
     "Sample",
@@ -337,8 +339,6 @@ def _unicode_problem(text: str) -> Optional[str]:
 def check_messages(messages, where: str, roles: Sequence[str]) -> list:
     """``messages`` if it is a chat of the format (objects with a role of ``roles`` and a string ``content``),
     else a `DataError` naming ``where``, the message and what is wrong."""
-    from .training.errors import DataError
-
     if not isinstance(messages, list) or not messages:
         raise DataError(f"{where}: no messages (expected a non-empty list under 'messages').")
     for j, message in enumerate(messages):
@@ -448,8 +448,6 @@ class _JSONLDataset(torch.utils.data.Dataset, abc.ABC):
     kind = "jsonl"
 
     def __init__(self, path: str, seq_length: int, name: Optional[str] = None, log: Callable[[str], Any] = print):
-        from .training.errors import DataError
-
         self.path = os.fspath(path)
         self.seq_length = _check_seq_length(seq_length)
         self.log = log
@@ -476,8 +474,6 @@ class _JSONLDataset(torch.utils.data.Dataset, abc.ABC):
         return f"{self.path}:{lineno}"
 
     def _parse(self, raw: bytes, lineno: int) -> Any:
-        from .training.errors import DataError
-
         try:
             record = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -502,8 +498,6 @@ class _JSONLDataset(torch.utils.data.Dataset, abc.ABC):
         return len(self._offsets)
 
     def __getitem__(self, index: int) -> Sample:
-        from .training.errors import DataError
-
         n = len(self)
         if not -n <= index < n:
             raise IndexError(f"index {index} out of range for {type(self).__name__} of {n} samples")
@@ -560,8 +554,6 @@ class ChatJSONLDataset(_JSONLDataset):
         check_messages(record.get(self.messages_key), f"{self._where(lineno)} ('{self.messages_key}')", self.roles)
 
     def _sample(self, index: int, raw: bytes, record: dict, lineno: int) -> Sample:
-        from .training.errors import DataError
-
         messages = record[self.messages_key]
         kept = _cut_chat(messages, record_budget(self.seq_length))
         ids, mask = tokenize_chat(self.tokenizer, kept, assistant_mask=self.assistant_mask)
@@ -593,8 +585,6 @@ class TextJSONLDataset(_JSONLDataset):
         super().__init__(path, seq_length, name, log)
 
     def _validate(self, record: dict, lineno: int) -> None:
-        from .training.errors import DataError
-
         text = record.get(self.text_key)
         if not isinstance(text, str):
             raise DataError(f"{self._where(lineno)}: no text (expected a string under '{self.text_key}').")
@@ -603,8 +593,6 @@ class TextJSONLDataset(_JSONLDataset):
             raise DataError(f"{self._where(lineno)}: the text {problem}.")
 
     def _sample(self, index: int, raw: bytes, record: dict, lineno: int) -> Sample:
-        from .training.errors import DataError
-
         text = record[self.text_key]
         kept = _cut_text(text, record_budget(self.seq_length))
         ids = [int(t) for t in self.tokenizer(kept)["input_ids"]]
@@ -1087,13 +1075,12 @@ def verify_plan_agreement(plan: DFlashBatchPlan, group=None, *,
     import torch.distributed as dist
 
     names, local = plan_checksum(plan, extra)
-    if not dist.is_available() or not dist.is_initialized():
+    if not distributed_ready():
         return local
-    if group is None:
-        from megatron.core import parallel_state
-
-        if parallel_state.model_parallel_is_initialized():
-            group = parallel_state.get_tensor_model_parallel_group()
+    if group is None and megatron_ready():
+        group = current_process_groups().tp
+    if group is not None and not is_distributed_group(group):
+        return local
     world = dist.get_world_size(group)
     if world == 1:
         return local

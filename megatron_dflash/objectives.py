@@ -35,7 +35,7 @@ from torch import nn
 
 from .head import OutputHead
 from .head_loss import SOFT_TARGETS, check_loss_options, head_loss
-from .parallel import SingleRankGroup
+from .parallel import SingleRankGroup, distributed_ready
 from .plan import DFlashBatchPlan
 
 __all__ = [
@@ -280,7 +280,7 @@ def all_reduce_together(records, group=None) -> list:
     single rank, the records come back as they are.
     """
     records = list(records)
-    if not (dist.is_available() and dist.is_initialized()):
+    if not distributed_ready():
         return records
     if isinstance(group, SingleRankGroup) or dist.get_world_size(group) == 1:
         return records

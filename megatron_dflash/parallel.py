@@ -1,9 +1,16 @@
-"""Tensor-parallel plumbing for the draft body: which group, what is refused, agreement.
+"""Parallel state, asked for one way: the process groups of a job, what is refused, agreement.
 
-The tensor-parallel group comes from megatron's `parallel_state` when it is initialised
-and is a single-rank stand-in otherwise, so a body built in a plain Python process (a
-notebook, a HF export) is the TP=1 case of the same code. Sequence parallelism and
-context parallelism > 1 are refused: every rank of a TP group holds the whole sequence.
+`ProcessGroups` is the job's collection of process groups (world, TP, PP, DP, EP, ...) with the ranks
+and sizes the code asks for. The training job builds it once when it sets up distribution
+(`training.loop.initialize_distributed`) and hands it down; library functions that must also run
+without a job (tests, tools, a notebook) take it as an argument whose default, `current_process_groups()`,
+is the one place that reads megatron's global `parallel_state`: its groups when initialised, else the
+single-process form, so a body built in a plain Python process (a notebook, a HF export) is the TP=1
+case of the same code. `megatron_ready()` is the one "torch.distributed and megatron initialised" test.
+Sequence parallelism and context parallelism > 1 are refused: every rank of a TP group holds the whole
+sequence.
+
+`agree_or_raise` is the one "every rank agrees, or every rank raises the same error" of the package.
 
 `initialize_model_parallel` / `destroy_model_parallel` set up and tear down megatron's
 `parallel_state` so that tearing down releases the process groups setting up created.
@@ -11,11 +18,15 @@ context parallelism > 1 are refused: every rank of a TP group holds the whole se
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+
+from .atomic import NoSpaceError, as_no_space
 
 
 _SIGNATURE_SLOTS = 32
@@ -80,7 +91,7 @@ def destroy_model_parallel() -> None:
     parallel_state.destroy_model_parallel()
     groups = list(_model_parallel_groups)
     _model_parallel_groups.clear()
-    if dist.is_available() and dist.is_initialized():
+    if distributed_ready():
         _release_process_groups(groups)
 
 
@@ -98,17 +109,154 @@ class SingleRankGroup:
         return 0
 
 
+def distributed_ready() -> bool:
+    """Whether `torch.distributed` is available and its default process group initialised."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def megatron_ready() -> bool:
+    """Whether `torch.distributed` and megatron's `parallel_state` are both initialised."""
+    return distributed_ready() and parallel_state.model_parallel_is_initialized()
+
+
+@dataclass(frozen=True)
+class ProcessGroups:
+    """The process groups of a job and the ranks / sizes the code asks of them.
+
+    Every field is a `torch.distributed` process group, or `SingleRankGroup` in the single-process form
+    (`ProcessGroups.single()`), so `group.rank()` / `group.size()` always answer. Fields:
+
+        world: every rank of the job.
+        tp: the tensor-parallel group (the draft body's, the target's vocabulary shards).
+        pp: the pipeline group (same TP and DP coordinates, one rank per stage).
+        dp: the data-parallel group; `dp_cp`: data x context parallel (the data order's replicas).
+        mp: the model-parallel group (TP x PP): the ranks that must receive the same batch.
+        tp_dp: tensor x data parallel (the draft stage's ranks under pipeline parallelism).
+        ep / etp: the expert-parallel and expert-tensor-parallel groups of an MoE target.
+        cp_size: the context-parallel size (refused above 1, see `check_parallel_layout`).
+    """
+
+    world: Any
+    tp: Any
+    pp: Any
+    dp: Any
+    dp_cp: Any
+    mp: Any
+    tp_dp: Any
+    ep: Any
+    etp: Any
+    cp_size: int = 1
+
+    @classmethod
+    def single(cls, world=None) -> "ProcessGroups":
+        """The single-process form: every group is one rank. `world`: the default group when
+        `torch.distributed` is initialised without megatron (its ranks then only share the world)."""
+        one = SingleRankGroup()
+        return cls(world=world or one, tp=one, pp=one, dp=one, dp_cp=one, mp=one, tp_dp=one, ep=one, etp=one)
+
+    @classmethod
+    def from_megatron(cls) -> "ProcessGroups":
+        """The groups megatron's `parallel_state` holds now (it must be initialised: `megatron_ready()`)."""
+        return cls(
+            world=dist.group.WORLD,
+            tp=parallel_state.get_tensor_model_parallel_group(),
+            pp=parallel_state.get_pipeline_model_parallel_group(),
+            dp=parallel_state.get_data_parallel_group(),
+            dp_cp=parallel_state.get_data_parallel_group(with_context_parallel=True),
+            mp=parallel_state.get_model_parallel_group(),
+            tp_dp=parallel_state.get_tensor_and_data_parallel_group(),
+            ep=parallel_state.get_expert_model_parallel_group(),
+            etp=parallel_state.get_expert_tensor_parallel_group(),
+            cp_size=parallel_state.get_context_parallel_world_size(),
+        )
+
+    @property
+    def is_distributed(self) -> bool:
+        """Whether the job has more than one rank."""
+        return is_distributed_group(self.world)
+
+    @property
+    def rank(self) -> int:
+        """This rank's global index."""
+        return self.world.rank()
+
+    @property
+    def world_size(self) -> int:
+        return self.world.size()
+
+    @property
+    def tp_size(self) -> int:
+        return self.tp.size()
+
+    @property
+    def tp_rank(self) -> int:
+        return self.tp.rank()
+
+    @property
+    def pp_size(self) -> int:
+        return self.pp.size()
+
+    @property
+    def pp_rank(self) -> int:
+        """This rank's pipeline stage."""
+        return self.pp.rank()
+
+    @property
+    def dp_size(self) -> int:
+        return self.dp.size()
+
+    @property
+    def dp_rank(self) -> int:
+        return self.dp.rank()
+
+    @property
+    def ep_size(self) -> int:
+        return self.ep.size()
+
+    @property
+    def ep_rank(self) -> int:
+        return self.ep.rank()
+
+    @property
+    def etp_size(self) -> int:
+        return self.etp.size()
+
+    @property
+    def etp_rank(self) -> int:
+        return self.etp.rank()
+
+    def pp_peer(self, stage: int) -> int:
+        """Global rank of pipeline stage `stage` in this rank's pipeline group (same TP and DP coordinates)."""
+        return dist.get_global_rank(self.pp, stage)
+
+
+def current_process_groups() -> ProcessGroups:
+    """The documented default of every function that takes a `ProcessGroups` and must also run without a job:
+    megatron's groups when `torch.distributed` and megatron are initialised, else the single-process form.
+    The one place that reads megatron's global `parallel_state` for groups."""
+    if megatron_ready():
+        return ProcessGroups.from_megatron()
+    return ProcessGroups.single(dist.group.WORLD if distributed_ready() else None)
+
+
 def tensor_parallel_group(group=None):
-    """The TP group to use: `group` if given, megatron's if initialised, else a single rank."""
+    """The TP group to use: `group` if given, else that of `current_process_groups()`."""
     if group is not None:
         return group
-    if dist.is_available() and dist.is_initialized() and parallel_state.model_parallel_is_initialized():
-        return parallel_state.get_tensor_model_parallel_group()
-    return SingleRankGroup()
+    return current_process_groups().tp
 
 
 def is_distributed_group(group) -> bool:
+    """Whether `group` is a real process group with more than one rank (`SingleRankGroup` is not)."""
     return not isinstance(group, SingleRankGroup) and group.size() > 1
+
+
+def collective_device(group=None) -> torch.device:
+    """Where a collective over `group` (default: the world) takes its tensors: the current CUDA device
+    for nccl, the CPU otherwise."""
+    if distributed_ready() and not isinstance(group, SingleRankGroup) and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def check_parallel_layout(sequence_parallel: bool, context_parallel_size: Optional[int] = None) -> None:
@@ -119,9 +267,8 @@ def check_parallel_layout(sequence_parallel: bool, context_parallel_size: Option
             "to the whole target prefix, so each tensor-parallel rank needs the full sequence. "
             "Set sequence_parallel=False for the draft (the target may still use it)."
         )
-    if context_parallel_size is None and dist.is_available() and dist.is_initialized():
-        if parallel_state.model_parallel_is_initialized():
-            context_parallel_size = parallel_state.get_context_parallel_world_size()
+    if context_parallel_size is None:
+        context_parallel_size = current_process_groups().cp_size
     if context_parallel_size is not None and context_parallel_size > 1:
         raise ValueError(
             f"context_parallel_size={context_parallel_size} is not supported by the DFlash draft "
@@ -153,31 +300,77 @@ def gather_disagreement(local_error: Optional[str], signature: Sequence[int], gr
     return per_rank, mismatch
 
 
-def agree_or_raise(local_error: Optional[str], signature: Sequence[int], group, device) -> None:
-    """Make every rank of `group` raise the same error if any rank's input is bad.
-
-    `local_error` is this rank's own validation message (None when fine) and `signature`
-    a few integers that must be equal on all ranks (shapes). One small all-reduce decides;
-    only when something is wrong are the messages gathered, so that a single bad rank
-    turns into one identical `ValueError` everywhere instead of a hang in the next
-    collective.
-    """
-    if not is_distributed_group(group):
-        if local_error is not None:
-            raise ValueError(local_error)
-        return
-    disagreement = gather_disagreement(local_error, signature, group, device)
-    if disagreement is None:
-        return
-    messages, mismatch = disagreement
-    lines = [f"rank {r}: {err}" for r, (err, _) in enumerate(messages) if err is not None]
+def _explain_body_input(per_rank: list, mismatch: bool) -> str:
+    """The draft body's message when its tensor-parallel ranks erred or disagree (`agree_or_raise`)."""
+    lines = [f"rank {r}: {err}" for r, (err, _) in enumerate(per_rank) if err is not None]
     if mismatch:
-        shapes = ", ".join(f"rank {r}: {sig_r}" for r, (_, sig_r) in enumerate(messages))
+        shapes = ", ".join(f"rank {r}: {sig_r}" for r, (_, sig_r) in enumerate(per_rank))
         lines.append(f"ranks of the tensor-parallel group disagree on input shapes ({shapes})")
-    raise ValueError(
-        "DFlash body input rejected on every tensor-parallel rank: " + "; ".join(lines)
-        + ". Every TP rank must receive the same batch."
-    )
+    return ("DFlash body input rejected on every tensor-parallel rank: " + "; ".join(lines)
+            + ". Every TP rank must receive the same batch.")
+
+
+# failure codes of `agree_or_raise`'s exception form, reduced with MAX over the group
+_AGREED, _FAILED, _NO_SPACE = 0, 1, 2
+
+
+def agree_or_raise(
+    local_error: Union[None, str, BaseException],
+    signature: Sequence[int] = (),
+    group=None,
+    device=None,
+    *,
+    explain: Callable[[list, bool], str] = _explain_body_input,
+    alone: Callable[[str], str] = str,
+    error_type: type = ValueError,
+    elsewhere: Union[None, str, BaseException] = None,
+    path: Optional[str] = None,
+    note: Optional[str] = None,
+) -> None:
+    """Return on every rank of `group` when no rank failed (and, for messages, all signatures agree); else
+    raise the same error on every rank, instead of leaving some ranks waiting in the next collective.
+
+    Collective over `group` (default: the world; a `SingleRankGroup` or one rank: local, no collective).
+    `device`: where the collective's tensors live (default `collective_device(group)`). Two forms:
+
+    * Messages (`local_error` a str or None; `elsewhere` None): `signature`, a few integers that must be
+      equal on all ranks (shapes). One small all-reduce decides; only on failure are every rank's
+      `(message, signature)` gathered and `error_type(explain(per_rank, mismatch))` raised everywhere
+      (`per_rank[r] = (message or None, signature)`). Alone, the local message is `error_type(alone(msg))`.
+    * Exceptions (`elsewhere` given: what ranks that did not fail raise, a message for `RuntimeError` or an
+      exception): one all-reduce of a failure code. With `path` (a write every rank took part in): a full
+      file system on any rank is `NoSpaceError(path, note)` on every rank (`atomic.as_no_space`); otherwise
+      the ranks that failed raise their own `local_error`, the others `elsewhere`.
+    """
+    group = dist.group.WORLD if group is None and distributed_ready() else group
+    if elsewhere is not None:
+        _agree_on_exception(local_error, group, device, elsewhere, path, note)
+        return
+    if group is None or not is_distributed_group(group):
+        if local_error is not None:
+            raise error_type(alone(local_error))
+        return
+    disagreement = gather_disagreement(local_error, signature, group, device or collective_device(group))
+    if disagreement is not None:
+        raise error_type(explain(*disagreement))
+
+
+def _agree_on_exception(local_error, group, device, elsewhere, path, note) -> None:
+    """`agree_or_raise`'s exception form (see there)."""
+    code = _AGREED
+    if local_error is not None:
+        code = _NO_SPACE if path is not None and as_no_space(local_error, path) is not None else _FAILED
+    if group is not None and is_distributed_group(group):
+        flag = torch.tensor([code], dtype=torch.int64, device=device or collective_device(group))
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        code = int(flag.item())
+    if code == _AGREED:
+        return
+    if code == _NO_SPACE:
+        raise NoSpaceError(os.path.abspath(path), note) from local_error
+    if local_error is not None:
+        raise local_error
+    raise RuntimeError(elsewhere) if isinstance(elsewhere, str) else elsewhere
 
 
 class _ReduceGradOverGroup(torch.autograd.Function):

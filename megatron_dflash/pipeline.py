@@ -54,8 +54,8 @@ import torch.distributed as dist
 from torch import nn
 
 from .head import OutputHead
-from .parallel import gather_disagreement
-from .target import MegatronTarget, concat_taps
+from .parallel import ProcessGroups, agree_or_raise, current_process_groups, megatron_ready
+from .target import MegatronTarget, concat_taps, context_parallel_refusal
 from .target_masks import causal_mask
 
 __all__ = [
@@ -111,9 +111,9 @@ class DraftStagePlacement:
         return self.draft_stage == 0
 
     def holds_draft(self, pp_rank: Optional[int] = None) -> bool:
-        """Whether stage ``pp_rank`` (default: this rank's, from megatron's ``parallel_state``) holds the draft."""
+        """Whether stage ``pp_rank`` (default: this rank's, `parallel.current_process_groups()`) holds the draft."""
         if pp_rank is None:
-            pp_rank = _pp_rank_and_size()[0]
+            pp_rank = current_process_groups().pp_rank
         return pp_rank == self.draft_stage
 
 
@@ -145,14 +145,6 @@ def resolve_draft_stage(arg: Union[int, DraftStagePlacement], pp_size: int) -> D
 # --------------------------------------------------------------------------------------------------
 # Layout helpers (local, no collective)
 # --------------------------------------------------------------------------------------------------
-
-
-def _pp_rank_and_size() -> tuple[int, int]:
-    from megatron.core import parallel_state
-
-    if not (dist.is_available() and dist.is_initialized() and parallel_state.model_parallel_is_initialized()):
-        return 0, 1
-    return parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_world_size()
 
 
 def stage_layer_ranges(config, pp_size: int) -> list[range]:
@@ -200,8 +192,6 @@ def _check_target(target) -> None:
             f"the pipeline needs a MegatronTarget (one stage of a megatron GPTModel), got {type(target).__name__}; "
             "an HFTarget runs in one process (PP=1) and needs no routing."
         )
-    from .target import context_parallel_refusal
-
     refusal = context_parallel_refusal(target.model.config)
     if refusal:
         raise ValueError(refusal)
@@ -215,26 +205,41 @@ class _Layout:
     placement: DraftStagePlacement
     ranges: list
     hidden: int
+    groups: ProcessGroups
 
     def owned(self, stage: int, ids: Sequence[int]) -> list[int]:
         """The tapped layers of ``stage``, ascending: the order of its tap message."""
         return sorted(i for i in ids if i in self.ranges[stage])
 
+    def send(self, tensor: torch.Tensor, stage: int) -> None:
+        """Send ``tensor`` to the rank of pipeline stage ``stage`` with this rank's TP and DP coordinates."""
+        dist.send(tensor.contiguous(), dst=self.groups.pp_peer(stage), group=self.groups.pp)
 
-def _layout(target: MegatronTarget, draft_stage) -> _Layout:
+    def recv(self, shape, dtype, device, stage: int) -> torch.Tensor:
+        """A ``shape`` tensor received from the rank of pipeline stage ``stage`` (see `send`)."""
+        buffer = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(buffer, src=self.groups.pp_peer(stage), group=self.groups.pp)
+        return buffer
+
+
+def _job_groups(groups: Optional[ProcessGroups]) -> Optional[ProcessGroups]:
+    """The process groups of a pipeline call: ``groups`` when handed down, else megatron's when initialised
+    (`parallel.current_process_groups()`), else None (`_layout` then refuses)."""
+    if groups is not None:
+        return groups
+    return current_process_groups() if megatron_ready() else None
+
+
+def _layout(target: MegatronTarget, draft_stage, groups: Optional[ProcessGroups]) -> _Layout:
     """Everything both entry points need, checked locally (raises ValueError; no collective)."""
-    from megatron.core import parallel_state
-
     _check_target(target)
-    if not (dist.is_available() and dist.is_initialized() and parallel_state.model_parallel_is_initialized()):
+    if groups is None:
         raise ValueError(
             "the target pipeline needs torch.distributed and megatron's parallel_state initialised "
             "(initialize_model_parallel with the pipeline size)."
         )
     config = target.model.config
-    stage = parallel_state.get_pipeline_model_parallel_rank()
-    pp = parallel_state.get_pipeline_model_parallel_world_size()
-    tp = parallel_state.get_tensor_model_parallel_world_size()
+    stage, pp, tp = groups.pp_rank, groups.pp_size, groups.tp_size
     if int(config.pipeline_model_parallel_size) != pp:
         raise ValueError(
             f"the target was built for pipeline_model_parallel_size={config.pipeline_model_parallel_size} but "
@@ -253,7 +258,7 @@ def _layout(target: MegatronTarget, draft_stage) -> _Layout:
             f"post_process={target.post_process}; the first stage must embed and the last must hold the "
             "output layer (build with the defaults)."
         )
-    return _Layout(stage, pp, tp, placement, ranges, int(config.hidden_size))
+    return _Layout(stage, pp, tp, placement, ranges, int(config.hidden_size), groups)
 
 
 def _ids_hash(ids: Sequence[int]) -> int:
@@ -263,28 +268,22 @@ def _ids_hash(ids: Sequence[int]) -> int:
     return h
 
 
-def _agree(local_error: Optional[str], signature: Sequence[int], what: str, device) -> None:
-    """Raise the same ValueError on every rank of the model-parallel group if any rank erred or disagrees.
+def _agree(local_error: Optional[str], signature: Sequence[int], what: str, device,
+           groups: Optional[ProcessGroups]) -> None:
+    """Raise the same ValueError on every rank of the model-parallel group if any rank erred or disagrees
+    (`parallel.agree_or_raise`: one all-reduce of ``[error flag, signature, -signature]``; only on failure are
+    the messages gathered). Without process groups or on one rank, just the local error."""
+    agree_or_raise(local_error, signature, (groups or ProcessGroups.single()).mp, device,
+                   explain=lambda per_rank, mismatch: _explain_disagreement(what, per_rank, mismatch),
+                   alone=lambda error: f"{what}: {error}")
 
-    One all-reduce (MAX of ``[error flag, signature, -signature]``); only on failure are the messages gathered.
-    Without an initialised model-parallel group, just raise the local error.
-    """
-    from megatron.core import parallel_state
 
-    ready = dist.is_available() and dist.is_initialized() and parallel_state.model_parallel_is_initialized()
-    group = parallel_state.get_model_parallel_group() if ready else None
-    if group is None or dist.get_world_size(group) == 1:
-        if local_error is not None:
-            raise ValueError(f"{what}: {local_error}")
-        return
-    disagreement = gather_disagreement(local_error, signature, group, device)
-    if disagreement is None:
-        return
-    gathered, mismatch = disagreement
+def _explain_disagreement(what: str, gathered: list, mismatch: bool) -> str:
+    """The message of `_agree` when some rank of the model-parallel group erred or the ranks disagree."""
     errors = [(r, err) for r, (err, _) in enumerate(gathered) if err is not None]
     if errors and len({err for _, err in errors}) == 1 and not mismatch:
         ranks = "every rank" if len(errors) == len(gathered) else "rank(s) " + ", ".join(str(r) for r, _ in errors)
-        raise ValueError(f"{what}: {errors[0][1].rstrip('.')} (raised on {ranks} of the model-parallel group).")
+        return f"{what}: {errors[0][1].rstrip('.')} (raised on {ranks} of the model-parallel group)."
     lines = [f"rank {r}: {err}" for r, err in errors]
     if mismatch:
         lines.append(
@@ -293,28 +292,7 @@ def _agree(local_error: Optional[str], signature: Sequence[int], what: str, devi
             + ", ".join(f"rank {r}: {s}" for r, (_, s) in enumerate(gathered))
             + "; every rank must pass the same --dflash-pipeline-stage and the same batch"
         )
-    raise ValueError(f"{what}: " + "; ".join(lines) + ".")
-
-
-def _peer(stage: int):
-    """Global rank of ``stage`` in this rank's pipeline group (same TP and DP coordinates)."""
-    from megatron.core import parallel_state
-
-    return dist.get_global_rank(parallel_state.get_pipeline_model_parallel_group(), stage)
-
-
-def _send(tensor: torch.Tensor, stage: int) -> None:
-    from megatron.core import parallel_state
-
-    dist.send(tensor.contiguous(), dst=_peer(stage), group=parallel_state.get_pipeline_model_parallel_group())
-
-
-def _recv(shape, dtype, device, stage: int) -> torch.Tensor:
-    from megatron.core import parallel_state
-
-    buffer = torch.empty(shape, dtype=dtype, device=device)
-    dist.recv(buffer, src=_peer(stage), group=parallel_state.get_pipeline_model_parallel_group())
-    return buffer
+    return f"{what}: " + "; ".join(lines) + "."
 
 
 # --------------------------------------------------------------------------------------------------
@@ -362,6 +340,7 @@ def run_target_pipeline(
     attention_mask: Optional[torch.Tensor] = None,
     need_final_hidden: bool = False,
     verify: bool = True,
+    groups: Optional[ProcessGroups] = None,
 ) -> Optional[TargetOnDraftStage]:
     """Run the frozen target through every pipeline stage and deliver its taps to the draft's stage.
 
@@ -382,88 +361,120 @@ def run_target_pipeline(
             last stage (one more ``[B, S, H]`` message from the last stage; soft-target losses need it).
         verify: run the agreement all-reduce (every rank raises the same error on bad or disagreeing inputs).
             Costs one tiny all-reduce and a host sync per call.
+        groups: the job's process groups (`parallel.ProcessGroups`, handed down by the training loop);
+            default `parallel.current_process_groups()`, megatron's, which must then be initialised.
 
     Returns:
         On the draft's stage a `TargetOnDraftStage`; None on every other stage.
     """
     what = "run_target_pipeline"
     device = _device(target)
+    groups = _job_groups(groups)
     error, layout, ids, tokens, positions = None, None, [], None, None
     try:
-        layout = _layout(target, draft_stage)
-        ids = list(target.target_layer_ids if target_layer_ids is None else target_layer_ids)
-        unknown = [i for i in ids if i not in target.target_layer_ids]
-        if not ids or len(set(ids)) != len(ids) or unknown:
-            raise ValueError(
-                f"target_layer_ids={ids} must be a non-empty list of distinct layers among the target's tapped "
-                f"layers {target.target_layer_ids}" + (f" ({unknown} are not hooked)" if unknown else "") + "."
-            )
+        layout = _layout(target, draft_stage, groups)
+        ids = _checked_layer_ids(target, target_layer_ids)
         tokens, positions = _batch_tensors(batch)
-        if target.sequence_parallel and tokens.shape[1] % layout.tp_size:
-            raise ValueError(
-                f"with sequence parallelism the sequence length ({tokens.shape[1]}) must be a multiple of "
-                f"tensor_model_parallel_size={layout.tp_size}."
-            )
-        if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
-            raise ValueError(f"attention_mask must be a tensor or None, got {type(attention_mask).__name__}.")
+        _check_pipeline_inputs(target, layout, tokens, attention_mask)
     except ValueError as err:
         error = str(err)
     if verify:
         B, S = (tuple(tokens.shape) if tokens is not None else (-1, -1))
-        signature = [
-            layout.pp_size if layout else -1,
-            layout.tp_size if layout else -1,
-            layout.placement.draft_stage if layout else -1,
-            B,
-            S,
-            layout.hidden if layout else -1,
-            int(bool(need_final_hidden)),
-            len(ids),
-            _ids_hash(ids),
-        ]
-        _agree(error, signature, what, device)
+        signature = _layout_signature(layout) + [B, S, layout.hidden if layout else -1, int(bool(need_final_hidden)),
+                                                 len(ids), _ids_hash(ids)]
+        _agree(error, signature, what, device, groups)
     elif error is not None:
         raise ValueError(f"{what}: {error}")
-
-    stage, pp, d = layout.stage, layout.pp_size, layout.placement.draft_stage
-    B, S = tokens.shape
-    H = layout.hidden
-    wire = _wire_dtype(target.model.config)
+    S = tokens.shape[1]
     if attention_mask is None and device.type != "cuda":
         attention_mask = causal_mask(S, device)
     with torch.no_grad():
-        # 1-3: the activation chain.
-        if stage == 0:
-            out = target(tokens.to(device), attention_mask=attention_mask, position_ids=positions)
-        else:
-            # Under sequence parallelism each TP rank passes its own [S / TP, B, H] shard along the chain.
-            shard = S // layout.tp_size if target.sequence_parallel else S
-            incoming = _recv((shard, B, H), wire, device, stage - 1)
-            out = target(None, attention_mask=attention_mask, position_ids=positions, input_tensor=incoming)
-        if stage < pp - 1:
-            _send(out.output_tensor.to(wire), stage + 1)
-        # 4: taps of this stage to the draft's stage.
-        mine = layout.owned(stage, ids)
-        if stage != d and mine:
-            _send(torch.cat([out.taps[i].to(wire) for i in mine], dim=-1), d)
-        if stage == pp - 1 and need_final_hidden and d != pp - 1:
-            _send(out.final_hidden.to(wire), d)
-        if stage != d:
+        out = _run_this_stage(target, layout, tokens, positions, attention_mask, device)
+        _send_to_draft_stage(layout, out, ids, need_final_hidden, _wire_dtype(target.model.config))
+        if layout.stage != layout.placement.draft_stage:
             return None
-        # 5: assemble on the draft's stage.
-        taps = {i: out.taps[i].to(wire) for i in mine}
-        for s in range(pp):
-            theirs = layout.owned(s, ids)
-            if s == d or not theirs:
-                continue
-            received = _recv((B, S, len(theirs) * H), wire, device, s)
-            taps.update(zip(theirs, received.split(H, dim=-1)))
-        final_hidden = None
-        if d == pp - 1:
-            final_hidden = out.final_hidden
-        elif need_final_hidden:
-            final_hidden = _recv((B, S, H), wire, device, pp - 1)
-        return TargetOnDraftStage(taps=concat_taps(taps, ids), final_hidden=final_hidden)
+        return _assemble_on_draft_stage(target, layout, out, ids, tuple(tokens.shape), need_final_hidden, device)
+
+
+def _layout_signature(layout: Optional[_Layout]) -> list[int]:
+    """Pipeline size, TP size and draft stage: the start of both entry points' agreement signature."""
+    if layout is None:
+        return [-1, -1, -1]
+    return [layout.pp_size, layout.tp_size, layout.placement.draft_stage]
+
+
+def _checked_layer_ids(target: MegatronTarget, target_layer_ids: Optional[Sequence[int]]) -> list[int]:
+    """The tapped layers to deliver: ``target_layer_ids`` (default the target's), all hooked and distinct."""
+    ids = list(target.target_layer_ids if target_layer_ids is None else target_layer_ids)
+    unknown = [i for i in ids if i not in target.target_layer_ids]
+    if not ids or len(set(ids)) != len(ids) or unknown:
+        raise ValueError(
+            f"target_layer_ids={ids} must be a non-empty list of distinct layers among the target's tapped "
+            f"layers {target.target_layer_ids}" + (f" ({unknown} are not hooked)" if unknown else "") + "."
+        )
+    return ids
+
+
+def _check_pipeline_inputs(target: MegatronTarget, layout: _Layout, tokens: torch.Tensor, attention_mask) -> None:
+    """The sequence splits over TP under sequence parallelism; the mask is a tensor or None."""
+    if target.sequence_parallel and tokens.shape[1] % layout.tp_size:
+        raise ValueError(
+            f"with sequence parallelism the sequence length ({tokens.shape[1]}) must be a multiple of "
+            f"tensor_model_parallel_size={layout.tp_size}."
+        )
+    if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
+        raise ValueError(f"attention_mask must be a tensor or None, got {type(attention_mask).__name__}.")
+
+
+def _run_this_stage(target: MegatronTarget, layout: _Layout, tokens: torch.Tensor, positions, attention_mask,
+                    device):
+    """Steps 1-3: this stage's layers on the tokens (first stage) or the previous stage's activations, which
+    go on to the next stage. Returns the target's output on this stage (`MegatronTarget.forward`)."""
+    stage, (B, S) = layout.stage, tokens.shape
+    wire = _wire_dtype(target.model.config)
+    if stage == 0:
+        out = target(tokens.to(device), attention_mask=attention_mask, position_ids=positions)
+    else:
+        # Under sequence parallelism each TP rank passes its own [S / TP, B, H] shard along the chain.
+        shard = S // layout.tp_size if target.sequence_parallel else S
+        incoming = layout.recv((shard, B, layout.hidden), wire, device, stage - 1)
+        out = target(None, attention_mask=attention_mask, position_ids=positions, input_tensor=incoming)
+    if stage < layout.pp_size - 1:
+        layout.send(out.output_tensor.to(wire), stage + 1)
+    return out
+
+
+def _send_to_draft_stage(layout: _Layout, out, ids: Sequence[int], need_final_hidden: bool, wire) -> None:
+    """Step 4: off the draft's stage, send this stage's taps (and from the last stage the final hidden states,
+    on request) to the draft's stage."""
+    stage, d, last = layout.stage, layout.placement.draft_stage, layout.pp_size - 1
+    mine = layout.owned(stage, ids)
+    if stage != d and mine:
+        layout.send(torch.cat([out.taps[i].to(wire) for i in mine], dim=-1), d)
+    if stage == last and need_final_hidden and d != last:
+        layout.send(out.final_hidden.to(wire), d)
+
+
+def _assemble_on_draft_stage(target: MegatronTarget, layout: _Layout, out, ids: Sequence[int], shape,
+                             need_final_hidden: bool, device) -> TargetOnDraftStage:
+    """Step 5, on the draft's stage: its own taps and every producing stage's (ascending stage order), in
+    ``ids`` order ``[B, S, taps * H]``; the final hidden states when on the last stage or requested."""
+    B, S = shape
+    H, d, last = layout.hidden, layout.placement.draft_stage, layout.pp_size - 1
+    wire = _wire_dtype(target.model.config)
+    taps = {i: out.taps[i].to(wire) for i in layout.owned(layout.stage, ids)}
+    for s in range(layout.pp_size):
+        theirs = layout.owned(s, ids)
+        if s == d or not theirs:
+            continue
+        received = layout.recv((B, S, len(theirs) * H), wire, device, s)
+        taps.update(zip(theirs, received.split(H, dim=-1)))
+    final_hidden = None
+    if d == last:
+        final_hidden = out.final_hidden
+    elif need_final_hidden:
+        final_hidden = layout.recv((B, S, H), wire, device, last)
+    return TargetOnDraftStage(taps=concat_taps(taps, ids), final_hidden=final_hidden)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -495,6 +506,7 @@ def copy_frozen_target_heads(
     draft_stage: Union[int, DraftStagePlacement] = -1,
     *,
     verify: bool = True,
+    groups: Optional[ProcessGroups] = None,
 ) -> tuple[Optional[nn.Module], Optional[OutputHead]]:
     """Give the draft's stage the target's input embedding and output layer; call once at setup, on every rank.
 
@@ -510,92 +522,95 @@ def copy_frozen_target_heads(
 
     Nothing returned requires grad or belongs to the draft body: keep the copies out of the optimizer and the
     draft's checkpoints (they are rebuilt from the target at every start). Memory: ``V_padded * H / TP``
-    parameters per copy and TP rank.
+    parameters per copy and TP rank. ``groups``: as for `run_target_pipeline`.
     """
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
-
     what = "copy_frozen_target_heads"
     device = _device(target)
+    groups = _job_groups(groups)
     error, layout = None, None
     model = getattr(target, "model", None)
     vocab = int(getattr(model, "vocab_size", -1))
     tied = bool(getattr(model, "share_embeddings_and_output_weights", False))
     try:
-        layout = _layout(target, draft_stage)
-        if vocab % layout.tp_size:
-            raise ValueError(f"the padded vocabulary {vocab} is not divisible by TP={layout.tp_size}.")
-        if layout.stage == 0 and target.embedding is None:
-            raise ValueError("the first stage has no input embedding.")
-        if layout.stage == layout.pp_size - 1 and target.output_head is None:
-            raise ValueError("the last stage has no output head.")
+        layout = _layout(target, draft_stage, groups)
+        _check_heads_to_copy(target, layout, vocab)
     except ValueError as err:
         error = str(err)
     if verify:
-        signature = [
-            layout.pp_size if layout else -1,
-            layout.tp_size if layout else -1,
-            layout.placement.draft_stage if layout else -1,
-            vocab,
-            layout.hidden if layout else -1,
-            int(tied),
-        ]
-        _agree(error, signature, what, device)
+        signature = _layout_signature(layout) + [vocab, layout.hidden if layout else -1, int(tied)]
+        _agree(error, signature, what, device, groups)
     elif error is not None:
         raise ValueError(f"{what}: {error}")
-
-    stage, pp, d = layout.stage, layout.pp_size, layout.placement.draft_stage
-    last = pp - 1
-    shard = (vocab // layout.tp_size, layout.hidden)
-    dtype = target.model.config.params_dtype
-    tp_group = parallel_state.get_tensor_model_parallel_group()
-    embedding = head = None
-    # ---- the input embedding: first stage -> draft's stage
-    if d != 0:
-        if stage == 0:
-            _send(target.embedding.weight.detach(), d)
-        elif stage == d:
-            weight = _recv(shard, dtype, device, 0)
-            embedding = VocabParallelEmbedding(
-                vocab, layout.hidden, init_method=nn.init.zeros_, config=_copy_config(target, layout.tp_size),
-                tp_group=tp_group,
-            )
-            embedding.weight = _frozen(weight)
-            embedding.eval()
-    elif stage == d:
-        embedding = target.embedding
-    # ---- the output layer: last stage -> draft's stage
-    if d != last:
-        if stage == last:
-            source = target.output_head
-            cap = source.final_logit_softcapping
-            meta = torch.tensor(
-                [float(source.output_multiplier), float("nan") if cap is None else float(cap)],
-                dtype=torch.float64, device=device,
-            )
-            _send(meta, d)
-            if not tied:
-                weight = source.weight if source.weight is not None else source.layer.weight
-                _send(weight.detach(), d)
-        elif stage == d:
-            meta = _recv((2,), torch.float64, device, last).tolist()
-            if tied:
-                weight = embedding.weight
-            else:
-                weight = _frozen(_recv(shard, dtype, device, last))
-            layer = ColumnParallelLinear(
-                layout.hidden, vocab, config=_copy_config(target, layout.tp_size), init_method=nn.init.zeros_,
-                bias=False, gather_output=False, skip_weight_param_allocation=True, tp_group=tp_group,
-            )
-            layer.eval()
-            head = OutputHead(
-                layer=layer,
-                vocab_size=target.vocab_size,
-                tp_group=tp_group,
-                output_multiplier=meta[0],
-                final_logit_softcapping=None if meta[1] != meta[1] else meta[1],
-                weight=weight,
-            )
-    elif stage == d:
-        head = target.output_head
+    embedding = _copy_embedding(target, layout, vocab, device)
+    head = _copy_output_head(target, layout, vocab, tied, embedding, device)
     return embedding, head
+
+
+def _check_heads_to_copy(target: MegatronTarget, layout: _Layout, vocab: int) -> None:
+    """The vocabulary splits over TP; the first stage has the embedding and the last the output head."""
+    if vocab % layout.tp_size:
+        raise ValueError(f"the padded vocabulary {vocab} is not divisible by TP={layout.tp_size}.")
+    if layout.stage == 0 and target.embedding is None:
+        raise ValueError("the first stage has no input embedding.")
+    if layout.stage == layout.pp_size - 1 and target.output_head is None:
+        raise ValueError("the last stage has no output head.")
+
+
+def _copy_embedding(target: MegatronTarget, layout: _Layout, vocab: int, device) -> Optional[nn.Module]:
+    """The input embedding on the draft's stage (first stage -> draft's stage); None elsewhere."""
+    from megatron.core.tensor_parallel.layers import VocabParallelEmbedding
+
+    stage, d = layout.stage, layout.placement.draft_stage
+    if d == 0:
+        return target.embedding if stage == d else None
+    if stage == 0:
+        layout.send(target.embedding.weight.detach(), d)
+    if stage != d:
+        return None
+    weight = layout.recv((vocab // layout.tp_size, layout.hidden), target.model.config.params_dtype, device, 0)
+    embedding = VocabParallelEmbedding(
+        vocab, layout.hidden, init_method=nn.init.zeros_, config=_copy_config(target, layout.tp_size),
+        tp_group=layout.groups.tp,
+    )
+    embedding.weight = _frozen(weight)
+    embedding.eval()
+    return embedding
+
+
+def _copy_output_head(target: MegatronTarget, layout: _Layout, vocab: int, tied: bool,
+                      embedding: Optional[nn.Module], device) -> Optional[OutputHead]:
+    """The output layer on the draft's stage (last stage -> draft's stage: its output multiplier and soft cap,
+    then its weight shard unless tied to the embedding); None elsewhere."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+    stage, d, last = layout.stage, layout.placement.draft_stage, layout.pp_size - 1
+    if d == last:
+        return target.output_head if stage == d else None
+    if stage == last:
+        source = target.output_head
+        cap = source.final_logit_softcapping
+        meta = torch.tensor([float(source.output_multiplier), float("nan") if cap is None else float(cap)],
+                            dtype=torch.float64, device=device)
+        layout.send(meta, d)
+        if not tied:
+            weight = source.weight if source.weight is not None else source.layer.weight
+            layout.send(weight.detach(), d)
+    if stage != d:
+        return None
+    meta = layout.recv((2,), torch.float64, device, last).tolist()
+    shard = (vocab // layout.tp_size, layout.hidden)
+    weight = embedding.weight if tied else _frozen(
+        layout.recv(shard, target.model.config.params_dtype, device, last))
+    layer = ColumnParallelLinear(
+        layout.hidden, vocab, config=_copy_config(target, layout.tp_size), init_method=nn.init.zeros_,
+        bias=False, gather_output=False, skip_weight_param_allocation=True, tp_group=layout.groups.tp,
+    )
+    layer.eval()
+    return OutputHead(
+        layer=layer,
+        vocab_size=target.vocab_size,
+        tp_group=layout.groups.tp,
+        output_multiplier=meta[0],
+        final_logit_softcapping=None if meta[1] != meta[1] else meta[1],
+        weight=weight,
+    )

@@ -21,12 +21,11 @@ from typing import Mapping, Optional
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from torch import nn
 
-from .parallel import is_distributed_group
+from .parallel import current_process_groups, is_distributed_group
 
 __all__ = [
     "local_tensors",
@@ -100,10 +99,8 @@ def _gather(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
 
 
 def data_parallel_rank() -> int:
-    """This rank's data-parallel index when megatron's parallel state is set up, else 0."""
-    if dist.is_available() and dist.is_initialized() and parallel_state.model_parallel_is_initialized():
-        return parallel_state.get_data_parallel_rank(with_context_parallel=True)
-    return 0
+    """This rank's data(-and-context)-parallel index in `parallel.current_process_groups()` (0 without a job)."""
+    return current_process_groups().dp_cp.rank()
 
 
 def _full_shapes(body: nn.Module) -> dict[str, tuple[tuple[int, ...], Optional[int]]]:

@@ -53,6 +53,7 @@ from .config import DFlashConfig, check_target_layer_ids, read_rope_parameters
 from .families import resolve_text_config
 from .head import OutputHead
 from .target_masks import causal_mask
+from .parallel import ProcessGroups, current_process_groups, megatron_ready
 from .target_weights import convert_with_plan, fused_qkv_weight, megatron_weight_plan, safetensors_files, stream_with_plan
 
 __all__ = [
@@ -610,16 +611,14 @@ def padded_vocab_size(vocab_size: int, tp_size: int, make_vocab_size_divisible_b
 
 
 def _parallel_sizes() -> dict:
-    """TP, PP, EP and expert-TP sizes from megatron's ``parallel_state`` (1 each when uninitialised)."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    if dist.is_available() and dist.is_initialized() and parallel_state.model_parallel_is_initialized():
+    """TP, PP, EP and expert-TP sizes of `parallel.current_process_groups()` (1 each without megatron)."""
+    if megatron_ready():
+        groups = current_process_groups()
         return dict(
-            tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
-            pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
-            expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
-            expert_tensor_parallel_size=parallel_state.get_expert_tensor_parallel_world_size(),
+            tensor_model_parallel_size=groups.tp_size,
+            pipeline_model_parallel_size=groups.pp_size,
+            expert_model_parallel_size=groups.ep_size,
+            expert_tensor_parallel_size=groups.etp_size,
         )
     # Expert TP None: megatron's TransformerConfig sets it to the tensor-parallel size.
     return dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, expert_model_parallel_size=1,
@@ -1047,29 +1046,30 @@ def build_megatron_target(
     use_te: bool = False,
     make_vocab_size_divisible_by: int = 128,
     vp_stage: Optional[int] = None,
+    groups: Optional[ProcessGroups] = None,
     **config_overrides: Any,
 ):
     """A megatron-core ``GPTModel`` stage with the weights of the HF Qwen3/Llama checkpoint in ``hf_dir``.
 
-    Needs megatron's ``parallel_state`` initialised (TP/PP sizes and this rank's coordinates come from it).
+    Needs megatron's ``parallel_state`` initialised (megatron's layers read it). TP/PP/EP sizes and this rank's
+    coordinates come from ``groups`` (default `parallel.current_process_groups()`).
     ``pre_process``/``post_process`` default to "first/last pipeline stage". The vocabulary is padded to a
     multiple of ``make_vocab_size_divisible_by * TP``. Returns the model in eval mode; wrap it in
     `MegatronTarget` (or use `MegatronTarget.from_pretrained`) to freeze it and capture taps.
     """
-    from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    if not parallel_state.model_parallel_is_initialized():
+    if not megatron_ready():
         raise ValueError("build_megatron_target needs megatron's parallel_state initialised (initialize_model_parallel).")
+    groups = current_process_groups() if groups is None else groups
     spec = hf_target_spec(hf_dir)
     config = megatron_target_config(hf_dir, **config_overrides)
     if pre_process is None:
-        pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
+        pre_process = groups.pp_rank == 0
     if post_process is None:
-        post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
-    tp_size = parallel_state.get_tensor_model_parallel_world_size()
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        post_process = groups.pp_rank == groups.pp_size - 1
+    tp_size, tp_rank = groups.tp_size, groups.tp_rank
     vocab = padded_vocab_size(spec.vocab_size, tp_size, make_vocab_size_divisible_by)
     linear_scaling = None
     if spec.rope_scaling is not None and spec.rope_scaling["rope_type"] == "linear":
@@ -1106,10 +1106,10 @@ def build_megatron_target(
         pre_process=pre_process, post_process=post_process, padded_vocab=vocab,
         make_vocab_size_divisible_by=make_vocab_size_divisible_by, dtype=config.params_dtype,
         transformer_engine_names=use_te,
-        ep_rank=parallel_state.get_expert_model_parallel_rank(),
-        ep_size=parallel_state.get_expert_model_parallel_world_size(),
-        etp_rank=parallel_state.get_expert_tensor_parallel_rank(),
-        etp_size=parallel_state.get_expert_tensor_parallel_world_size(),
+        ep_rank=groups.ep_rank,
+        ep_size=groups.ep_size,
+        etp_rank=groups.etp_rank,
+        etp_size=groups.etp_size,
     )
     load_plan_into(model, plan, safetensors_files(hf_dir), spec.model_type)
     model.eval()

@@ -21,11 +21,12 @@ split like a dense MLP over the expert-tensor-parallel group).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
+
+from .checkpoint import safetensors_files as checkpoint_safetensors_files
 
 __all__ = [
     "MegatronWeight",
@@ -242,19 +243,11 @@ def convert_with_plan(plan: Sequence[MegatronWeight], hf: Mapping[str, torch.Ten
 
 
 def safetensors_files(directory: str) -> list[str]:
-    """The safetensors files of a HF directory (sharded with an index, or a single ``model.safetensors``)."""
-    from .checkpoint import safetensors_index_files  # the one reader of the index (entries stay inside `directory`)
-
-    index = os.path.join(directory, "model.safetensors.index.json")
-    single = os.path.join(directory, "model.safetensors")
-    if os.path.isfile(index):
-        return safetensors_index_files(index)
-    if os.path.isfile(single):
-        return [single]
-    raise FileNotFoundError(
+    """The safetensors files of a HF target directory: `checkpoint.safetensors_files`, the one discovery, with
+    the target's message when there are none."""
+    return checkpoint_safetensors_files(directory, missing=(
         f"{directory} holds no model.safetensors or model.safetensors.index.json; save the target with "
-        "save_pretrained(safe_serialization=True)."
-    )
+        "save_pretrained(safe_serialization=True)."))
 
 
 def stream_with_plan(plan: Sequence[MegatronWeight], files: Sequence[str], model_type: str) -> Iterator[tuple[str, torch.Tensor]]:

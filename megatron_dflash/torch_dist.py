@@ -65,7 +65,7 @@ import re
 import tempfile
 from typing import Iterator, Mapping, Optional, Union
 
-from .architectures import _architecture_hint, _config_from_dict, _read_json, architecture_of, build_body_for_checkpoint
+from .architectures import architecture_hint, config_from_dict, read_json_object, architecture_of, build_body_for_checkpoint
 from .atomic import write_file
 
 __all__ = [
@@ -287,10 +287,11 @@ def single_process_group() -> Iterator[None]:
 
 def draft_config_dict(body) -> dict:
     """The `dflash_config.json` of `body`: its HF config dict, dtype fields set to the weights'."""
-    from .checkpoint import _local_tensors
+    # Local: this module's layout names are read by the tools' `--help`, which must not import torch.
+    from .sharding import local_tensors
 
     architecture = architecture_of(body)
-    dtype = common_dtype(t.dtype for t in _local_tensors(body).values())
+    dtype = common_dtype(t.dtype for t in local_tensors(body).values())
     extra = dict(body.config.extra_hf_fields)
     extra.update({"torch_dtype": dtype_name(dtype), "dtype": dtype_name(dtype)})
     config = dataclasses.replace(body.config, extra_hf_fields=extra)
@@ -311,7 +312,7 @@ def read_draft_config(iteration_dir: str, config_path: Optional[str] = None):
             "(it was not written by megatron_dflash.torch_dist.save_megatron_draft). Pass the draft's "
             "HF config.json with --config."
         )
-    return _config_from_dict(_read_json(path), path)
+    return config_from_dict(read_json_object(path), path)
 
 
 def megatron_draft_tensors(iteration_dir: str, prefix: str = MODEL_PREFIX) -> dict:
@@ -361,7 +362,7 @@ def _check_tensors(body, given: Mapping[str, tuple], what: str, architecture=Non
     (`{name: shape}`, full shapes) against `body`, with a hint when the config is the cause."""
     from .checkpoint import check_tensor_shapes
 
-    check_tensor_shapes(body, given, what, extra_hints=(lambda unexpected: _architecture_hint(architecture, unexpected),))
+    check_tensor_shapes(body, given, what, extra_hints=(lambda unexpected: architecture_hint(architecture, unexpected),))
 
 
 def save_megatron_draft(body, iteration_dir: str, *, extra_state: Optional[dict] = None, strategy=None,

@@ -40,6 +40,11 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 from megatron_dflash.cli import ArgumentParser, UsageError, quiet_dependency_warnings, report_failure, require_dir, require_file, usage_error  # noqa: E402,E501
+from megatron_dflash.decode_metric import (  # noqa: E402  (no torch: the headline metric, shared with training)
+    decode_metric,
+    no_verify_cycle_reason,
+    row_tokens_per_target_forward,
+)
 from megatron_dflash.torch_dist import looks_like_save_dir  # noqa: E402  (no torch: layout names only)
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -356,132 +361,159 @@ def recomputing_greedy(target, prompts: list[list[int]], max_new_tokens: int, st
     return generated
 
 
-def evaluate(args: argparse.Namespace) -> dict:
-    import torch
+class _Run:
+    """What every step of `evaluate` shares: the models, the prompts and the decoding settings."""
 
-    from megatron_dflash.families import target_keeps_kv_cache
-    from megatron_dflash.generate import spec_generate
+    def __init__(self, args: argparse.Namespace):
+        import torch
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
-    dtype = getattr(torch, dtype_name)
-    tokenizer = _Tokenizer(args.tokenizer or args.target)
-    prompts, prompt_warnings = read_prompts(args.prompts, args.limit, tokenizer)
-    for warning in prompt_warnings:
-        print(warning, file=sys.stderr, flush=True)
-    try:
-        target = load_target(args.target, device, dtype)
-    except (OSError, ValueError) as err:  # a hub id that does not resolve, a broken directory
-        raise UsageError(f"--target {args.target}: cannot load a causal LM ({type(err).__name__}: "
-                         f"{str(err).splitlines()[0] if str(err) else ''}).") from None
-    draft = load_draft(args.draft, device, dtype, args.attention_backend)
-    # Plain decoding as the target serves it: HF `generate` (with whatever cache the model keeps, also one that
-    # speculative decoding cannot roll back); a model without one (NeMo's K3) is recomputed per token.
-    target_kv_cache = target_keeps_kv_cache(target.config)
-    baseline = autoregressive_greedy if callable(getattr(target, "generate", None)) else recomputing_greedy
-    decode = tokenizer.maybe()
-    if args.ignore_eos:
-        stop_tokens: list[int] = []
-    elif args.stop_token_ids:
-        stop_tokens = [int(t) for t in args.stop_token_ids.split(",") if t.strip()]
-    else:
-        stop_tokens = default_stop_tokens(target)
-    generator = torch.Generator(device=device)
-    generator.manual_seed(args.seed)
-    sample_kwargs = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+        from megatron_dflash.families import target_keeps_kv_cache
 
-    def run_spec(batch):
+        self.args = args
+        self.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype_name = args.dtype or ("bfloat16" if self.device.type == "cuda" else "float32")
+        dtype = getattr(torch, self.dtype_name)
+        tokenizer = _Tokenizer(args.tokenizer or args.target)
+        self.prompts, prompt_warnings = read_prompts(args.prompts, args.limit, tokenizer)
+        for warning in prompt_warnings:
+            print(warning, file=sys.stderr, flush=True)
+        try:
+            self.target = load_target(args.target, self.device, dtype)
+        except (OSError, ValueError) as err:  # a hub id that does not resolve, a broken directory
+            raise UsageError(f"--target {args.target}: cannot load a causal LM ({type(err).__name__}: "
+                             f"{str(err).splitlines()[0] if str(err) else ''}).") from None
+        self.draft = load_draft(args.draft, self.device, dtype, args.attention_backend)
+        # Plain decoding as the target serves it: HF `generate` (with whatever cache the model keeps, also one
+        # that speculative decoding cannot roll back); a model without one (NeMo's K3) is recomputed per token.
+        self.target_kv_cache = target_keeps_kv_cache(self.target.config)
+        self.baseline = autoregressive_greedy if callable(getattr(self.target, "generate", None)) else recomputing_greedy
+        self.decode = tokenizer.maybe()
+        if args.ignore_eos:
+            self.stop_tokens: list[int] = []
+        elif args.stop_token_ids:
+            self.stop_tokens = [int(t) for t in args.stop_token_ids.split(",") if t.strip()]
+        else:
+            self.stop_tokens = default_stop_tokens(self.target)
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(args.seed)
+
+    def spec(self, batch):
+        from megatron_dflash.generate import spec_generate
+
+        a = self.args
         return spec_generate(
-            target, draft, batch, max_new_tokens=args.max_new_tokens, stop_token_ids=stop_tokens,
-            generator=generator, attention_backend=args.attention_backend, **sample_kwargs,
+            self.target, self.draft, batch, max_new_tokens=a.max_new_tokens, stop_token_ids=self.stop_tokens,
+            generator=self.generator, attention_backend=a.attention_backend,
+            temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
         )
 
-    for _, batch in list(batches(prompts, args.batch_size))[: args.warmup]:
-        run_spec([p for p in batch])
-        if not args.no_baseline:
-            baseline(target, batch, min(8, args.max_new_tokens), stop_tokens, device)
+    def warm_up(self) -> None:
+        for _, batch in list(batches(self.prompts, self.args.batch_size))[: self.args.warmup]:
+            self.spec(list(batch))
+            if not self.args.no_baseline:
+                self.baseline(self.target, batch, min(8, self.args.max_new_tokens), self.stop_tokens, self.device)
 
-    per_prompt = []
-    spec_time = 0.0
+
+def evaluate(args: argparse.Namespace) -> dict:
+    """Speculative decoding of the prompts, then the autoregressive baseline: the report (settings, summary,
+    per-prompt rows)."""
+    run = _Run(args)
+    run.warm_up()
+    per_prompt, spec_time, totals = _speculative_rows(run)
+    baseline = None if args.no_baseline else _baseline(run, per_prompt)
+    summary = _summary(run, per_prompt, spec_time, totals, baseline)
+    return {"settings": _settings(run), "summary": summary, "prompts": per_prompt}
+
+
+def _speculative_rows(run: _Run) -> tuple[list, float, dict]:
+    """Every prompt through `spec_generate`: its report row, the decoding time and the batched forward counts."""
+    per_prompt, spec_time = [], 0.0
     totals = {"target_forwards": 0, "prefill_forwards": 0, "draft_forwards": 0}
-    bar = progress(len(prompts), "spec_generate")
-    for start, batch in batches(prompts, args.batch_size):
-        _sync(device)
+    bar = progress(len(run.prompts), "spec_generate")
+    for start, batch in batches(run.prompts, run.args.batch_size):
+        _sync(run.device)
         began = time.perf_counter()
-        out = run_spec(batch)
-        _sync(device)
+        out = run.spec(batch)
+        _sync(run.device)
         spec_time += time.perf_counter() - began
         totals["target_forwards"] += out.num_target_forwards
         totals["prefill_forwards"] += out.num_prefill_forwards
         totals["draft_forwards"] += out.num_draft_forwards
         for row in range(len(batch)):
-            generated = out.generated(row)
-            cycles = out.acceptance_lengths[row]
-            per_prompt.append(
-                {
-                    "index": start + row,
-                    "prompt_tokens": len(batch[row]),
-                    "generated_tokens": len(generated),
-                    "acceptance_lengths": cycles,
-                    "mean_acceptance_length": (sum(cycles) / len(cycles)) if cycles else None,
-                    # Target forwards this row took part in: its prefill plus one per cycle.
-                    "tokens_per_target_forward": len(generated) / (1 + len(cycles)),
-                    "stopped": bool(out.stopped[row]),
-                    "generated_ids": generated,
-                }
-            )
-            if decode is not None:  # readable text: without the chat template's special tokens
-                per_prompt[-1]["prompt_text"] = decode.decode(batch[row], skip_special_tokens=True)
-                per_prompt[-1]["generated_text"] = decode.decode(generated, skip_special_tokens=True)
-            if not cycles:
-                per_prompt[-1]["no_cycle_reason"] = no_cycle_reason(generated, stop_tokens, args.max_new_tokens)
+            per_prompt.append(_prompt_row(run, start + row, batch[row], out.generated(row),
+                                          out.acceptance_lengths[row], bool(out.stopped[row])))
         bar.update(len(batch))
     bar.close()
+    return per_prompt, spec_time, totals
 
-    ar_time = None
-    ar_tokens = None
-    greedy_match = None
-    if not args.no_baseline:
-        ar_time, ar_tokens, matches = 0.0, 0, 0
-        bar = progress(len(prompts), "autoregressive")
-        for start, batch in batches(prompts, args.batch_size):
-            _sync(device)
-            began = time.perf_counter()
-            generated = baseline(target, batch, args.max_new_tokens, stop_tokens, device)
-            _sync(device)
-            ar_time += time.perf_counter() - began
-            for row, ids in enumerate(generated):
-                ar_tokens += len(ids)
-                matches += ids == per_prompt[start + row]["generated_ids"]
-            bar.update(len(batch))
-        bar.close()
-        greedy_match = matches / len(prompts) if args.temperature == 0 else None
 
-    all_cycles = [a for p in per_prompt for a in p["acceptance_lengths"]]
-    spec_tokens = sum(p["generated_tokens"] for p in per_prompt)
-    row_forwards = sum(1 + len(p["acceptance_lengths"]) for p in per_prompt)
+def _prompt_row(run: _Run, index: int, prompt: list[int], generated: list[int], cycles: list[int],
+                stopped: bool) -> dict:
+    """One prompt's report row."""
+    row = {
+        "index": index,
+        "prompt_tokens": len(prompt),
+        "generated_tokens": len(generated),
+        "acceptance_lengths": cycles,
+        "mean_acceptance_length": (sum(cycles) / len(cycles)) if cycles else None,
+        "tokens_per_target_forward": row_tokens_per_target_forward(len(generated), len(cycles)),
+        "stopped": stopped,
+        "generated_ids": generated,
+    }
+    if run.decode is not None:  # readable text: without the chat template's special tokens
+        row["prompt_text"] = run.decode.decode(prompt, skip_special_tokens=True)
+        row["generated_text"] = run.decode.decode(generated, skip_special_tokens=True)
+    if not cycles:
+        row["no_cycle_reason"] = no_cycle_reason(generated, run.stop_tokens, run.args.max_new_tokens)
+    return row
+
+
+def _baseline(run: _Run, per_prompt: list) -> dict:
+    """The autoregressive baseline over the same prompts: its time, tokens and how many outputs match."""
+    ar_time, ar_tokens, matches = 0.0, 0, 0
+    bar = progress(len(run.prompts), "autoregressive")
+    for start, batch in batches(run.prompts, run.args.batch_size):
+        _sync(run.device)
+        began = time.perf_counter()
+        generated = run.baseline(run.target, batch, run.args.max_new_tokens, run.stop_tokens, run.device)
+        _sync(run.device)
+        ar_time += time.perf_counter() - began
+        for row, ids in enumerate(generated):
+            ar_tokens += len(ids)
+            matches += ids == per_prompt[start + row]["generated_ids"]
+        bar.update(len(batch))
+    bar.close()
+    greedy_match = matches / len(run.prompts) if run.args.temperature == 0 else None
+    return {"seconds": ar_time, "tokens": ar_tokens, "greedy_match": greedy_match}
+
+
+def _summary(run: _Run, per_prompt: list, spec_time: float, totals: dict, baseline: Optional[dict]) -> dict:
+    """The report's summary: the headline metric (`decode_metric`, as training evaluation computes it), the
+    batched forward counts and the throughput, with the speedup over the baseline when it ran."""
+    metric = decode_metric([p["acceptance_lengths"] for p in per_prompt], [p["generated_tokens"] for p in per_prompt])
+    spec_tokens = metric["generated_tokens"]
     spec_tps = spec_tokens / spec_time if spec_time > 0 else math.nan
     summary = {
         "prompts": len(per_prompt),
         "generated_tokens": spec_tokens,
-        "mean_acceptance_length": (sum(all_cycles) / len(all_cycles)) if all_cycles else None,
+        "mean_acceptance_length": metric["acceptance_length"],
         "mean_of_prompt_acceptance_lengths": _mean(
             [p["mean_acceptance_length"] for p in per_prompt if p["mean_acceptance_length"] is not None]
         ),
-        "tokens_per_target_forward": spec_tokens / row_forwards if row_forwards else None,
+        "tokens_per_target_forward": metric["tokens_per_target_forward"],
         "batched_target_forwards": totals["target_forwards"],
         "batched_prefill_forwards": totals["prefill_forwards"],
         "batched_draft_forwards": totals["draft_forwards"],
         "spec_seconds": spec_time,
         "spec_tokens_per_second": spec_tps,
     }
-    if not all_cycles:
-        summary["no_cycle_reason"] = (
-            "no speculative cycle ran: every prompt ended with the target's first generated token ("
-            + "; ".join(sorted({p["no_cycle_reason"] for p in per_prompt})) + "). Use prompts the target "
-            "continues (for the embedded tiny target: examples/prompts_tiny_target.jsonl), or --ignore-eos."
-        )
-    if ar_time is not None:
+    if not metric["cycles"]:
+        summary["no_cycle_reason"] = no_verify_cycle_reason(
+            "; ".join(sorted({p["no_cycle_reason"] for p in per_prompt})),
+            "use prompts the target continues (for the embedded tiny target: examples/prompts_tiny_target.jsonl), "
+            "or --ignore-eos")
+    if baseline is not None:
+        ar_time, ar_tokens = baseline["seconds"], baseline["tokens"]
         ar_tps = ar_tokens / ar_time if ar_time > 0 else math.nan
         summary.update(
             {
@@ -490,31 +522,36 @@ def evaluate(args: argparse.Namespace) -> dict:
                 "autoregressive_tokens_per_second": ar_tps,
                 # Throughput ratio: robust to the two runs stopping at different lengths.
                 "speedup": spec_tps / ar_tps if ar_tps and ar_tps > 0 else None,
-                "greedy_outputs_identical_fraction": greedy_match,
+                "greedy_outputs_identical_fraction": baseline["greedy_match"],
             }
         )
-        note = speedup_note(summary["speedup"], summary["tokens_per_target_forward"], device.type)
+        note = speedup_note(summary["speedup"], summary["tokens_per_target_forward"], run.device.type)
         if note:
             summary["speedup_note"] = note
-    settings = {
+    return summary
+
+
+def _settings(run: _Run) -> dict:
+    """The report's settings: what was measured, and how."""
+    args = run.args
+    return {
         "target": args.target,
         "draft": args.draft,
         "prompts": args.prompts,
-        "draft_architecture": type(draft).__name__,
-        "target_kv_cache": target_kv_cache,  # False: spec_generate recomputes the target every cycle
-        "baseline": "generate" if baseline is autoregressive_greedy else "recomputed",
-        "block_size": draft.config.block_size,
+        "draft_architecture": type(run.draft).__name__,
+        "target_kv_cache": run.target_kv_cache,  # False: spec_generate recomputes the target every cycle
+        "baseline": "generate" if run.baseline is autoregressive_greedy else "recomputed",
+        "block_size": run.draft.config.block_size,
         "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature,
         "top_p": args.top_p,
         "top_k": args.top_k,
         "batch_size": args.batch_size,
-        "device": str(device),
-        "dtype": dtype_name,
-        "stop_token_ids": stop_tokens,
+        "device": str(run.device),
+        "dtype": run.dtype_name,
+        "stop_token_ids": run.stop_tokens,
         "seed": args.seed,
     }
-    return {"settings": settings, "summary": summary, "prompts": per_prompt}
 
 
 def no_cycle_reason(generated: list[int], stop_tokens: list[int], max_new_tokens: int) -> str:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..parallel import gather_disagreement
+from ..parallel import distributed_ready, gather_disagreement
 from .arguments import ArgumentError
 
 __all__ = ["job_fields", "agree_on_job"]
@@ -64,7 +64,7 @@ def _digest(fields: dict[str, str]) -> list[int]:
 def agree_on_job(job, group=None) -> None:
     """Raise the same `ArgumentError` on every rank of `group` (default: the world) unless all ranks
     resolved the same job. Collective; a no-op without `torch.distributed` or with one rank."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+    if not distributed_ready() or dist.get_world_size(group) == 1:
         return
     fields = job_fields(job)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"

@@ -45,12 +45,11 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.dict_utils import extract_matching_values
 from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedObject, ShardedTensor
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-from ..atomic import NoSpaceError, as_no_space, publish_directory, remove_stale_siblings, temporary_of
+from ..atomic import publish_directory, remove_stale_siblings, temporary_of
 from ..torch_dist import (
     MODEL_PREFIX,
     RELEASE,
@@ -62,6 +61,7 @@ from ..torch_dist import (
     write_tracker,
 )
 from ..checkpoint import load_sharded_state_dict_into
+from ..parallel import ProcessGroups, agree_or_raise, current_process_groups, distributed_ready
 from ..torch_dist_load import load, load_common_state_dict, load_tensors_metadata
 from .errors import CheckpointError
 from .optim import optimizer_layout
@@ -85,11 +85,11 @@ CHECKPOINT_VERSION = 3
 
 
 def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return dist.get_rank() if distributed_ready() else 0
 
 
 def _world() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return dist.get_world_size() if distributed_ready() else 1
 
 
 def _barrier() -> None:
@@ -97,28 +97,13 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _all_ok(ok: bool) -> bool:
-    """True on every rank iff `ok` on every rank (one small all-reduce)."""
-    if _world() == 1:
-        return ok
-    flag = torch.tensor([0 if ok else 1], dtype=torch.int64,
-                        device="cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu")
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return flag.item() == 0
-
-
 def raise_alike_after_write(error: Optional[BaseException], path: str, *, note: Optional[str], elsewhere: str) -> None:
-    """After a write every rank took part in (collective: one all-reduce, two on failure): return when it
+    """After a write every rank of the world took part in (collective: one all-reduce): return when it
     succeeded on every rank, else raise the same error on every rank. A full file system on any rank is
     `NoSpaceError(path, note)` everywhere (a save may fail on some ranks only: the ones whose shards did
-    not fit); another error is raised by the ranks that met it, and `RuntimeError(elsewhere)` by the others."""
-    if _all_ok(error is None):
-        return
-    if not _all_ok(error is None or as_no_space(error, path) is None):
-        raise NoSpaceError(os.path.abspath(path), note) from error
-    if error is not None:
-        raise error
-    raise RuntimeError(elsewhere)
+    not fit); another error is raised by the ranks that met it, and `RuntimeError(elsewhere)` by the others.
+    `parallel.agree_or_raise`'s exception form."""
+    agree_or_raise(error, path=path, note=note, elsewhere=elsewhere)
 
 
 def _agree_on_save(error: Optional[BaseException], final: str, staged: Optional[str], step: str) -> None:
@@ -223,10 +208,9 @@ def _rng_sharded(state: Optional[dict], legacy: bool = False):
     }
 
 
-def _pipeline_parallel() -> bool:
+def _pipeline_parallel(groups: ProcessGroups) -> bool:
     """Whether the job has several pipeline stages (the draft then lives on one of them only)."""
-    return (_world() > 1 and parallel_state.model_parallel_is_initialized()
-            and parallel_state.get_pipeline_model_parallel_world_size() > 1)
+    return _world() > 1 and groups.pp_size > 1
 
 
 def _from_a_draft_rank(payload, holds_draft: bool):
@@ -304,8 +288,11 @@ def save_checkpoint(
     *,
     common: dict,
     log: Callable = print,
+    groups: Optional[ProcessGroups] = None,
 ) -> str:
     """Write the checkpoint of `iteration` atomically (collective over all ranks); returns its directory.
+
+    `groups`: the job's process groups (default `parallel.current_process_groups()`).
 
     `common`: picklable training state identical on every rank (iteration, scheduler, data position,
     args). The shards go into a staged `.iter_XXXXXXX.tmp-<random>` through `torch_dist.save_megatron_draft`
@@ -320,7 +307,7 @@ def save_checkpoint(
     draft_config = None
     if body is not None:
         extra = _extra_state(body, engine, common=common)
-    if _pipeline_parallel():
+    if _pipeline_parallel(groups or current_process_groups()):
         # Only the draft's stage has the draft and its optimizer; the other stages join the collective
         # save with no shards but their RNG state, and the common state of the draft's stage (global
         # rank 0, which writes it, may be on another stage).
@@ -378,17 +365,17 @@ def load_checkpoint(load_dir: str, body, engine, *, point: Optional[ResumePoint]
         if isinstance(err, (KeyboardInterrupt, SystemExit)):  # torch's CheckpointException is a BaseException
             raise
         error = err
-    if not _all_ok(error is None):
-        hint = ("resume from an earlier checkpoint (write its iteration into "
-                f"{os.path.join(load_dir, TRACKER_FILENAME)}) or start from scratch with a new --save/--load directory")
-        if error is None:
-            raise CheckpointError(f"loading {point.directory} failed on another rank (see its error); {hint}.")
-        if isinstance(error, CheckpointError):
-            raise error
-        raise CheckpointError(
-            f"cannot load {point.directory}: {_describe(error)}; the checkpoint is damaged or was not written for this "
+    hint = ("resume from an earlier checkpoint (write its iteration into "
+            f"{os.path.join(load_dir, TRACKER_FILENAME)}) or start from scratch with a new --save/--load directory")
+    if error is not None and not isinstance(error, CheckpointError):
+        cause = error
+        error = CheckpointError(
+            f"cannot load {point.directory}: {_describe(cause)}; the checkpoint is damaged or was not written for this "
             f"draft: {hint}."
-        ) from error
+        )
+        error.__cause__ = cause  # as `raise ... from cause` (--debug shows it)
+    agree_or_raise(error, elsewhere=CheckpointError(
+        f"loading {point.directory} failed on another rank (see its error); {hint}."))
     return out
 
 

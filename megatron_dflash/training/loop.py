@@ -20,7 +20,8 @@ Pipeline parallelism (`--pipeline-model-parallel-size > 1`, megatron target): ev
 stage of the target; the draft body and its optimizer exist only on the stage `--dflash-pipeline-stage`
 (default the last), which gets frozen copies of the target's embedding and output layer
 (`pipeline.copy_frozen_target_heads`). Every rank runs every micro-batch through
-`pipeline.run_target_pipeline` (same data on every stage: the DP rank comes from `parallel_state`); the
+`pipeline.run_target_pipeline` (same data on every stage: the DP rank comes from the job's
+`parallel.ProcessGroups`, built once by `initialize_distributed` and handed down); the
 other stages contribute zero statistics, and the step statistics are summed over DP, then over the
 pipeline group, so every rank (rank 0 included) logs the draft's numbers. The grad norm is reduced over
 TP only. Checkpoints: every rank joins the collective save / load, the draft's stage with the draft and
@@ -40,11 +41,42 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..objectives import AdditiveMetrics, all_reduce_together
-from ..checkpoint import load_hf_checkpoint, save_hf_checkpoint
+from .. import data
+from ..body import default_parallel_config
+from ..checkpoint import load_hf_checkpoint, load_hf_state_dict_into, read_safetensors, save_hf_checkpoint
+from ..cli import is_no_space, report_failure, report_interrupt
+from ..data import attach_dflash_plan, Collator, MicroBatchIterator, PlanDisagreementError, verify_plan_agreement
+from ..decode_metric import decode_metric, no_verify_cycle_reason
+from ..families import resolve_target_family, target_architecture
+from ..generate import spec_generate
+from ..objectives import AdditiveMetrics, all_reduce_together, embed_blocks
+from ..parallel import (
+    destroy_model_parallel,
+    distributed_ready,
+    initialize_model_parallel,
+    megatron_ready,
+    ProcessGroups,
+    SingleRankGroup,
+)
+from ..pipeline import copy_frozen_target_heads, resolve_draft_stage, run_target_pipeline
+from ..target import concat_taps, HFTarget, MegatronTarget
 from ..target_masks import causal_mask, document_mask, hf_document_mask
-from .arguments import EMBEDDED_SYNTHETIC_HELDOUT_SEED, EMBEDDED_SYNTHETIC_TRAIN_SEED, ArgumentError, parse_args
+from ..variable_prefix import sample_prefix_lengths
+from .agreement import agree_on_job
+from .arguments import ArgumentError, EMBEDDED_SYNTHETIC_HELDOUT_SEED, EMBEDDED_SYNTHETIC_TRAIN_SEED, parse_args
+from .checkpointing import load_checkpoint, raise_alike_after_write, save_checkpoint
+from .data_checks import check_indexed_token_range, check_something_to_learn
+from .device_shim import megatron_target_on_cpu
+from .errors import DataError, DivergenceError, RunError
 from .job import Job, prepare_job
+from .monitor import DECODE_ACCEPTANCE, DECODE_TOKENS_PER_FORWARD, format_metrics, labelled, Monitor
+from .optim import build_engine, optimizer_layout
+from .outputs import check_export_directory, export_marker, run_name
+from .resume import agree_on_resume_point
+from .rundir import ConsoleLog, RunWriter
+from .savelock import lock_save_directory
+from .signals import STOPPED_EXIT_STATUS, StopSignals
+
 
 __all__ = ["TrainResult", "DistContext", "initialize_distributed", "train", "run", "main"]
 
@@ -61,13 +93,14 @@ class DistContext:
     owns_process_group: bool
     owns_model_parallel: bool
     tmpdir: Optional[tempfile.TemporaryDirectory] = None
+    # The job's process groups, built once here and handed down to the target, the step, the optimizer and
+    # the checkpoints (nothing below reads megatron's global parallel_state).
+    groups: ProcessGroups = field(default_factory=ProcessGroups.single)
 
     def close(self) -> None:
-        from megatron.core import parallel_state
-
-        from ..parallel import destroy_model_parallel
-
-        if self.owns_model_parallel and parallel_state.model_parallel_is_initialized():
+        # Drop the references first: a gloo group's threads end only when its last reference goes.
+        self.groups = ProcessGroups.single()
+        if self.owns_model_parallel and megatron_ready():
             destroy_model_parallel()
         if self.owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
@@ -86,9 +119,6 @@ def initialize_distributed(job: Job, env=None) -> DistContext:
 
     Backend: nccl with CUDA, gloo without.
     """
-    from megatron.core import parallel_state
-
-    from ..parallel import destroy_model_parallel, initialize_model_parallel
 
     env = os.environ if env is None else env
     args = job.args
@@ -118,20 +148,18 @@ def initialize_distributed(job: Job, env=None) -> DistContext:
     if world != job.world_size:
         raise RuntimeError(f"the process group has {world} ranks but the job was validated for {job.world_size}.")
     # before megatron's groups and any other collective: every rank resolved the same job
-    from .agreement import agree_on_job
 
     agree_on_job(job)
     tp, pp = job.tp, job.pp
     ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size
     owns_mp = False
-    if parallel_state.model_parallel_is_initialized():
-        same = (parallel_state.get_tensor_model_parallel_world_size() == tp
-                and parallel_state.get_pipeline_model_parallel_world_size() == pp
-                and parallel_state.get_expert_model_parallel_world_size() == ep
-                and parallel_state.get_expert_tensor_parallel_world_size() == (tp if etp is None else etp))
+    if megatron_ready():
+        current = ProcessGroups.from_megatron()
+        same = (current.tp_size == tp and current.pp_size == pp and current.ep_size == ep
+                and current.etp_size == (tp if etp is None else etp))
         if not same:
             destroy_model_parallel()
-    if not parallel_state.model_parallel_is_initialized():
+    if not megatron_ready():
         initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                   expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
         owns_mp = True
@@ -140,7 +168,8 @@ def initialize_distributed(job: Job, env=None) -> DistContext:
 
         model_parallel_cuda_manual_seed(args.seed)
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
-    return DistContext(dist.get_rank(), world, local_rank, device, owns_pg, owns_mp, tmpdir)
+    return DistContext(dist.get_rank(), world, local_rank, device, owns_pg, owns_mp, tmpdir,
+                       groups=ProcessGroups.from_megatron())
 
 
 # ------------------------------------------------------------------------------------------ target
@@ -155,9 +184,8 @@ class _Target:
     `__call__` is then collective over the pipeline and returns None off the draft's stage.
     """
 
-    def __init__(self, job: Job, device: torch.device, dtype: torch.dtype):
-        from ..target import HFTarget, MegatronTarget
-
+    def __init__(self, job: Job, device: torch.device, dtype: torch.dtype, groups: ProcessGroups):
+        self.groups = groups
         self.backend = job.args.target_backend
         self.device = device
         self.pack = job.args.pack_sequences
@@ -170,16 +198,15 @@ class _Target:
             self.module = HFTarget.from_config(self.hf_model, job.draft_config)
         else:
             self.module = MegatronTarget.from_pretrained(job.target_dir, config=job.draft_config, params_dtype=dtype,
-                                                         sequence_parallel=job.args.sequence_parallel)
+                                                         sequence_parallel=job.args.sequence_parallel, groups=groups)
             if device.type == "cuda":
                 self.module.cuda()
         self.dtype = dtype
         if job.pp > 1:
-            from ..pipeline import copy_frozen_target_heads, resolve_draft_stage
-
             self.placement = resolve_draft_stage(job.args.dflash_pipeline_stage, job.pp)
-            self.embedding, self.head = copy_frozen_target_heads(self.module, self.placement)  # every rank
-            self.is_draft = self.placement.holds_draft()
+            self.embedding, self.head = copy_frozen_target_heads(self.module, self.placement,  # every rank
+                                                                 groups=groups)
+            self.is_draft = self.placement.holds_draft(groups.pp_rank)
             return
         self.embedding = self.module.embedding
         self.head = self.module.output_head
@@ -204,20 +231,16 @@ class _Target:
         else:
             mask = causal_mask(S, tokens.device)
         if self.placement is not None:
-            from ..pipeline import run_target_pipeline
-
             out = run_target_pipeline(self.module, batch, draft_stage=self.placement, attention_mask=mask,
-                                      need_final_hidden=self.need_final_hidden)
+                                      need_final_hidden=self.need_final_hidden, groups=self.groups)
             return None if out is None else (out.taps, out.final_hidden)
         out = self.module(tokens, attention_mask=mask, position_ids=positions, need_final_hidden=self.need_final_hidden)
-        from ..target import concat_taps
 
         return concat_taps(out.taps, self.module.target_layer_ids), out.final_hidden
 
 
 def _load_hf_model(job: Job, dtype: torch.dtype):
     """The target causal LM in one process, loaded as its family says (`families.TargetFamily.loader`)."""
-    from ..families import resolve_target_family, target_architecture
 
     family = job.target_family or resolve_target_family(job.target_config)
     model = family.loader(target_architecture(job.target_config))(job.target_dir, dtype)
@@ -230,8 +253,6 @@ def _load_hf_model(job: Job, dtype: torch.dtype):
 
 def build_datasets(job: Job):
     """(train, valid or None) map-style datasets of `data.py`."""
-    from .. import data
-    from .errors import DataError
 
     args, tok = job.args, job.tokenizer
     fmt = args.data_format
@@ -262,7 +283,6 @@ def build_datasets(job: Job):
 def _check_data(job: Job, train_ds, collate, log=print) -> None:
     """Token ids of pre-tokenised data inside the target's vocabulary; something to learn in the training data
     (JSONL and synthetic data come from a tokenizer that `prepare_job` checked against the vocabulary)."""
-    from .data_checks import check_indexed_token_range, check_something_to_learn
 
     args = job.args
     if args.data_format == "indexed":
@@ -321,16 +341,15 @@ class StepStatistics:
 
 
 class _StepRunner:
-    def __init__(self, job: Job, body, model, target: _Target, device):
+    def __init__(self, job: Job, body, model, target: _Target, device, groups: ProcessGroups):
         self.job, self.body, self.model, self.target, self.device = job, body, model, target, device
+        self.groups = groups
         self.args = job.args
         self.config = job.draft_config
         self._verified_step: Optional[int] = None  # last step whose plan the TP group compared
 
     def micro_batch(self, batch: dict, step: int, seed: int, backward: bool) -> StepStatistics:
         """Forward (+ backward) of one micro-batch; returns its additive statistics."""
-        from ..data import attach_dflash_plan
-        from ..objectives import embed_blocks
 
         args, cfg = self.args, self.config
         batch = {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
@@ -344,19 +363,15 @@ class _StepRunner:
                 self._verified_step is None or step % args.log_interval == 0):
             # The TP ranks of a group must hold the same batch and plan (they build them independently): checked
             # on the first step and then once per logging interval (one small all-reduce over the TP group).
-            from ..data import PlanDisagreementError, verify_plan_agreement
-            from .errors import DataError
 
             try:
-                verify_plan_agreement(plan, extra={"tokens": batch["tokens"]})
+                verify_plan_agreement(plan, self.groups.tp, extra={"tokens": batch["tokens"]})
             except PlanDisagreementError as err:  # raised on every rank of the group alike
                 raise DataError(f"{err} The tensor-parallel ranks read different data: the data files must be "
                                 "identical on every node.") from err
             self._verified_step = step
         prefix = None
         if args.dflash_variable_prefix is not None:
-            from ..variable_prefix import sample_prefix_lengths
-
             prefix = sample_prefix_lengths(plan, seed=seed, optimizer_step=step, base=args.dflash_variable_prefix,
                                            sample_ids=batch["sample_ids"])
         from_target = self.target(batch)  # collective over the pipeline when PP > 1
@@ -390,16 +405,13 @@ class _StepRunner:
         contributes: every rank, rank 0 included, gets the real numbers, on the host. One all-reduce per
         group for the counts and the metrics together. `scalars` (learning rate, grad norm: known on the
         draft's stage only) come back from the draft's stage as they are."""
-        from megatron.core import parallel_state
-
         counts, metrics = stats.counts, stats.metrics
-        dp_group = parallel_state.get_data_parallel_group() if dist.is_initialized() else None
-        if metrics is not None and dp_group is not None and parallel_state.get_data_parallel_world_size() > 1:
-            counts, metrics = all_reduce_together([counts, metrics], dp_group)
+        if metrics is not None and self.groups.dp_size > 1:
+            counts, metrics = all_reduce_together([counts, metrics], self.groups.dp)
         scalars = dict(scalars or {})
         if self.target.placement is not None:
-            group = parallel_state.get_pipeline_model_parallel_group()
-            src = dist.get_global_rank(group, self.target.placement.draft_stage)
+            group = self.groups.pp
+            src = self.groups.pp_peer(self.target.placement.draft_stage)
             meta = [type(metrics), scalars] if self.target.is_draft else [None, None]
             dist.broadcast_object_list(meta, src=src, group=group)
             kind, scalars = meta
@@ -446,10 +458,9 @@ class _RankData:
         (the reduced count says so on every rank; the messages are gathered on this failure path only)."""
         if float(totals.counts.unreadable_micro_batches) <= 0:
             return
-        from .errors import DataError
 
         messages = [self.error]
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        if distributed_ready() and dist.get_world_size() > 1:
             messages = [None] * dist.get_world_size()
             dist.all_gather_object(messages, self.error)
         raise DataError(next(m for m in messages if m is not None))
@@ -463,14 +474,11 @@ def validation_loss(runner: _StepRunner, dataset, job: Job) -> dict:
 
     The plans use a fixed step (0) and a derived seed, so every evaluation sees the same blocks.
     """
-    from megatron.core import parallel_state
-
-    from ..data import Collator, MicroBatchIterator
 
     args = job.args
     collate = Collator(job.pad_token_id, args.seq_length, args.pack_sequences)
     it = MicroBatchIterator(dataset, micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
-                            dp_rank=parallel_state.get_data_parallel_rank(), dp_size=job.dp, seed=args.seed + 1,
+                            dp_rank=runner.groups.dp_rank, dp_size=job.dp, seed=args.seed + 1,
                             start_step=0, collate_fn=collate)
     reader = _RankData(it, collate, job.pad_token_id, args.micro_batch_size)
     acc = None
@@ -491,9 +499,8 @@ def validation_loss(runner: _StepRunner, dataset, job: Job) -> dict:
 @torch.no_grad()
 def acceptance_length(target_model, draft, prompts: list, job: Job, batch_size: int = 8) -> dict:
     """Greedy speculative decoding of `prompts`: mean committed tokens per target forward."""
-    from ..generate import spec_generate
 
-    lengths, generated, forwards = [], 0, 0
+    lengths, generated = [], []
     was_training = draft.training
     draft.eval()
     try:
@@ -503,27 +510,23 @@ def acceptance_length(target_model, draft, prompts: list, job: Job, batch_size: 
                                 stop_token_ids=None if job.args.dflash_eval_ignore_eos else (job.stop_token_ids or None),
                                 pad_token_id=job.pad_token_id,
                                 attention_backend="chunked")
-            lengths += [a for row in out.acceptance_lengths for a in row]
-            generated += int(out.num_generated.sum())
-            # per row: one prefill forward (its first token) plus one verify forward per cycle
-            forwards += sum(len(row) for row in out.acceptance_lengths) + int((out.num_generated > 0).sum())
+            lengths += [list(row) for row in out.acceptance_lengths]
+            generated += [int(n) for n in out.num_generated]
     finally:
         draft.train(was_training)
-    mean = sum(lengths) / len(lengths) if lengths else float("nan")
-    result = {"acceptance_length": mean, "cycles": len(lengths), "generated_tokens": generated,
-              "tokens_per_target_forward": generated / max(1, forwards), "prompts": len(prompts)}
-    if not lengths:
+    metric = decode_metric(lengths, generated)  # the tool's definition (tools/evaluate_acceptance.py)
+    result = {"acceptance_length": metric["acceptance_length"] if metric["cycles"] else float("nan"),
+              "cycles": metric["cycles"], "generated_tokens": metric["generated_tokens"],
+              "tokens_per_target_forward": metric["tokens_per_target_forward"] or 0.0, "prompts": len(prompts)}
+    if not metric["cycles"]:
         # Each prompt's first token comes from the prefill; a cycle needs a second one to draft for.
-        result["no_cycle_reason"] = (
-            f"no verify cycle ran: every prompt ended at the target's first generated token "
-            f"({generated} tokens for {len(prompts)} prompts: a stop token, or prompts the target cannot "
-            "continue); use prompts the target knows, or --dflash-eval-ignore-eos")
+        result["no_cycle_reason"] = no_verify_cycle_reason(
+            f"{metric['generated_tokens']} tokens for {len(prompts)} prompts: a stop token, or prompts the target "
+            "cannot continue", "use prompts the target knows, or --dflash-eval-ignore-eos")
     return result
 
 
 def _acceptance_line(result: dict) -> str:
-    from .monitor import DECODE_ACCEPTANCE, DECODE_TOKENS_PER_FORWARD
-
     if not result["cycles"]:
         return f"{DECODE_ACCEPTANCE} n/a over {result['prompts']} held-out prompts: {result['no_cycle_reason']}"
     return (f"{DECODE_ACCEPTANCE} {result['acceptance_length']:.3f} (autoregressive baseline 1.0) over "
@@ -533,7 +536,6 @@ def _acceptance_line(result: dict) -> str:
 
 def _decode_record(iteration: int, result: dict) -> dict:
     """The metrics.jsonl / TensorBoard values of one speculative-decoding evaluation."""
-    from .monitor import DECODE_ACCEPTANCE, DECODE_TOKENS_PER_FORWARD
 
     return {DECODE_ACCEPTANCE: result["acceptance_length"] if result["cycles"] else None,
             DECODE_TOKENS_PER_FORWARD: result["tokens_per_target_forward"], "verify cycles": result["cycles"],
@@ -570,8 +572,6 @@ def _export(job: Job, body) -> None:
     the verdict (one all-reduce) before any rank writes. Then the draft's stage writes it, with the marker
     that records the run inside (published in the same rename as the weights); every rank learns whether
     that worked (a full file system: the same `NoSpaceError` on every rank)."""
-    from .checkpointing import raise_alike_after_write
-    from .outputs import check_export_directory, export_marker, run_name
 
     error: Optional[BaseException] = None
     try:
@@ -626,299 +626,343 @@ def train(job: Job, *, hooks: Optional[dict] = None, env=None) -> TrainResult:
 
     A megatron target without CUDA runs under `device_shim.megatron_target_on_cpu()` (gloo CPU ranks)."""
     if job.args.target_backend == "megatron" and not job.args.use_cuda:
-        from .device_shim import megatron_target_on_cpu
-
         with megatron_target_on_cpu():
             return _train(job, hooks=hooks, env=env)
     return _train(job, hooks=hooks, env=env)
 
 
 def _train(job: Job, *, hooks: Optional[dict], env) -> TrainResult:
-    from megatron.core import parallel_state
-
-    from ..body import default_parallel_config
-    from ..data import Collator, MicroBatchIterator
-    from ..parallel import SingleRankGroup
-    from .checkpointing import load_checkpoint, save_checkpoint
-    from .errors import DivergenceError
-    from .monitor import Monitor, format_metrics, labelled
-    from .optim import build_engine, optimizer_layout
-    from .resume import agree_on_resume_point
-    from .rundir import RunWriter
-    from .savelock import lock_save_directory
-    from .signals import StopSignals
-
-    hooks = hooks or {}
-    args = job.args
-    t_start = time.time()
-    ctx = initialize_distributed(job, env)
-    monitor = run_dir = save_lock = None
-    stop = StopSignals()
+    """`train` in this process: set up, build, resume, the steps, then the end (export, final evaluation);
+    everything set up is released at the end, also on failure."""
+    run = _Training(job, hooks or {}, env)
     try:
-        rank = ctx.rank
+        return run.run()
+    finally:
+        run.close()
+
+
+class _Training:
+    """One training run, step by step (`run`); `close` releases what it set up. Every rank runs every step."""
+
+    def __init__(self, job: Job, hooks: dict, env):
+        self.job, self.args, self.hooks = job, job.args, hooks
+        self.t_start = time.time()
+        self.ctx = initialize_distributed(job, env)
+        self.rank = self.ctx.rank
+        self.monitor = self.run_dir = self.save_lock = None
+        self.stop = StopSignals()
+        self.dtype = torch.bfloat16 if self.args.bf16 else torch.float32
+        self.body = self.engine = None
+        self.last_saved: Optional[int] = None
+
+    def log0(self, text: str) -> None:
+        """A line printed by rank 0 only."""
+        _log(self.rank, text)
+
+    def close(self) -> None:
+        if self.monitor is not None:
+            self.monitor.close()
+        if self.run_dir is not None:
+            self.run_dir.close()
+        self.stop.restore()
+        if self.save_lock is not None:
+            self.save_lock.release()
+        self.ctx.close()
+
+    def run(self) -> TrainResult:
+        job, args = self.job, self.args
         if args.save:  # one run per save directory, before anything is built (the same verdict on every rank)
-            save_lock = lock_save_directory(args.save, log=lambda t: _log(rank, t))
-        dtype = torch.bfloat16 if args.bf16 else torch.float32
-        cfg = job.draft_config
-        _log(rank, f"[dflash] variant {job.variant.name}: {cfg.num_hidden_layers} draft layer(s), hidden "
-             f"{cfg.hidden_size}, block size {cfg.block_size}, target layers {cfg.target_layer_ids} of "
-             f"{cfg.num_target_layers}, MASK {cfg.mask_token_id}; target {job.target_dir} ({args.target_backend}); "
-             f"world {ctx.world_size} = TP {job.tp} x PP {job.pp} x DP {job.dp}; global batch "
-             f"{args.global_batch_size} = micro {args.micro_batch_size} x {args.num_micro_batches} x DP {job.dp}; "
-             f"device {ctx.device.type}")
-
-        # ---- data, checked before anything is built: same verdict on every rank (file reads only)
-        train_ds, valid_ds = build_datasets(job)
+            self.save_lock = lock_save_directory(args.save, log=self.log0)
+        self._announce()
+        # data, checked before anything is built: same verdict on every rank (file reads only)
+        train_ds, self.valid_ds = build_datasets(job)
         collate = Collator(job.pad_token_id, args.seq_length, args.pack_sequences)
-        _check_data(job, train_ds, collate, log=lambda t: _log(rank, t))
+        _check_data(job, train_ds, collate, log=self.log0)
+        self._build_models()
+        start_iteration = self._resume()
+        data_iter = MicroBatchIterator(
+            train_ds, micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
+            dp_rank=self.ctx.groups.dp_rank, dp_size=job.dp, seed=args.seed,
+            start_step=start_iteration, collate_fn=collate,
+        )
+        self.train_data = _RankData(data_iter, collate, job.pad_token_id, args.micro_batch_size)
+        self._open_outputs(start_iteration)
+        iteration, exited = self._steps(start_iteration)
+        return self._finish(iteration, exited)
 
-        # ---- models
-        target = _Target(job, ctx.device, dtype)
-        # PP > 1: the draft (body, optimizer) lives on one stage only; the other stages run the target.
-        is_draft = target.is_draft
-        if target.placement is not None:
-            _log(rank, f"[dflash] pipeline: the draft is on stage {target.placement.draft_stage} of {job.pp}")
+    def _announce(self) -> None:
+        job, args, cfg, ctx = self.job, self.args, self.job.draft_config, self.ctx
+        self.log0(f"[dflash] variant {job.variant.name}: {cfg.num_hidden_layers} draft layer(s), hidden "
+                  f"{cfg.hidden_size}, block size {cfg.block_size}, target layers {cfg.target_layer_ids} of "
+                  f"{cfg.num_target_layers}, MASK {cfg.mask_token_id}; target {job.target_dir} ({args.target_backend}); "
+                  f"world {ctx.world_size} = TP {job.tp} x PP {job.pp} x DP {job.dp}; global batch "
+                  f"{args.global_batch_size} = micro {args.micro_batch_size} x {args.num_micro_batches} x DP {job.dp}; "
+                  f"device {ctx.device.type}")
+
+    def _build_models(self) -> None:
+        """The target (every rank) and, on the draft's stage (PP > 1: one stage only), the body and its engine."""
+        job, args, cfg, ctx = self.job, self.args, self.job.draft_config, self.ctx
+        self.target = _Target(job, ctx.device, self.dtype, ctx.groups)
+        if self.target.placement is not None:
+            self.log0(f"[dflash] pipeline: the draft is on stage {self.target.placement.draft_stage} of {job.pp}")
         torch.manual_seed(args.seed)
-        body = engine = None
-        if is_draft:
-            parallel_config = default_parallel_config(params_dtype=dtype, bf16=args.bf16)
+        if self.target.is_draft:
+            parallel_config = default_parallel_config(params_dtype=self.dtype, bf16=args.bf16)
             body = job.variant.build_body(cfg, parallel_config, attention_backend=args.dflash_attention_backend)
             if job.init_from is not None:
-                from ..checkpoint import load_hf_state_dict_into, read_safetensors
-
                 try:
                     load_hf_state_dict_into(body, read_safetensors(job.init_from))
                 except ValueError as err:  # damaged weights: the same on every rank (each reads the file)
                     raise ArgumentError(f"--dflash-init-from={job.init_from}: {err}") from err
-                _log(rank, f"[dflash] initialised the draft from {job.init_from}")
+                self.log0(f"[dflash] initialised the draft from {job.init_from}")
             body.to(ctx.device)
             body.train()
-            engine = build_engine(body, args, cfg, use_cuda=args.use_cuda)
-        runner = _StepRunner(job, body, engine.model if engine is not None else None, target, ctx.device)
+            self.body = body
+            self.engine = build_engine(body, args, cfg, use_cuda=args.use_cuda, groups=ctx.groups)
+        model = self.engine.model if self.engine is not None else None
+        self.runner = _StepRunner(job, self.body, model, self.target, ctx.device, ctx.groups)
 
-        # ---- resume
-        start_iteration = 0
-        if args.load is not None:
-            # read on rank 0 and broadcast: every rank resumes at the same iteration or raises the same error
-            point = agree_on_resume_point(args.load, cfg,
-                                          override_config=getattr(args, "dflash_override_checkpoint_config", False),
-                                          log=lambda t: _log(rank, t))
-            state = None
-            if point is not None:
-                layout = optimizer_layout(args.use_distributed_optimizer, args.tensor_model_parallel_size)
-                state = load_checkpoint(args.load, body, engine, point=point, log=lambda t: _log(rank, t),
-                                        optimizer_layout=layout)
-            if state is None:
-                _log(rank, f"[checkpoint] WARNING: --load={args.load} is {'empty' if os.path.isdir(args.load) else 'absent'}"
-                     ": no checkpoint to resume from, TRAINING FROM SCRATCH.")
-            else:
-                start_iteration = int(state["iteration"])
-                saved = state.get("args", {})
-                # the draft's own settings were compared with its dflash_config.json; these set the data order
-                for key in ("global_batch_size", "seed", "data_format"):
-                    if saved.get(key) is not None and saved[key] != getattr(args, key):
-                        _log(rank, f"[checkpoint] warning: --{key.replace('_', '-')} was {saved[key]} in the "
-                             f"checkpoint and is {getattr(args, key)} now; the run does not continue exactly.")
-                _log(rank, f"[checkpoint] resumed from {state['directory']} at iteration {start_iteration}")
+    def _resume(self) -> int:
+        """The iteration to start from: `--load`'s checkpoint restored (agreed on every rank), else 0."""
+        args = self.args
+        if args.load is None:
+            return 0
+        # read on rank 0 and broadcast: every rank resumes at the same iteration or raises the same error
+        point = agree_on_resume_point(args.load, self.job.draft_config,
+                                      override_config=getattr(args, "dflash_override_checkpoint_config", False),
+                                      log=self.log0)
+        state = None
+        if point is not None:
+            layout = optimizer_layout(args.use_distributed_optimizer, args.tensor_model_parallel_size)
+            state = load_checkpoint(args.load, self.body, self.engine, point=point, log=self.log0,
+                                    optimizer_layout=layout)
+        if state is None:
+            self.log0(f"[checkpoint] WARNING: --load={args.load} is {'empty' if os.path.isdir(args.load) else 'absent'}"
+                      ": no checkpoint to resume from, TRAINING FROM SCRATCH.")
+            return 0
+        start_iteration = int(state["iteration"])
+        saved = state.get("args", {})
+        # the draft's own settings were compared with its dflash_config.json; these set the data order
+        for key in ("global_batch_size", "seed", "data_format"):
+            if saved.get(key) is not None and saved[key] != getattr(args, key):
+                self.log0(f"[checkpoint] warning: --{key.replace('_', '-')} was {saved[key]} in the "
+                          f"checkpoint and is {getattr(args, key)} now; the run does not continue exactly.")
+        self.log0(f"[checkpoint] resumed from {state['directory']} at iteration {start_iteration}")
+        return start_iteration
 
-        # ---- data
-        data_iter = MicroBatchIterator(
-            train_ds, micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
-            dp_rank=parallel_state.get_data_parallel_rank(), dp_size=job.dp, seed=args.seed,
-            start_step=start_iteration, collate_fn=collate,
-        )
-        train_data = _RankData(data_iter, collate, job.pad_token_id, args.micro_batch_size)
-
-        monitor = Monitor(args, rank=rank, total_iters=args.train_iters, start_iter=start_iteration,
-                          config=_args_snapshot(args))
-        log = monitor.print
-        run_dir = RunWriter(job.run_dir, active=rank == 0, log=log)
-        run_dir.write_args(args)
-        run_dir.link_latest()
+    def _open_outputs(self, start_iteration: int) -> None:
+        """The monitor, the run directory and the result, from `start_iteration` on."""
+        job, args = self.job, self.args
+        self.monitor = Monitor(args, rank=self.rank, total_iters=args.train_iters, start_iter=start_iteration,
+                               config=_args_snapshot(args))
+        self.log = self.monitor.print
+        self.run_dir = RunWriter(job.run_dir, active=self.rank == 0, log=self.log)
+        self.run_dir.write_args(args)
+        self.run_dir.link_latest()
         if start_iteration > 0:
-            run_dir.load_existing_metrics(start_iteration)
-        eval_here = rank == 0 and job.eval_prompts is not None and job.tp == 1 and target.hf_model is not None
+            self.run_dir.load_existing_metrics(start_iteration)
+        self.eval_here = (self.rank == 0 and job.eval_prompts is not None and job.tp == 1
+                          and self.target.hf_model is not None)
         if job.eval_prompts is None:
-            log(f"[eval] acceptance evaluation skipped: {job.eval_skip_reason}.")
+            self.log(f"[eval] acceptance evaluation skipped: {job.eval_skip_reason}.")
+        self.result = TrainResult(iterations=start_iteration, start_iteration=start_iteration, losses=[],
+                                  learning_rates=[], grad_norms=[], metrics=[], validation=[], acceptance=[],
+                                  final_acceptance=None, export_dir=None, checkpoint_dir=None, wall_time_s=0.0)
+        self.last_saved = start_iteration if args.load is not None and start_iteration > 0 else None
 
-        result = TrainResult(iterations=start_iteration, start_iteration=start_iteration, losses=[],
-                             learning_rates=[], grad_norms=[], metrics=[], validation=[], acceptance=[],
-                             final_acceptance=None, export_dir=None, checkpoint_dir=None, wall_time_s=0.0)
-        last_saved = start_iteration if args.load is not None and start_iteration > 0 else None
+    def checkpoint(self, iteration: int) -> None:
+        args, engine = self.args, self.engine
+        common = {
+            "iteration": iteration,
+            "consumed_train_samples": iteration * args.global_batch_size,
+            # off the draft's stage there is no scheduler: save_checkpoint takes the draft stage's
+            "scheduler": engine.scheduler.state_dict() if engine is not None else None,
+            "args": _args_snapshot(args),
+            "data": {"format": args.data_format, "seed": args.seed, "next_step": iteration},
+        }
+        t0 = time.time()
+        self.result.checkpoint_dir = save_checkpoint(args.save, iteration, self.body, engine, common=common,
+                                                     log=self.log, groups=self.ctx.groups)
+        self.last_saved = iteration
+        self.log(f"[checkpoint] saved iteration {iteration} to {self.result.checkpoint_dir} ({time.time() - t0:.1f}s)")
 
-        def checkpoint(iteration: int) -> None:
-            nonlocal last_saved
-            common = {
-                "iteration": iteration,
-                "consumed_train_samples": iteration * args.global_batch_size,
-                # off the draft's stage there is no scheduler: save_checkpoint takes the draft stage's
-                "scheduler": engine.scheduler.state_dict() if engine is not None else None,
-                "args": _args_snapshot(args),
-                "data": {"format": args.data_format, "seed": args.seed, "next_step": iteration},
-            }
-            t0 = time.time()
-            result.checkpoint_dir = save_checkpoint(args.save, iteration, body, engine, common=common, log=log)
-            last_saved = iteration
-            log(f"[checkpoint] saved iteration {iteration} to {result.checkpoint_dir} ({time.time() - t0:.1f}s)")
+    def evaluate(self, iteration: int) -> None:
+        """The periodic evaluation: validation loss, and decode acceptance where this rank can decode."""
+        job, result, run_dir = self.job, self.result, self.run_dir
+        if self.valid_ds is not None:
+            values = validation_loss(self.runner, self.valid_ds, job)
+            result.validation.append((iteration, values))
+            self.log(f"[eval] iteration {iteration} validation | {format_metrics(labelled(values, 'valid'))}")
+            self.monitor.scalars(labelled(values, "valid"), iteration, prefix="valid")
+            run_dir.metrics({"iteration": iteration, "split": "valid", **labelled(values, "valid")})
+        if self.eval_here:
+            acc = acceptance_length(self.target.hf_model, self.body, job.eval_prompts, job)
+            result.acceptance.append((iteration, acc))
+            self.log(f"[eval] iteration {iteration} | {_acceptance_line(acc)}")
+            self.monitor.scalars(_decode_record(iteration, acc), iteration, prefix="decode")
+            run_dir.metrics({"iteration": iteration, "split": "decode", **_decode_record(iteration, acc)})
+        run_dir.plot()
+        if self.ctx.groups.is_distributed:
+            dist.barrier()
 
-        def evaluate(iteration: int) -> None:
-            if valid_ds is not None:
-                values = validation_loss(runner, valid_ds, job)
-                result.validation.append((iteration, values))
-                log(f"[eval] iteration {iteration} validation | {format_metrics(labelled(values, 'valid'))}")
-                monitor.scalars(labelled(values, "valid"), iteration, prefix="valid")
-                run_dir.metrics({"iteration": iteration, "split": "valid", **labelled(values, "valid")})
-            if eval_here:
-                acc = acceptance_length(target.hf_model, body, job.eval_prompts, job)
-                result.acceptance.append((iteration, acc))
-                log(f"[eval] iteration {iteration} | {_acceptance_line(acc)}")
-                monitor.scalars(_decode_record(iteration, acc), iteration, prefix="decode")
-                run_dir.metrics({"iteration": iteration, "split": "decode", **_decode_record(iteration, acc)})
-            run_dir.plot()
-            if dist.is_initialized() and ctx.world_size > 1:
-                dist.barrier()
-
-        # ---- train
-        window_t0, window_tokens, window_start = time.time(), 0.0, start_iteration
+    def _steps(self, start_iteration: int) -> tuple[int, bool]:
+        """The optimizer steps up to `--train-iters`; returns the last iteration and whether `--exit-interval`
+        ended them (a signal ends them with `result.stopped_by` set)."""
+        args, result = self.args, self.result
+        self.window = (time.time(), 0.0, start_iteration)  # (start time, tokens, first iteration) of a log interval
         iteration = start_iteration
-        exited = False
-        stop.install()  # SIGTERM / SIGINT: finish the step, save, exit (until the last checkpoint is written)
+        self.stop.install()  # SIGTERM / SIGINT: finish the step, save, exit (until the last checkpoint is written)
         while iteration < args.train_iters:
             step_t0 = time.time()
-            if engine is not None:
-                engine.zero_grad()
-            acc = None
-            for _ in range(args.num_micro_batches):
-                stats = train_data.mark(runner.micro_batch(next(train_data), step=iteration, seed=args.seed,
-                                                           backward=True))
-                acc = stats if acc is None else acc + stats
-            weight = acc.counts.weight_sum
-            lr = grad_norm = float("nan")
-            if engine is not None:
-                lr = engine.lr
-                # No supervised slot in the whole global batch (the weight is summed over DP, so every rank
-                # decides alike): no optimizer step, so neither Adam's moments nor the schedule move.
-                if engine.finish_grads(weight) > 0:
-                    try:
-                        grad_norm = engine.step()
-                    except DivergenceError as err:  # raised on every rank of the draft alike
-                        hint = _last_checkpoint_hint(args, last_saved)
-                        raise DivergenceError(f"iteration {iteration + 1}: {err}{hint}") from err
-            totals = runner.reduce(acc, {"lr": lr, "grad_norm": grad_norm})
-            train_data.stop_if_unreadable(totals)  # before anything of this step is logged or saved
-            lr, grad_norm = totals.scalars["lr"], totals.scalars["grad_norm"]
+            totals = self._step(iteration)
             iteration += 1
-            empty = int(round(float(totals.counts.empty_micro_batches)))
-            result.empty_micro_batches += empty
-            if float(totals.counts.weight_sum) <= 0:
-                result.skipped_steps += 1
-                log(f"[dflash] iteration {iteration}: no supervised slot in the global batch ({empty} empty "
-                    f"micro-batch(es)); optimizer step skipped ({result.skipped_steps} skipped so far).")
-            values = totals.log_values()
-            tokens = float(totals.counts.tokens)
-            tps = tokens / max(1e-9, time.time() - step_t0)
-            values.update({"learning rate": lr, "grad norm": grad_norm, "tokens per second": tps})
-            if result.empty_micro_batches:
-                values.update({"empty micro-batches": result.empty_micro_batches,
-                               "skipped steps": result.skipped_steps})
-            result.losses.append(values["loss"])
-            result.learning_rates.append(lr)
-            result.grad_norms.append(grad_norm)
-            result.metrics.append(values)
-            result.iterations = iteration
-            window_tokens += tokens
-            monitor.scalars(labelled(values, "train"), iteration)
-            monitor.advance(f"loss {values['loss']:.3f} acc {values['accuracy']:.2f}")
-            if iteration % args.log_interval == 0 or iteration == args.train_iters:
-                elapsed = time.time() - window_t0
-                # like megatron: the statistics are means over the log interval; lr and grad norm the last
-                window = result.metrics[window_start - iteration:]
-                means = {k: sum(m[k] for m in window) / len(window) for k in values
-                         if k not in ("learning rate", "grad norm", "tokens per second")}
-                line = {"iteration": f"{iteration:6d}/{args.train_iters}",
-                        "consumed samples": iteration * args.global_batch_size,
-                        "elapsed time per iteration (ms)": 1000.0 * elapsed / len(window)}
-                line.update(labelled({**values, **means}, "train"))
-                line["tokens per second"] = window_tokens / max(1e-9, elapsed)
-                log(format_metrics(line))
-                run_dir.metrics({"iteration": iteration, "split": "train",
-                                 **{k: v for k, v in line.items() if k != "iteration"}})
-                window_t0, window_tokens, window_start = time.time(), 0.0, iteration
-            if "on_step" in hooks:
-                hooks["on_step"](iteration, values, body)
+            values = self._record(iteration, totals, step_t0)
+            if "on_step" in self.hooks:
+                self.hooks["on_step"](iteration, values, self.body)
             if args.save and args.save_interval and iteration % args.save_interval == 0:
-                checkpoint(iteration)
+                self.checkpoint(iteration)
             # On every rank, every step: one all-reduce of one integer. After the periodic save (a signal that
             # lands during it stops here too), before the evaluation (which a stopping run skips).
-            result.stopped_by = stop.agreed()
+            result.stopped_by = self.stop.agreed()
             if result.stopped_by:
-                break
+                return iteration, False
             if args.eval_interval and iteration % args.eval_interval == 0 and iteration < args.train_iters:
-                evaluate(iteration)
+                self.evaluate(iteration)
             if getattr(args, "exit_interval", None) and iteration % args.exit_interval == 0 \
                     and iteration < args.train_iters:
-                exited = True
-                break
+                return iteration, True
+        return iteration, False
 
-        # ---- the end
-        if args.save and last_saved != iteration:
-            checkpoint(iteration)
-        result.stopped_by = result.stopped_by or stop.agreed()  # also a signal during that last save
-        stop.restore()
+    def _step(self, iteration: int) -> StepStatistics:
+        """One optimizer step over this rank's micro-batches; its statistics reduced over DP (and PP)."""
+        args, engine, runner = self.args, self.engine, self.runner
+        if engine is not None:
+            engine.zero_grad()
+        acc = None
+        for _ in range(args.num_micro_batches):
+            stats = self.train_data.mark(runner.micro_batch(next(self.train_data), step=iteration, seed=args.seed,
+                                                            backward=True))
+            acc = stats if acc is None else acc + stats
+        lr = grad_norm = float("nan")
+        if engine is not None:
+            lr = engine.lr
+            # No supervised slot in the whole global batch (the weight is summed over DP, so every rank
+            # decides alike): no optimizer step, so neither Adam's moments nor the schedule move.
+            if engine.finish_grads(acc.counts.weight_sum) > 0:
+                try:
+                    grad_norm = engine.step()
+                except DivergenceError as err:  # raised on every rank of the draft alike
+                    hint = _last_checkpoint_hint(args, self.last_saved)
+                    raise DivergenceError(f"iteration {iteration + 1}: {err}{hint}") from err
+        totals = runner.reduce(acc, {"lr": lr, "grad_norm": grad_norm})
+        self.train_data.stop_if_unreadable(totals)  # before anything of this step is logged or saved
+        return totals
+
+    def _record(self, iteration: int, totals: StepStatistics, step_t0: float) -> dict:
+        """The step's values into the result, the monitor and (each log interval) the log; returns them."""
+        result, log = self.result, self.log
+        lr, grad_norm = totals.scalars["lr"], totals.scalars["grad_norm"]
+        empty = int(round(float(totals.counts.empty_micro_batches)))
+        result.empty_micro_batches += empty
+        if float(totals.counts.weight_sum) <= 0:
+            result.skipped_steps += 1
+            log(f"[dflash] iteration {iteration}: no supervised slot in the global batch ({empty} empty "
+                f"micro-batch(es)); optimizer step skipped ({result.skipped_steps} skipped so far).")
+        values = totals.log_values()
+        tokens = float(totals.counts.tokens)
+        tps = tokens / max(1e-9, time.time() - step_t0)
+        values.update({"learning rate": lr, "grad norm": grad_norm, "tokens per second": tps})
+        if result.empty_micro_batches:
+            values.update({"empty micro-batches": result.empty_micro_batches,
+                           "skipped steps": result.skipped_steps})
+        result.losses.append(values["loss"])
+        result.learning_rates.append(lr)
+        result.grad_norms.append(grad_norm)
+        result.metrics.append(values)
+        result.iterations = iteration
+        window_t0, window_tokens, window_start = self.window
+        self.window = (window_t0, window_tokens + tokens, window_start)
+        self.monitor.scalars(labelled(values, "train"), iteration)
+        self.monitor.advance(f"loss {values['loss']:.3f} acc {values['accuracy']:.2f}")
+        if iteration % self.args.log_interval == 0 or iteration == self.args.train_iters:
+            self._log_interval(iteration, values)
+        return values
+
+    def _log_interval(self, iteration: int, values: dict) -> None:
+        """The log line of the interval that ends at `iteration` (like megatron: the statistics are means over
+        the interval; lr and grad norm the last)."""
+        args = self.args
+        window_t0, window_tokens, window_start = self.window
+        elapsed = time.time() - window_t0
+        window = self.result.metrics[window_start - iteration:]
+        means = {k: sum(m[k] for m in window) / len(window) for k in values
+                 if k not in ("learning rate", "grad norm", "tokens per second")}
+        line = {"iteration": f"{iteration:6d}/{args.train_iters}",
+                "consumed samples": iteration * args.global_batch_size,
+                "elapsed time per iteration (ms)": 1000.0 * elapsed / len(window)}
+        line.update(labelled({**values, **means}, "train"))
+        line["tokens per second"] = window_tokens / max(1e-9, elapsed)
+        self.log(format_metrics(line))
+        self.run_dir.metrics({"iteration": iteration, "split": "train",
+                              **{k: v for k, v in line.items() if k != "iteration"}})
+        self.window = (time.time(), 0.0, iteration)
+
+    def _finish(self, iteration: int, exited: bool) -> TrainResult:
+        """The last save; then a stopped or exited run returns, a finished one validates, exports and evaluates."""
+        args, result = self.args, self.result
+        if args.save and self.last_saved != iteration:
+            self.checkpoint(iteration)
+        result.stopped_by = result.stopped_by or self.stop.agreed()  # also a signal during that last save
+        self.stop.restore()
         result.exited_early = exited or result.stopped_by is not None
-        if result.stopped_by:
-            result.stop_message = _stop_message(result.stopped_by, iteration, args)
-            log(f"[dflash] {result.stop_message}")
-            run_dir.plot()
-            result.wall_time_s = time.time() - t_start
+        if result.stopped_by or exited:
+            if result.stopped_by:
+                result.stop_message = _stop_message(result.stopped_by, iteration, args)
+                self.log(f"[dflash] {result.stop_message}")
+            else:
+                self.log(f"[dflash] exiting at iteration {iteration} (--exit-interval {args.exit_interval}); "
+                         f"resume with --load {args.save}.")
+            self.run_dir.plot()
+            result.wall_time_s = time.time() - self.t_start
             return result
-        if exited:
-            log(f"[dflash] exiting at iteration {iteration} (--exit-interval {args.exit_interval}); resume with "
-                f"--load {args.save}.")
-            run_dir.plot()
-            result.wall_time_s = time.time() - t_start
-            return result
-        monitor.close()
-        if valid_ds is not None:
-            values = validation_loss(runner, valid_ds, job)
+        self.monitor.close()
+        self._final_outputs(iteration)
+        result.wall_time_s = time.time() - self.t_start
+        skipped = ""
+        if result.empty_micro_batches:
+            skipped = (f" ({result.empty_micro_batches} micro-batch(es) without a supervised slot, "
+                       f"{result.skipped_steps} optimizer step(s) skipped)")
+        self.log0(f"[dflash] done: {iteration} iterations in {result.wall_time_s:.0f}s{skipped}")
+        self.run_dir.finish(self.job, result)  # summary.json, plot, the headline and the next steps (rank 0)
+        return result
+
+    def _final_outputs(self, iteration: int) -> None:
+        """The final validation, the HF export, and the decode evaluation of the exported draft (rank 0)."""
+        job, result, ctx, run_dir = self.job, self.result, self.ctx, self.run_dir
+        if self.valid_ds is not None:
+            values = validation_loss(self.runner, self.valid_ds, job)
             result.validation.append((iteration, values))
-            _log(rank, f"[eval] final validation | {format_metrics(labelled(values, 'valid'))}")
+            self.log0(f"[eval] final validation | {format_metrics(labelled(values, 'valid'))}")
             run_dir.metrics({"iteration": iteration, "split": "valid", **labelled(values, "valid")})
-        _export(job, body)
+        _export(job, self.body)
         result.export_dir = job.export_dir
-        _log(rank, f"[export] HF draft written to {job.export_dir}")
-        if dist.is_initialized() and ctx.world_size > 1:
+        self.log0(f"[export] HF draft written to {job.export_dir}")
+        if ctx.groups.is_distributed:
             dist.barrier()
-        if job.eval_prompts is not None and rank == 0:
+        if job.eval_prompts is not None and self.rank == 0:
             exported = load_hf_checkpoint(job.export_dir, tp_group=SingleRankGroup(),
                                           attention_backend="chunked").to(ctx.device)
-            hf_model = target.hf_model if target.hf_model is not None else _load_hf_model(job, dtype)
+            target = self.target
+            hf_model = target.hf_model if target.hf_model is not None else _load_hf_model(job, self.dtype)
             final = acceptance_length(hf_model.to(ctx.device), exported, job.eval_prompts, job)
             result.final_acceptance = final
             result.acceptance.append((iteration, final))
             print(f"[final] {_acceptance_line(final)}", flush=True)
             run_dir.metrics({"iteration": iteration, "split": "decode", **_decode_record(iteration, final)})
         elif job.eval_prompts is None:
-            _log(rank, f"[final] acceptance evaluation skipped: {job.eval_skip_reason}.")
-        if dist.is_initialized() and ctx.world_size > 1:
+            self.log0(f"[final] acceptance evaluation skipped: {job.eval_skip_reason}.")
+        if ctx.groups.is_distributed:
             dist.barrier()
-        result.wall_time_s = time.time() - t_start
-        skipped = ""
-        if result.empty_micro_batches:
-            skipped = (f" ({result.empty_micro_batches} micro-batch(es) without a supervised slot, "
-                       f"{result.skipped_steps} optimizer step(s) skipped)")
-        _log(rank, f"[dflash] done: {iteration} iterations in {result.wall_time_s:.0f}s{skipped}")
-        run_dir.finish(job, result)  # summary.json, plot, the headline and the next steps (rank 0)
-        return result
-    finally:
-        if monitor is not None:
-            monitor.close()
-        if run_dir is not None:
-            run_dir.close()
-        stop.restore()
-        if save_lock is not None:
-            save_lock.release()
-        ctx.close()
 
 
 def run(argv: Optional[Sequence[str]] = None, *, hooks: Optional[dict] = None, env=None,
@@ -938,10 +982,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     under a checkpoint or the export) end in one line on stderr (exit 2 for arguments, 1 otherwise) on every
     rank; bugs keep their traceback. A run stopped by SIGTERM / SIGINT during the steps ends in one line with
     `signals.STOPPED_EXIT_STATUS`, a SIGINT outside them in one line with `cli.INTERRUPTED_EXIT_STATUS`."""
-    from ..cli import is_no_space, report_failure, report_interrupt
-    from .errors import RunError
-    from .rundir import ConsoleLog
-    from .signals import STOPPED_EXIT_STATUS
 
     # rank 0 keeps the console log (the other ranks print nothing but errors)
     console = ConsoleLog.start() if os.environ.get("RANK", "0") == "0" else None

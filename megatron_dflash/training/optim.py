@@ -17,10 +17,15 @@ global batch is split into micro-batches and DP ranks.
 from __future__ import annotations
 
 import contextlib
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from ..parallel import ProcessGroups, current_process_groups, distributed_ready, is_distributed_group
+from .device_shim import cuda_on_cpu
+from .errors import DivergenceError
 
 __all__ = ["DISTRIBUTED_OPTIMIZER_FORMAT", "Engine", "MegatronEngine", "build_engine", "build_scheduler",
            "optimizer_layout"]
@@ -64,27 +69,24 @@ def build_scheduler(optimizer, args):
 
 
 def _group_size(group) -> int:
-    if group is None or not (dist.is_available() and dist.is_initialized()):
+    if group is None or not distributed_ready():
         return 1
-    return dist.get_world_size(group)
+    return group.size() if is_distributed_group(group) else 1
 
 
 @contextlib.contextmanager
-def _world_collectives_within_the_draft_stage(active: bool):
+def _world_collectives_within_the_draft_stage(active: bool, stage):
     """Inside the block, `all_gather_object` over the default (world) group runs over the draft's stage.
 
     megatron-core 0.16's `get_megatron_optimizer` aligns the optimizer's parameter groups across ranks
     with `all_gather_object` over the whole world (once per model chunk and once for expert
     parameters). Under pipeline parallelism only the draft's stage builds an optimizer, so the stages
     without the draft would never join; the alignment belongs to the ranks that hold the draft, its
-    tensor x data-parallel group.
+    tensor x data-parallel group, `stage`.
     """
     if not active:
         yield
         return
-    from megatron.core import parallel_state
-
-    stage = parallel_state.get_tensor_and_data_parallel_group()
     real = dist.all_gather_object
 
     def within_stage(object_list, obj, group=None):
@@ -101,7 +103,7 @@ def _world_collectives_within_the_draft_stage(active: bool):
         dist.all_gather_object = real
 
 
-def _draft_stage_process_groups(distributed_optimizer: bool):
+def _draft_stage_process_groups(distributed_optimizer: bool, groups: ProcessGroups):
     """megatron's process groups for the draft's optimizer under pipeline parallelism.
 
     The body is on one stage, so its grad norm is reduced over that stage's ranks only (megatron's
@@ -110,19 +112,16 @@ def _draft_stage_process_groups(distributed_optimizer: bool):
     (each DP rank holds a shard of the gradients) over `intra_dist_opt`: the draft's TP group, and
     its TP x DP group. With the distributed optimizer `mp` stays megatron's model-parallel group:
     there it only numbers the optimizer's sharded state (`dp_group_idx_<rank in mp>`), which keeps
-    checkpoints' keys as they were. Everything else is megatron's `parallel_state`; the draft has
-    no experts.
+    checkpoints' keys as they were. Everything else is the job's `groups`; the draft has no experts.
     """
-    from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    tp = parallel_state.get_tensor_model_parallel_group()
     return ProcessGroupCollection(
-        tp=tp,
-        dp=parallel_state.get_data_parallel_group(),
-        dp_cp=parallel_state.get_data_parallel_group(with_context_parallel=True),
-        mp=parallel_state.get_model_parallel_group() if distributed_optimizer else tp,
-        intra_dist_opt=parallel_state.get_tensor_and_data_parallel_group(),
+        tp=groups.tp,
+        dp=groups.dp,
+        dp_cp=groups.dp_cp,
+        mp=groups.mp if distributed_optimizer else groups.tp,
+        intra_dist_opt=groups.tp_dp,
         expt_dp=None,
         tp_ep_pp=None,
     )
@@ -156,13 +155,13 @@ class MegatronEngine(Engine):
     `device_shim.cuda_on_cpu()`, which maps the few places where megatron names the GPU.
     """
 
-    def __init__(self, body: nn.Module, args, draft_config, *, use_cuda: bool = True):
+    def __init__(self, body: nn.Module, args, draft_config, *, use_cuda: bool = True,
+                 groups: Optional[ProcessGroups] = None):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.transformer.transformer_config import TransformerConfig
 
-        from .device_shim import cuda_on_cpu
-
+        self.groups = current_process_groups() if groups is None else groups
         self.device_context = contextlib.nullcontext if use_cuda else cuda_on_cpu
         self.device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
         dtype = torch.bfloat16 if args.bf16 else torch.float32
@@ -216,11 +215,11 @@ class MegatronEngine(Engine):
                 overrides = get_standard_config_overrides(opt_config)
             except ImportError:
                 pass
-            with _world_collectives_within_the_draft_stage(self.pp > 1):
+            with _world_collectives_within_the_draft_stage(self.pp > 1, self.groups.tp_dp):
                 if self.pp > 1:
                     self.optimizer = get_megatron_optimizer(
                         opt_config, [self.model], config_overrides=overrides, use_gloo_process_groups=False,
-                        pg_collection=_draft_stage_process_groups(self.distributed),
+                        pg_collection=_draft_stage_process_groups(self.distributed, self.groups),
                     )
                 else:
                     self.optimizer = get_megatron_optimizer(opt_config, [self.model], config_overrides=overrides)
@@ -239,10 +238,8 @@ class MegatronEngine(Engine):
             if self.pp > 1:
                 # finalize_model_grads would talk over the pipeline group (embedding grads, num_tokens
                 # broadcast); the draft is on one stage: DP grad sync, DP sum of the weight, scale.
-                from megatron.core import parallel_state
-
                 self.model.finish_grad_sync()
-                dp_group = parallel_state.get_data_parallel_group()
+                dp_group = self.groups.dp
                 if _group_size(dp_group) > 1:
                     dist.all_reduce(num_tokens, group=dp_group)
                 if float(num_tokens.item()) > 0:
@@ -256,18 +253,13 @@ class MegatronEngine(Engine):
 
         The whole local gradient buffer is checked: after the data-parallel reduction a non-finite value is
         on every DP rank, and under the distributed optimizer a rank's unreduced part still shows its own."""
-        from megatron.core import parallel_state
-
         finite = torch.ones(1, dtype=torch.float32, device=self.device)
         for buffer in self.model.buffers:
             finite *= torch.isfinite(buffer.grad_data).all().to(torch.float32)
-        if dist.is_available() and dist.is_initialized() and parallel_state.model_parallel_is_initialized():
-            group = parallel_state.get_tensor_and_data_parallel_group()
-            if _group_size(group) > 1:
-                dist.all_reduce(finite, op=dist.ReduceOp.MIN, group=group)
+        group = self.groups.tp_dp
+        if _group_size(group) > 1:
+            dist.all_reduce(finite, op=dist.ReduceOp.MIN, group=group)
         if float(finite.item()) < 1.0:
-            from .errors import DivergenceError
-
             raise DivergenceError(
                 "non-finite gradients (NaN or Inf) after this step's micro-batches, on at least one rank; the "
                 "update is skipped and training stops: lower --lr, check the data, or drop --bf16."
@@ -278,8 +270,6 @@ class MegatronEngine(Engine):
         with self.device_context():
             ok, grad_norm, _ = self.optimizer.step()
         if not ok:
-            from .errors import DivergenceError
-
             raise DivergenceError("megatron's optimizer skipped the step (non-finite gradients); training stops: "
                                   "lower --lr, check the data, or drop --bf16.")
         self.scheduler.step(1)
@@ -348,6 +338,8 @@ class MegatronEngine(Engine):
             self._restore_torch_adam_steps()
 
 
-def build_engine(body: nn.Module, args, draft_config, *, use_cuda: bool) -> Engine:
-    """The draft's engine (collective over the ranks that hold the draft)."""
-    return MegatronEngine(body, args, draft_config, use_cuda=use_cuda)
+def build_engine(body: nn.Module, args, draft_config, *, use_cuda: bool,
+                 groups: Optional[ProcessGroups] = None) -> Engine:
+    """The draft's engine (collective over the ranks that hold the draft). `groups`: the job's process groups
+    (default `parallel.current_process_groups()`)."""
+    return MegatronEngine(body, args, draft_config, use_cuda=use_cuda, groups=groups)

@@ -125,24 +125,32 @@ def acquire_save_lock(save_dir: str, log: Callable = print) -> SaveLock:
 
 def lock_save_directory(save_dir: str, log: Callable = print) -> SaveLock:
     """`acquire_save_lock` on global rank 0; every rank returns (rank 0 holding the lock) or raises the same
-    `RunError`. Collective over the world when `torch.distributed` is initialised (one broadcast)."""
+    `RunError` (`parallel.agree_or_raise`: one all-reduce, the message gathered on failure only). Collective
+    over the world when `torch.distributed` is initialised."""
+    # Local: this module is read by the argument checks (`resume.py`), which must not import torch.
     import torch.distributed as dist
 
-    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    rank = dist.get_rank() if distributed else 0
-    lock, verdict, failure = SaveLock(os.path.join(save_dir, LOCK_FILE), None), [None], None
+    from ..parallel import agree_or_raise, distributed_ready
+
+    rank = dist.get_rank() if distributed_ready() else 0
+    lock, verdict, failure = SaveLock(os.path.join(save_dir, LOCK_FILE), None), None, None
     if rank == 0:
         try:
             lock = acquire_save_lock(save_dir, log)
         except RunError as err:
-            verdict[0] = str(err)
+            verdict = str(err)
         except Exception as err:  # noqa: BLE001 - a bug or an I/O error: the other ranks must not wait
             failure = err
-            verdict[0] = f"rank 0 could not lock --save={save_dir}: {type(err).__name__}: {err}"
-    if distributed:
-        dist.broadcast_object_list(verdict, src=0)
-    if failure is not None:
-        raise failure
-    if verdict[0] is not None:
-        raise RunError(verdict[0])
+            verdict = f"rank 0 could not lock --save={save_dir}: {type(err).__name__}: {err}"
+    try:
+        agree_or_raise(verdict, error_type=RunError, explain=_rank_zero_verdict)
+    except RunError:
+        if failure is not None:  # rank 0 keeps its own error (and traceback)
+            raise failure from None
+        raise
     return lock
+
+
+def _rank_zero_verdict(per_rank: list, mismatch: bool) -> str:
+    """Rank 0's refusal, the one message every rank raises (`agree_or_raise`'s `explain`)."""
+    return per_rank[0][0]
