@@ -33,7 +33,6 @@ from .sharding import (
     hf_state_dict,
     load_hf_state_dict_into,
     load_sharded_state_dict_into,
-    local_tensors,
     sharded_state_dict,
 )
 from .variants.registry import read_hf_config, variant_of

@@ -126,14 +126,14 @@ class ReferenceEngine(Engine):
         return norm
 
 
-def build_reference_engine(body: nn.Module, args, draft_config, *, use_cuda: bool) -> ReferenceEngine:
-    from megatron.core import parallel_state
+def build_reference_engine(body: nn.Module, args, draft_config, *, use_cuda: bool, groups=None) -> ReferenceEngine:
+    """`optim.build_engine`'s signature; the DP / TP groups are the job's (`groups`), as the product's engine uses."""
+    from megatron_dflash.parallel import current_process_groups
 
     if use_cuda:
         raise ValueError("the reference engine runs on CPU ranks only")
-    return ReferenceEngine(body, args, dp_group=parallel_state.get_data_parallel_group(),
-                           tp_group=parallel_state.get_tensor_model_parallel_group(),
-                           tp_rank=parallel_state.get_tensor_model_parallel_rank())
+    groups = current_process_groups() if groups is None else groups
+    return ReferenceEngine(body, args, dp_group=groups.dp, tp_group=groups.tp, tp_rank=groups.tp_rank)
 
 
 @contextlib.contextmanager
