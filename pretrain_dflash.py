@@ -18,7 +18,7 @@ import sys
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from megatron_dflash.cli import UsageError, quiet_dependency_warnings, report_interrupt, usage_error  # noqa: E402
+from megatron_dflash.common.cli import UsageError, quiet_dependency_warnings, report_interrupt, usage_error  # noqa: E402
 
 quiet_dependency_warnings()  # before megatron and transformers load
 

@@ -35,7 +35,7 @@ setup(
     },
     entry_points={
         "console_scripts": [
-            "megatron-dflash-convert = megatron_dflash.convert:main",
+            "megatron-dflash-convert = megatron_dflash.checkpoint.convert:main",
         ],
     },
 )

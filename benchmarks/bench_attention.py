@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_dflash.attention import (  # noqa: E402
+from megatron_dflash.draft.attention import (  # noqa: E402
     BlockVisibility,
     _default_chunk_blocks,
     block_attention,

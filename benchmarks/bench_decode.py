@@ -38,8 +38,8 @@ def _models(hidden: int, layers: int, block_size: int, vocab: int):
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from megatron_dflash.body import DFlashBody
-    from megatron_dflash.config import DFlashConfig
+    from megatron_dflash.draft.body import DFlashBody
+    from megatron_dflash.draft.config import DFlashConfig
 
     torch.manual_seed(0)
     heads = hidden // 32
@@ -86,8 +86,8 @@ def _draft_cycles(path: str, draft, batch: int, context: int, cycles: int) -> li
                 times.append((time.perf_counter() - t0, time.process_time() - c0))
                 start, committed = committed, committed + advances[i]
         else:
-            from megatron_dflash.kv_cache import DraftKVCache
-            from megatron_dflash.plan import DFlashBatchPlan
+            from megatron_dflash.draft.kv_cache import DraftKVCache
+            from megatron_dflash.plan.batch_plan import DFlashBatchPlan
 
             cache = DraftKVCache(draft, batch, context + 4 * W)
             new_context, start = prompt, torch.zeros(batch, dtype=torch.int64)
@@ -117,7 +117,7 @@ def child(path: str, what: str, args) -> dict:
         wall, cpu = statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)
         unit = 1
     else:
-        from megatron_dflash.generate import spec_generate
+        from megatron_dflash.decoding.generate import spec_generate
 
         if path == "old":
             from reference_decode import reference_decode

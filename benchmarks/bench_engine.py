@@ -48,8 +48,8 @@ def child(engine_name: str, hidden: int, layers: int, bf16: bool, steps: int) ->
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from megatron_dflash.body import DFlashBody, default_parallel_config
-    from megatron_dflash.config import DFlashConfig
+    from megatron_dflash.draft.body import DFlashBody, default_parallel_config
+    from megatron_dflash.draft.config import DFlashConfig
 
     torch.set_num_threads(1)
     tmp = tempfile.mkdtemp(prefix="bench-engine-")

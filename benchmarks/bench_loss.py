@@ -8,7 +8,7 @@ Examples:
 
 Implementations (same inputs, same weighted objective, frozen target head, gradient w.r.t. the hidden
 states, and for DFlash 2 the selector's parameters):
-    fused     the production path (``fused=None`` with a frozen head, `head_loss._FusedHeadLoss`): each chunk
+    fused     the production path (``fused=None`` with a frozen head, `objectives.head_loss._FusedHeadLoss`): each chunk
               of ``--chunk`` slots in one reused ``[chunk, V]`` buffer, the gradient w.r.t. the hidden states
               formed in forward, nothing recomputed; DFlash 2's candidates taken from the same logits.
     unfused   ``fused=False``: each chunk's logits, vocab-parallel CE and argmax (and top-k) under activation
@@ -63,8 +63,8 @@ def _package_root(argv) -> str:
 sys.path.insert(0, _package_root(sys.argv))
 
 # `objectives.OutputHead`: the name both this checkout and older commits export.
-from megatron_dflash.objectives import OutputHead, decay_weights, dflash_loss  # noqa: E402
-from megatron_dflash.plan import DFlashBatchPlan  # noqa: E402
+from megatron_dflash.objectives.dflash_loss import OutputHead, decay_weights, dflash_loss  # noqa: E402
+from megatron_dflash.plan.batch_plan import DFlashBatchPlan  # noqa: E402
 from peak_memory import alloc_peak  # noqa: E402  (benchmarks/peak_memory.py)
 
 MIB = 2**20

@@ -134,11 +134,11 @@ def build_ours(args, seq: int):
     import torch
 
     sys.path.insert(0, str(ROOT))
-    from megatron_dflash.body import DFlashBody
-    from megatron_dflash.config import DFlashConfig
-    from megatron_dflash.objectives import dflash_loss, embed_blocks
-    from megatron_dflash.plan import build_dflash_batch_plan
-    from megatron_dflash.target import HFTarget
+    from megatron_dflash.draft.body import DFlashBody
+    from megatron_dflash.draft.config import DFlashConfig
+    from megatron_dflash.objectives.dflash_loss import dflash_loss, embed_blocks
+    from megatron_dflash.plan.batch_plan import build_dflash_batch_plan
+    from megatron_dflash.target.model import HFTarget
 
     torch.manual_seed(0)
     model = _hf_target(args, seq)
@@ -225,7 +225,7 @@ def build_nemo(args, seq: int):
 
 def _draft_config(args):
     sys.path.insert(0, str(ROOT))
-    from megatron_dflash.config import DFlashConfig
+    from megatron_dflash.draft.config import DFlashConfig
 
     # rope_theta of the transformers Qwen3Config both targets are built from (NeMo's draft inherits it).
     return DFlashConfig(
@@ -242,7 +242,7 @@ def _layer_inputs(args, seq: int):
     import torch
 
     sys.path.insert(0, str(ROOT))
-    from megatron_dflash.plan import build_dflash_batch_plan
+    from megatron_dflash.plan.batch_plan import build_dflash_batch_plan
 
     _, mask = _inputs(args, seq)
     plan = build_dflash_batch_plan(mask, torch.tensor([0]), anchors_per_sample=seq // args.anchor_ratio,
@@ -268,8 +268,8 @@ def build_ours_layer(args, seq: int):
     import torch
 
     sys.path.insert(0, str(ROOT))
-    from megatron_dflash.attention import BlockVisibility
-    from megatron_dflash.body import DFlashBody
+    from megatron_dflash.draft.attention import BlockVisibility
+    from megatron_dflash.draft.body import DFlashBody
 
     torch.manual_seed(0)
     body = DFlashBody(_draft_config(args)).train()
@@ -306,7 +306,7 @@ def build_nemo_layer(args, seq: int):
     )
     layer = Qwen3DFlashDecoderLayer(draft_config, 0).train()
     rotary = Qwen3RotaryEmbedding(draft_config)
-    from megatron_dflash.body import DFlashBody
+    from megatron_dflash.draft.body import DFlashBody
 
     _copy_layer_weights(layer, DFlashBody(_draft_config(args)).layers[0])
     plan, hidden, context, grad_out = _layer_inputs(args, seq)

@@ -72,7 +72,7 @@ def check_attention(device: str, dtype: str, *, seq_length: int = 2048, num_bloc
     Off CUDA flex has no backward (and runs eagerly), so only the forward is compared there."""
     from bench_attention import make_case
 
-    from megatron_dflash.attention import block_attention
+    from megatron_dflash.draft.attention import block_attention
 
     name = f"attention[{'fp32' if dtype == 'float32' else 'bf16'}]"
     case = types.SimpleNamespace(batch=1, block_size=block_size, seed=0, causal=False, sliding_window=None,
@@ -172,7 +172,7 @@ def check_te_layer_spec(target_dir, device: str, *, specs: tuple = (False, True)
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from megatron_dflash.target import MegatronTarget, hf_target_spec
+    from megatron_dflash.target.model import MegatronTarget, hf_target_spec
 
     owns = not dist.is_initialized()
     if owns:
@@ -268,11 +268,11 @@ class DraftSize:
 
 def check_draft_step(device: str, size: DraftSize = DraftSize(), *, dtype=torch.bfloat16, repeats: int = 3) -> Row:
     """Forward + loss + backward of the draft body at `size`; the `auto` attention backend decides the kernel."""
-    from megatron_dflash import attention
-    from megatron_dflash.body import DFlashBody, default_parallel_config
-    from megatron_dflash.config import DFlashConfig
-    from megatron_dflash.objectives import OutputHead, dflash_loss
-    from megatron_dflash.plan import build_dflash_batch_plan
+    from megatron_dflash.draft import attention
+    from megatron_dflash.draft.body import DFlashBody, default_parallel_config
+    from megatron_dflash.draft.config import DFlashConfig
+    from megatron_dflash.objectives.dflash_loss import OutputHead, dflash_loss
+    from megatron_dflash.plan.batch_plan import build_dflash_batch_plan
 
     taps = 5
     config = DFlashConfig(

@@ -8,10 +8,14 @@ import sys
 import pytest
 import torch
 
-# The tests import the package from the checkout and the harness module next to this file,
-# also in the rank processes spawned by the harness (they inherit sys.path).
+# The tests import the package from the checkout, the modules of tests/helpers/ (the rank pool, builders,
+# reference implementations) and the shared fixtures of other test modules by module name: the folders of
+# tests/ mirror the package, and a test module's base name is unique across them. The rank processes
+# spawned by the harness inherit sys.path.
 _TESTS = os.path.dirname(os.path.abspath(__file__))
-for _path in (os.path.dirname(_TESTS), _TESTS):
+_FOLDERS = sorted(dirpath for dirpath, _, names in os.walk(_TESTS)
+                  if any(name.startswith("test_") and name.endswith(".py") for name in names))
+for _path in reversed([os.path.dirname(_TESTS), os.path.join(_TESTS, "helpers"), *_FOLDERS]):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 

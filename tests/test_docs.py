@@ -68,15 +68,10 @@ def test_the_module_map_lists_every_module():
                 path = os.path.join(dirpath, name)
                 if not name.endswith(".py") or os.path.getsize(path) == 0:  # empty package markers
                     continue
-                relative = os.path.relpath(path, os.path.join(ROOT, top))
-                # Listed with their folder: `variants/dflash2.py`, `kimi_k3/config.py` (names that repeat).
-                folder = os.path.dirname(relative)
-                if name == "__init__.py" or folder in ("variants", "kimi_k3"):
-                    key = relative.replace(os.sep, "/")
-                else:
-                    key = name
+                # Listed by their path under the folder: `draft/config.py`, `training/loop.py`, `tools`' scripts.
+                key = os.path.relpath(path, os.path.join(ROOT, top)).replace(os.sep, "/")
                 if f"`{key}`" not in module_map:
-                    missing.append(os.path.join(top, relative))
+                    missing.append(os.path.join(top, key))
     assert not missing, f"modules missing from docs/design.md §7 Module map: {missing}"
 
 

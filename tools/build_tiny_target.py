@@ -29,7 +29,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-from megatron_dflash.cli import ArgumentParser, quiet_dependency_warnings, usage_error  # noqa: E402
+from megatron_dflash.common.cli import ArgumentParser, quiet_dependency_warnings, usage_error  # noqa: E402
 
 PROG = "build_tiny_target.py"
 
@@ -59,7 +59,7 @@ def compare(built: str, shipped: str) -> tuple[bool, str]:
 def _build_kimi_k3(args) -> int:
     if args.install:
         usage_error(PROG, "--install replaces the shipped Qwen3 target; it does not apply to --family kimi_k3.")
-    from megatron_dflash.kimi_k3_target import KIMI_K3_INSTALL_HINT, build_tiny_kimi_k3_target, kimi_k3_available
+    from megatron_dflash.target.kimi_k3 import KIMI_K3_INSTALL_HINT, build_tiny_kimi_k3_target, kimi_k3_available
     from megatron_dflash.embedded_job.tiny_target import SHIPPED_TARGET_DIR
 
     if not kimi_k3_available():
@@ -89,7 +89,7 @@ def main(argv=None) -> int:
     if args.family == "kimi_k3":
         return _build_kimi_k3(args)
 
-    from megatron_dflash.atomic import atomic_directory
+    from megatron_dflash.common.atomic import atomic_directory
     from megatron_dflash.embedded_job.tiny_target import SHIPPED_TARGET_DIR, TinyTargetRecipe, train_tiny_target
 
     start = time.time()

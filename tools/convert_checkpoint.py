@@ -5,7 +5,7 @@
     python tools/convert_checkpoint.py to-megatron --load z-lab/draft_hf --output runs/init --validate
 
 Installed as the console script `megatron-dflash-convert`. One CPU process, no GPU; the logic
-is `megatron_dflash/conversion.py`, the megatron checkpoint layout `megatron_dflash/torch_dist.py`.
+is `megatron_dflash/checkpoint/conversion.py`, the megatron checkpoint layout `megatron_dflash/checkpoint/torch_dist.py`.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-from megatron_dflash.cli import quiet_dependency_warnings  # noqa: E402
+from megatron_dflash.common.cli import quiet_dependency_warnings  # noqa: E402
 
 quiet_dependency_warnings()  # before megatron loads
 
-from megatron_dflash.convert import main  # noqa: E402
+from megatron_dflash.checkpoint.convert import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main(prog=os.path.basename(sys.argv[0])))

@@ -1,13 +1,13 @@
 #!/usr/bin/env python
 """Measure a DFlash draft on a HF target: acceptance length, tokens per target forward, speedup.
 
-Runs `megatron_dflash.generate.spec_generate` over a JSONL file of prompts and times it
+Runs `megatron_dflash.decoding.generate.spec_generate` over a JSONL file of prompts and times it
 against plain autoregressive greedy decoding of the same target (HF `generate`; for a target
 without one, Kimi K3 on NeMo AutoModel's code, a loop that recomputes the target per token, as
 speculative decoding recomputes it per cycle), then prints per-prompt acceptance lengths, the means and the
 wall-clock speedup, and writes a JSON report.
 
-Prompt lines (one JSON object per line; the format of `megatron_dflash.prompts`, shared with
+Prompt lines (one JSON object per line; the format of `megatron_dflash.data.prompts`, shared with
 `pretrain_dflash.py --dflash-eval-prompts`):
     {"input_ids": [1, 2, 3]}                          token ids, no tokenizer needed
     {"text": "..."} or {"prompt": "..."}              tokenized with the target's tokenizer
@@ -39,13 +39,13 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-from megatron_dflash.cli import ArgumentParser, UsageError, quiet_dependency_warnings, report_failure, require_dir, require_file, usage_error  # noqa: E402,E501
-from megatron_dflash.decode_metric import (  # noqa: E402  (no torch: the headline metric, shared with training)
+from megatron_dflash.common.cli import ArgumentParser, UsageError, quiet_dependency_warnings, report_failure, require_dir, require_file, usage_error  # noqa: E402,E501
+from megatron_dflash.decoding.metric import (  # noqa: E402  (no torch: the headline metric, shared with training)
     decode_metric,
     no_verify_cycle_reason,
     row_tokens_per_target_forward,
 )
-from megatron_dflash.torch_dist import looks_like_save_dir  # noqa: E402  (no torch: layout names only)
+from megatron_dflash.checkpoint.torch_dist import looks_like_save_dir  # noqa: E402  (no torch: layout names only)
 
 DTYPES = ("float32", "bfloat16", "float16")
 PROG = "evaluate_acceptance.py"
@@ -219,7 +219,7 @@ class _Tokenizer:
 
 def read_prompts(path: str, limit: Optional[int], tokenizer: _Tokenizer) -> tuple[list[list[int]], list[str]]:
     """Token ids of every prompt, and a warning for each prompt that is mostly unknown tokens."""
-    from megatron_dflash.prompts import PromptError, read_prompt_file, tokenize_prompt, unknown_token_warning
+    from megatron_dflash.data.prompts import PromptError, read_prompt_file, tokenize_prompt, unknown_token_warning
 
     try:
         items = read_prompt_file(path, limit)
@@ -234,12 +234,12 @@ def read_prompts(path: str, limit: Optional[int], tokenizer: _Tokenizer) -> tupl
 
 
 def load_target(path: str, device, dtype):
-    """The target causal LM, loaded as its family says (`megatron_dflash.families`: the transformers auto class, or
+    """The target causal LM, loaded as its family says (`megatron_dflash.target.families`: the transformers auto class, or
     the family's own loader; a family whose targets keep no KV cache is decoded by recomputing, see
-    `generate.spec_generate`)."""
+    `decoding.generate.spec_generate`)."""
     from transformers import PretrainedConfig
 
-    from megatron_dflash.families import TargetFamilyError, resolve_target_family, target_architecture
+    from megatron_dflash.target.families import TargetFamilyError, resolve_target_family, target_architecture
 
     config, _ = PretrainedConfig.get_config_dict(path)  # a local directory or a hub id
     try:
@@ -255,8 +255,8 @@ def load_draft(path: str, device, dtype, attention_backend: str):
     megatron = looks_like_save_dir(path)
     if not megatron and not os.path.isfile(os.path.join(path, "config.json")):
         raise UsageError(f"--draft {path}: no config.json in it; expected a HF draft directory.")
-    from megatron_dflash.checkpoint import load_hf_checkpoint  # the variant comes from config.json
-    from megatron_dflash.torch_dist import load_megatron_draft, resolve_iteration_dir, single_process_group
+    from megatron_dflash.checkpoint.hf import load_hf_checkpoint  # the variant comes from config.json
+    from megatron_dflash.checkpoint.torch_dist import load_megatron_draft, resolve_iteration_dir, single_process_group
     from megatron_dflash.variants.registry import variant_of
 
     try:
@@ -367,7 +367,7 @@ class _Run:
     def __init__(self, args: argparse.Namespace):
         import torch
 
-        from megatron_dflash.families import target_keeps_kv_cache
+        from megatron_dflash.target.families import target_keeps_kv_cache
 
         self.args = args
         self.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -398,7 +398,7 @@ class _Run:
         self.generator.manual_seed(args.seed)
 
     def spec(self, batch):
-        from megatron_dflash.generate import spec_generate
+        from megatron_dflash.decoding.generate import spec_generate
 
         a = self.args
         return spec_generate(
@@ -643,8 +643,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 def write_report(path: str, report: dict) -> None:
     """The JSON report at `path`, replaced atomically: a reader (or a failed write) finds the previous
-    report or the complete new one, never a partial or empty file (a full disk: `atomic.NoSpaceError`)."""
-    from megatron_dflash.atomic import write_file
+    report or the complete new one, never a partial or empty file (a full disk: `common.atomic.NoSpaceError`)."""
+    from megatron_dflash.common.atomic import write_file
 
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     write_file(path, json.dumps(report, indent=2) + "\n")

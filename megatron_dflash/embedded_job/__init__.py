@@ -2,6 +2,6 @@
 
 `synthetic_corpus` is its deterministic chat corpus and word-level tokenizer, `tiny_target` its
 tiny Qwen3 target (shipped in `megatron_dflash/assets/tiny_target`, or built and cached). Both
-depend only on torch / transformers / tokenizers, so the data layer (`data.SyntheticChatDataset`),
+depend only on torch / transformers / tokenizers, so the data layer (`data.datasets.SyntheticChatDataset`),
 the training job and the tools can use them without reaching into `training/`.
 """

@@ -110,7 +110,7 @@ CHAT_TEMPLATE = (
 
 def build_tokenizer():
     """A word-level `PreTrainedTokenizerFast` over `vocabulary()` with a chat template."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {tok: i for i, tok in enumerate(vocabulary())}

@@ -24,7 +24,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Optional
 
-from ..atomic import atomic_directory
+from ..common.atomic import atomic_directory
 from . import synthetic_corpus
 
 SHIPPED_TARGET_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets",

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..parallel import distributed_ready, gather_disagreement
+from ..common.parallel import distributed_ready, gather_disagreement
 from .arguments import ArgumentError
 
 __all__ = ["job_fields", "agree_on_job"]

@@ -20,8 +20,8 @@ import math
 import os
 from typing import Mapping, Optional, Sequence
 
+from ..common.errors import RunError
 from ..variants.options import BUILT_IN_OPTIONS, Flag, declared_options
-from .errors import RunError
 
 __all__ = [
     "ArgumentError",
@@ -57,7 +57,7 @@ class ArgumentError(RunError):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..cli import ArgumentParser
+    from ..common.cli import ArgumentParser
 
     p = ArgumentParser(
         prog="pretrain_dflash.py",
@@ -280,7 +280,7 @@ def _check_expert_and_sequence_parallel(args: argparse.Namespace, world_size: in
     if errors:
         raise ArgumentError(errors[0])
     if args.context_parallel_size > 1:
-        from ..target import context_parallel_refusal
+        from ..target.model import context_parallel_refusal
 
         raise ArgumentError("--context-parallel-size: " + context_parallel_refusal(args))
     sharded = [flag for flag, on in (("--expert-model-parallel-size", ep > 1),
@@ -308,7 +308,7 @@ def _check_expert_and_sequence_parallel(args: argparse.Namespace, world_size: in
 
 
 def check_input_paths(args: argparse.Namespace) -> None:
-    """Every input path of the command line exists and is of the right kind; raises `cli.UsageError`.
+    """Every input path of the command line exists and is of the right kind; raises `common.cli.UsageError`.
 
     Imports nothing heavy: `pretrain_dflash.py` calls it right after parsing, before torch loads, and
     `validate_args` calls it again (as an `ArgumentError`) for the in-process API. `--load` may be absent
@@ -316,7 +316,7 @@ def check_input_paths(args: argparse.Namespace) -> None:
     by `outputs.check_outputs`. Data paths are checked for the `--data-format` given (none: the format
     is required and `validate_args` says so).
     """
-    from ..cli import UsageError, require_dir, require_file
+    from ..common.cli import UsageError, require_dir, require_file
 
     fmt = args.data_format
     data = [("--train-data", args.train_data), ("--valid-data", args.valid_data)]
@@ -364,7 +364,7 @@ def validate_args(
     `use_cuda`, and the draft settings' defaults for this run (`resolve_run_defaults`,
     `dflash_defaulted`).
     """
-    from ..cli import UsageError
+    from ..common.cli import UsageError
 
     env = os.environ if env is None else env
     cuda = cuda_available() if cuda is None else cuda

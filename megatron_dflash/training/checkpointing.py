@@ -1,10 +1,10 @@
 """Training checkpoints: megatron `dist_checkpointing` (torch_dist), atomic, exact resume.
 
-The layout is the draft's `torch_dist` layout (`torch_dist.py`, docs/design.md §10 Training
+The layout is the draft's `torch_dist` layout (`checkpoint/torch_dist.py`, docs/design.md §10 Training
 checkpoint layout), so `megatron-dflash-convert to-hf` reads a training checkpoint::
 
     SAVE/latest_checkpointed_iteration.txt     "6" (or "release": converted weights, no training state)
-    SAVE/iter_0000006/                         torch_dist checkpoint (`torch_dist.save_megatron_draft`)
+    SAVE/iter_0000006/                         torch_dist checkpoint (`checkpoint.torch_dist.save_megatron_draft`)
         model.<published name>                 the draft, each TP rank its shard of the full tensor
         optimizer.*                            megatron's optimizer state (`optimizer.sharded_state_dict`):
                                                Adam moments and fp32 main weights sharded like their
@@ -14,10 +14,10 @@ checkpoint layout), so `megatron-dflash-convert to-hf` reads a training checkpoi
         common.pt                              iteration, scheduler, optimizer step, data position, args
         dflash_config.json                     the draft config (HF layout)
 
-Atomicity (`atomic.py`): every rank writes into a staged `SAVE/.iter_0000006.tmp-<random>` (named by
+Atomicity (`common/atomic.py`): every rank writes into a staged `SAVE/.iter_0000006.tmp-<random>` (named by
 rank 0, new for every save); once all ranks
-are done, rank 0 publishes it as `iter_0000006` (`atomic.publish_directory`) and then replaces the
-tracker file (`torch_dist.write_tracker`: staged file + rename). A crash at any point before that
+are done, rank 0 publishes it as `iter_0000006` (`common.atomic.publish_directory`) and then replaces the
+tracker file (`checkpoint.torch_dist.write_tracker`: staged file + rename). A crash at any point before that
 last rename leaves the previous checkpoint and the tracker untouched; the next save restores an
 interrupted replacement of the same iteration and removes the stale staged directories.
 
@@ -49,8 +49,8 @@ from megatron.core.dist_checkpointing.dict_utils import extract_matching_values
 from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedObject, ShardedTensor
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-from ..atomic import publish_directory, remove_stale_siblings, temporary_of
-from ..torch_dist import (
+from ..checkpoint.hf import load_sharded_state_dict_into
+from ..checkpoint.torch_dist import (
     MODEL_PREFIX,
     RELEASE,
     TRACKER_FILENAME,
@@ -60,10 +60,10 @@ from ..torch_dist import (
     save_megatron_draft,
     write_tracker,
 )
-from ..checkpoint import load_sharded_state_dict_into
-from ..parallel import ProcessGroups, agree_or_raise, current_process_groups, distributed_ready
-from ..torch_dist_load import load, load_common_state_dict, load_tensors_metadata
-from .errors import CheckpointError
+from ..checkpoint.torch_dist_load import load, load_common_state_dict, load_tensors_metadata
+from ..common.atomic import publish_directory, remove_stale_siblings, temporary_of
+from ..common.errors import CheckpointError
+from ..common.parallel import ProcessGroups, agree_or_raise, current_process_groups, distributed_ready
 from .optim import optimizer_layout
 from .resume import ResumePoint, find_resume_point, is_stale_temporary
 
@@ -102,7 +102,7 @@ def raise_alike_after_write(error: Optional[BaseException], path: str, *, note: 
     succeeded on every rank, else raise the same error on every rank. A full file system on any rank is
     `NoSpaceError(path, note)` everywhere (a save may fail on some ranks only: the ones whose shards did
     not fit); another error is raised by the ranks that met it, and `RuntimeError(elsewhere)` by the others.
-    `parallel.agree_or_raise`'s exception form."""
+    `common.parallel.agree_or_raise`'s exception form."""
     agree_or_raise(error, path=path, note=note, elsewhere=elsewhere)
 
 
@@ -246,7 +246,7 @@ def _extra_state(body, engine, *, common: dict, for_load: bool = False, include_
 
 def _remove_stale_temporaries(save_dir: str) -> None:
     """Leftovers of interrupted saves in `save_dir`: a replaced checkpoint that was moved aside is
-    restored (`atomic.recover`), staged checkpoint directories and tracker files are deleted."""
+    restored (`common.atomic.recover`), staged checkpoint directories and tracker files are deleted."""
     for entry in os.listdir(save_dir):
         if is_stale_temporary(entry):
             remove_stale_siblings(os.path.join(save_dir, temporary_of(entry)))
@@ -292,10 +292,10 @@ def save_checkpoint(
 ) -> str:
     """Write the checkpoint of `iteration` atomically (collective over all ranks); returns its directory.
 
-    `groups`: the job's process groups (default `parallel.current_process_groups()`).
+    `groups`: the job's process groups (default `common.parallel.current_process_groups()`).
 
     `common`: picklable training state identical on every rank (iteration, scheduler, data position,
-    args). The shards go into a staged `.iter_XXXXXXX.tmp-<random>` through `torch_dist.save_megatron_draft`
+    args). The shards go into a staged `.iter_XXXXXXX.tmp-<random>` through `checkpoint.torch_dist.save_megatron_draft`
     (the `torch_dist` format written in-process, `dflash_config.json` included); rank 0 then publishes
     the directory and, last, points the tracker file at it.
     """
@@ -427,7 +427,7 @@ def _load(directory: str, iteration, body, engine, log: Callable, optimizer_layo
 def _rng_request(directory: str, common: dict):
     """What to load of the RNG state of the checkpoint `directory` (its common state `common`): the tensors of
     this process's RNGs that it holds (one written without CUDA has no CUDA states), or, from checkpoints of
-    version 2 and earlier, the one pickled object (unpickled against `restricted_unpickle.LEGACY_RNG`)."""
+    version 2 and earlier, the one pickled object (unpickled against `checkpoint.restricted_unpickle.LEGACY_RNG`)."""
     if int(common.get("checkpoint_version", 1)) < 3:
         return _rng_sharded(None, legacy=True)
     stored = load_tensors_metadata(directory)

@@ -13,7 +13,7 @@ import os
 
 import numpy as np
 
-from .errors import DataError
+from ..common.errors import DataError
 
 __all__ = ["MAX_SAMPLES_SCANNED", "check_something_to_learn", "check_indexed_token_range"]
 
@@ -28,10 +28,10 @@ def check_something_to_learn(dataset, collate, *, block_size: int, use_documents
     """Index of the first sample with at least one supervised slot; raises `DataError` if none has.
 
     Each sample is laid out as a one-row micro-batch (`collate`) and planned with every eligible anchor,
-    the same rule the training step uses (`data.attach_dflash_plan`)."""
+    the same rule the training step uses (`data.datasets.attach_dflash_plan`)."""
     import torch
 
-    from ..data import attach_dflash_plan
+    from ..data.datasets import attach_dflash_plan
 
     n = min(len(dataset), MAX_SAMPLES_SCANNED)
     for index in range(n):

@@ -36,7 +36,7 @@ The target (`megatron_target_on_cpu`)
 -------------------------------------
 
 The frozen target is built with ``use_cpu_initialization`` and its callers pass explicit causal masks on the
-CPU (megatron's default mask, ``get_default_causal_mask``, is built with ``device="cuda"``; `target_masks.causal_mask` is
+CPU (megatron's default mask, ``get_default_causal_mask``, is built with ``device="cuda"``; `target.masks.causal_mask` is
 that mask on the CPU). What is left, each patch restored on exit:
 
 * **RoPE device**: ``RotaryEmbedding.get_emb`` moves ``inv_freq`` to ``torch.cuda.current_device()``, which
@@ -71,7 +71,7 @@ import contextlib
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ..target_masks import causal_mask  # the CPU callers' explicit mask, re-exported for them
+from ..target.masks import causal_mask  # the CPU callers' explicit mask, re-exported for them
 
 __all__ = ["cuda_on_cpu", "megatron_target_on_cpu", "causal_mask"]
 

@@ -14,8 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from ..config import DFlashConfig
-from ..families import TargetFamily, TargetFamilyError, resolve_target_family, resolve_text_config
+from ..draft.config import DFlashConfig
 from ..embedded_job.synthetic_corpus import conversations
 from ..embedded_job.tiny_target import (
     SHIPPED_TARGET_DIR,
@@ -24,6 +23,7 @@ from ..embedded_job.tiny_target import (
     embedded_target_dir,
     matches_recipe,
 )
+from ..target.families import TargetFamily, TargetFamilyError, resolve_target_family, resolve_text_config
 from ..variants.registry import Variant, variant_for_draft_family
 from .arguments import (
     DRAFT_CONFIG_FLAGS,
@@ -144,7 +144,7 @@ def draft_config_from_target(
     target_layer_ids: Optional[list[int]],
     **overrides: Any,
 ) -> DFlashConfig:
-    """The draft config for a target ``config.json`` dict, derived by its family (`families.resolve_target_family`)
+    """The draft config for a target ``config.json`` dict, derived by its family (`target.families.resolve_target_family`)
     from its text config; ``config_cls`` is the config class of the variant that trains the family's draft family
     (`variants.registry.variant_for_draft_family`)."""
     family = resolve_target_family(target_config)
@@ -205,10 +205,10 @@ def _resolve_mask_token(args, tokenizer, tokenizer_dir: str) -> int:
 
 
 def load_eval_prompts(path: str, tokenizer, limit: Optional[int] = None, log=None) -> list[list[int]]:
-    """Token ids of every prompt in a JSONL file, in the format of `megatron_dflash.prompts`
+    """Token ids of every prompt in a JSONL file, in the format of `megatron_dflash.data.prompts`
     (`input_ids`, `text` / `prompt` or `messages` lines; chats get the generation prompt).
     `log` (when given) receives a warning for each prompt that is mostly unknown tokens."""
-    from ..prompts import PromptError, read_prompt_file, tokenize_prompt, unknown_token_warning
+    from ..data.prompts import PromptError, read_prompt_file, tokenize_prompt, unknown_token_warning
 
     try:
         items = read_prompt_file(path, limit)
@@ -321,7 +321,7 @@ def _check_target_config(args, target_dir: str, target_config: dict) -> None:
             raise ArgumentError(f"--target={target_dir}: config.json has no {key!r}; not a decoder LLM config.")
     if args.target_backend != "megatron":
         return
-    from ..target import hf_target_spec, megatron_target_config
+    from ..target.model import hf_target_spec, megatron_target_config
 
     try:
         # The target's sizes against the layout (heads, MLP columns and experts per rank), before any rank

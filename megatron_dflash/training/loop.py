@@ -19,9 +19,9 @@ One optimizer step (iteration `t`, counted from 0)::
 Pipeline parallelism (`--pipeline-model-parallel-size > 1`, megatron target): every rank builds its own
 stage of the target; the draft body and its optimizer exist only on the stage `--dflash-pipeline-stage`
 (default the last), which gets frozen copies of the target's embedding and output layer
-(`pipeline.copy_frozen_target_heads`). Every rank runs every micro-batch through
-`pipeline.run_target_pipeline` (same data on every stage: the DP rank comes from the job's
-`parallel.ProcessGroups`, built once by `initialize_distributed` and handed down); the
+(`target.pipeline.copy_frozen_target_heads`). Every rank runs every micro-batch through
+`target.pipeline.run_target_pipeline` (same data on every stage: the DP rank comes from the job's
+`common.parallel.ProcessGroups`, built once by `initialize_distributed` and handed down); the
 other stages contribute zero statistics, and the step statistics are summed over DP, then over the
 pipeline group, so every rank (rank 0 included) logs the draft's numbers. The grad norm is reduced over
 TP only. Checkpoints: every rank joins the collective save / load, the draft's stage with the draft and
@@ -41,43 +41,48 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .. import data
-from ..body import default_parallel_config
-from ..checkpoint import load_hf_checkpoint, load_hf_state_dict_into, read_safetensors, save_hf_checkpoint
-from ..cli import is_no_space, report_failure, report_interrupt
-from ..data import attach_dflash_plan, Collator, MicroBatchIterator, PlanDisagreementError, verify_plan_agreement
-from ..decode_metric import decode_metric, no_verify_cycle_reason
-from ..families import resolve_target_family, target_architecture
-from ..generate import spec_generate
-from ..objectives import AdditiveMetrics, all_reduce_together, embed_blocks
-from ..parallel import (
+from ..checkpoint.hf import load_hf_checkpoint, load_hf_state_dict_into, read_safetensors, save_hf_checkpoint
+from ..common.cli import is_no_space, report_failure, report_interrupt
+from ..common.errors import DataError, DivergenceError, RunError
+from ..common.parallel import (
+    ProcessGroups,
+    SingleRankGroup,
     destroy_model_parallel,
     distributed_ready,
     initialize_model_parallel,
     megatron_ready,
-    ProcessGroups,
-    SingleRankGroup,
 )
-from ..pipeline import copy_frozen_target_heads, resolve_draft_stage, run_target_pipeline
-from ..target import concat_taps, HFTarget, MegatronTarget
-from ..target_masks import causal_mask, document_mask, hf_document_mask
-from ..variable_prefix import sample_prefix_lengths
+from ..data import datasets as data
+from ..data.datasets import (
+    Collator,
+    MicroBatchIterator,
+    PlanDisagreementError,
+    attach_dflash_plan,
+    verify_plan_agreement,
+)
+from ..decoding.generate import spec_generate
+from ..decoding.metric import decode_metric, no_verify_cycle_reason
+from ..draft.body import default_parallel_config
+from ..objectives.dflash_loss import AdditiveMetrics, all_reduce_together, embed_blocks
+from ..objectives.variable_prefix import sample_prefix_lengths
+from ..target.families import resolve_target_family, target_architecture
+from ..target.masks import causal_mask, document_mask, hf_document_mask
+from ..target.model import HFTarget, MegatronTarget, concat_taps
+from ..target.pipeline import copy_frozen_target_heads, resolve_draft_stage, run_target_pipeline
+from . import optim
 from .agreement import agree_on_job
-from .arguments import ArgumentError, EMBEDDED_SYNTHETIC_HELDOUT_SEED, EMBEDDED_SYNTHETIC_TRAIN_SEED, parse_args
+from .arguments import EMBEDDED_SYNTHETIC_HELDOUT_SEED, EMBEDDED_SYNTHETIC_TRAIN_SEED, ArgumentError, parse_args
 from .checkpointing import load_checkpoint, raise_alike_after_write, save_checkpoint
 from .data_checks import check_indexed_token_range, check_something_to_learn
 from .device_shim import megatron_target_on_cpu
-from .errors import DataError, DivergenceError, RunError
 from .job import Job, prepare_job
-from .monitor import DECODE_ACCEPTANCE, DECODE_TOKENS_PER_FORWARD, format_metrics, labelled, Monitor
-from . import optim
+from .monitor import DECODE_ACCEPTANCE, DECODE_TOKENS_PER_FORWARD, Monitor, format_metrics, labelled
 from .optim import optimizer_layout
 from .outputs import check_export_directory, export_marker, run_name
 from .resume import agree_on_resume_point
 from .rundir import ConsoleLog, RunWriter
 from .savelock import lock_save_directory
 from .signals import STOPPED_EXIT_STATUS, StopSignals
-
 
 __all__ = ["TrainResult", "DistContext", "initialize_distributed", "train", "run", "main"]
 
@@ -181,7 +186,7 @@ class _Target:
 
     Under pipeline parallelism (`--pipeline-model-parallel-size > 1`, megatron backend) every rank holds
     its own stage of the target; `placement` says which stage holds the draft (`is_draft`), and only
-    there are `embedding` and `head` set (frozen copies of the first / last stage's, see `pipeline.py`).
+    there are `embedding` and `head` set (frozen copies of the first / last stage's, see `target/pipeline.py`).
     `__call__` is then collective over the pipeline and returns None off the draft's stage.
     """
 
@@ -241,7 +246,7 @@ class _Target:
 
 
 def _load_hf_model(job: Job, dtype: torch.dtype):
-    """The target causal LM in one process, loaded as its family says (`families.TargetFamily.loader`)."""
+    """The target causal LM in one process, loaded as its family says (`target.families.TargetFamily.loader`)."""
 
     family = job.target_family or resolve_target_family(job.target_config)
     model = family.loader(target_architecture(job.target_config))(job.target_dir, dtype)
@@ -253,7 +258,7 @@ def _load_hf_model(job: Job, dtype: torch.dtype):
 
 
 def build_datasets(job: Job):
-    """(train, valid or None) map-style datasets of `data.py`."""
+    """(train, valid or None) map-style datasets of `data/datasets.py`."""
 
     args, tok = job.args, job.tokenizer
     fmt = args.data_format
@@ -984,7 +989,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """The command line: expected failures (arguments, checkpoints, data, a diverged loss, a full file system
     under a checkpoint or the export) end in one line on stderr (exit 2 for arguments, 1 otherwise) on every
     rank; bugs keep their traceback. A run stopped by SIGTERM / SIGINT during the steps ends in one line with
-    `signals.STOPPED_EXIT_STATUS`, a SIGINT outside them in one line with `cli.INTERRUPTED_EXIT_STATUS`."""
+    `signals.STOPPED_EXIT_STATUS`, a SIGINT outside them in one line with `common.cli.INTERRUPTED_EXIT_STATUS`."""
 
     # rank 0 keeps the console log (the other ranks print nothing but errors)
     console = ConsoleLog.start() if os.environ.get("RANK", "0") == "0" else None

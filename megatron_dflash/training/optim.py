@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..parallel import ProcessGroups, current_process_groups, distributed_ready, is_distributed_group
+from ..common.errors import DivergenceError
+from ..common.parallel import ProcessGroups, current_process_groups, distributed_ready, is_distributed_group
 from .device_shim import cuda_on_cpu
-from .errors import DivergenceError
 
 __all__ = ["DISTRIBUTED_OPTIMIZER_FORMAT", "Engine", "MegatronEngine", "build_engine", "build_scheduler",
            "optimizer_layout"]
@@ -341,5 +341,5 @@ class MegatronEngine(Engine):
 def build_engine(body: nn.Module, args, draft_config, *, use_cuda: bool,
                  groups: Optional[ProcessGroups] = None) -> Engine:
     """The draft's engine (collective over the ranks that hold the draft). `groups`: the job's process groups
-    (default `parallel.current_process_groups()`)."""
+    (default `common.parallel.current_process_groups()`)."""
     return MegatronEngine(body, args, draft_config, use_cuda=use_cuda, groups=groups)

@@ -15,7 +15,7 @@ import json
 import os
 from typing import Optional
 
-from ..atomic import check_not_a_link
+from ..common.atomic import check_not_a_link
 from .arguments import ArgumentError
 
 __all__ = ["EXPORT_MARKER", "check_outputs", "check_export_directory", "export_marker", "run_name"]
@@ -58,7 +58,7 @@ def _check_creatable(flag: str, path: str) -> None:
 
 def check_export_directory(export_dir: str, run: Optional[str], flag: str = "--dflash-export") -> None:
     """Raise unless `export_dir` is absent, empty, or a previous export of the run `run`, and no symbolic
-    link (the export is renamed onto the path itself: `atomic.check_not_a_link`)."""
+    link (the export is renamed onto the path itself: `common.atomic.check_not_a_link`)."""
     try:
         check_not_a_link(export_dir, flag)
     except ValueError as err:

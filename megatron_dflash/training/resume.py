@@ -26,8 +26,7 @@ from typing import Optional, Union
 
 import torch.distributed as dist
 
-from ..atomic import aside_copy, temporary_of
-from ..torch_dist import (
+from ..checkpoint.torch_dist import (
     DRAFT_CONFIG_FILENAME,
     RELEASE,
     TRACKER_FILENAME,
@@ -36,7 +35,8 @@ from ..torch_dist import (
     list_iterations,
     read_draft_config,
 )
-from .errors import CheckpointError
+from ..common.atomic import aside_copy, temporary_of
+from ..common.errors import CheckpointError
 from .savelock import LOCK_FILE
 
 __all__ = ["ResumePoint", "find_resume_point", "agree_on_resume_point", "draft_config_differences",
@@ -59,7 +59,7 @@ class ResumePoint:
 
 def is_stale_temporary(name: str) -> bool:
     """Entries a save leaves behind when killed: staged or moved-aside siblings of a checkpoint
-    directory or of the tracker file (`atomic.py`; the next save restores or removes them)."""
+    directory or of the tracker file (`common/atomic.py`; the next save restores or removes them)."""
     of = temporary_of(name)
     return of is not None and (of == TRACKER_FILENAME or is_iteration_dir_name(of))
 

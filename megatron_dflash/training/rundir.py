@@ -34,7 +34,7 @@ import sys
 import time
 from typing import Optional
 
-from ..atomic import write_file
+from ..common.atomic import write_file
 from .monitor import DECODE_ACCEPTANCE, DECODE_TOKENS_PER_FORWARD, TRAIN_ACCEPTANCE, VALID_ACCEPTANCE
 
 __all__ = ["DEFAULT_RUNS_ROOT", "resolve_run_dir", "ConsoleLog", "RunWriter", "RunDirHealth", "AppendedFile",

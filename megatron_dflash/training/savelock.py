@@ -29,7 +29,7 @@ import os
 import socket
 from typing import Callable, Optional
 
-from .errors import RunError
+from ..common.errors import RunError
 
 __all__ = ["LOCK_FILE", "SaveLock", "acquire_save_lock", "lock_save_directory"]
 
@@ -125,12 +125,12 @@ def acquire_save_lock(save_dir: str, log: Callable = print) -> SaveLock:
 
 def lock_save_directory(save_dir: str, log: Callable = print) -> SaveLock:
     """`acquire_save_lock` on global rank 0; every rank returns (rank 0 holding the lock) or raises the same
-    `RunError` (`parallel.agree_or_raise`: one all-reduce, the message gathered on failure only). Collective
+    `RunError` (`common.parallel.agree_or_raise`: one all-reduce, the message gathered on failure only). Collective
     over the world when `torch.distributed` is initialised."""
     # Local: this module is read by the argument checks (`resume.py`), which must not import torch.
     import torch.distributed as dist
 
-    from ..parallel import agree_or_raise, distributed_ready
+    from ..common.parallel import agree_or_raise, distributed_ready
 
     rank = dist.get_rank() if distributed_ready() else 0
     lock, verdict, failure = SaveLock(os.path.join(save_dir, LOCK_FILE), None), None, None

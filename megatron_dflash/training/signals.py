@@ -10,7 +10,7 @@ rank (with `--save`), skips the evaluation and the export, and `pretrain_dflash.
 The first signal also gives both signals back their default action, so a second one ends the process
 at once (the kernel's default, also inside a collective or a long save; the status a shell reports is
 then 128 + the signal number). Outside the steps (loading, the final evaluation and export) the
-handlers are not installed: SIGINT ends the run in one line (`cli.INTERRUPTED_EXIT_STATUS`), SIGTERM by
+handlers are not installed: SIGINT ends the run in one line (`common.cli.INTERRUPTED_EXIT_STATUS`), SIGTERM by
 its default action.
 """
 

@@ -37,12 +37,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..body import DFlashBody
-from ..config import DFLASH_ARCHITECTURE, DFlashConfig, resolve_causal
-from ..head_loss import check_loss_options, head_loss, topk_vocab_parallel
-from ..layers import DFlashLayerSubmodules
-from ..objectives import EmittedPathMetrics, check_block_hidden, dflash_metrics, slot_targets
-from ..plan import DFlashBatchPlan
+from ..draft.body import DFlashBody
+from ..draft.config import DFLASH_ARCHITECTURE, DFlashConfig, resolve_causal
+from ..draft.layers import DFlashLayerSubmodules
+from ..objectives.dflash_loss import EmittedPathMetrics, check_block_hidden, dflash_metrics, slot_targets
+from ..objectives.head_loss import check_loss_options, head_loss, topk_vocab_parallel
+from ..plan.batch_plan import DFlashBatchPlan
 
 __all__ = [
     "DFLASH2_ARCHITECTURE",
@@ -701,7 +701,7 @@ def dflash2_loss(
 ) -> DFlash2LossOutput:
     """DFlash 2 objective of one micro-batch: backbone block CE + candidate-selection CE.
 
-    * Backbone: the DFlash CE (`objectives.slot_targets`, `head_loss.head_loss`).
+    * Backbone: the DFlash CE (`objectives.dflash_loss.dflash_loss.slot_targets`, `objectives.head_loss.head_loss`).
     * Selector: at predicted slot `k` of a block at `p`, the backbone's top-k candidates are
       rescored given the **true** predecessor, the token at `p + k - 1` (the anchor for `k = 1`),
       which is what the walk would have committed had every earlier slot been accepted; the CE

@@ -38,7 +38,7 @@ decay_ratio=...)`` decaying linearly from ``lambda_start`` to 0 over the first `
 training (clamped to [0, 1]): early steps keep the parallel backbone strong, later ones hand over to
 the correction head.
 
-**Decoding** (`domino_walk` / `domino_propose`, reached from `generate.spec_generate` through the
+**Decoding** (`domino_walk` / `domino_propose`, reached from `decoding.generate.spec_generate` through the
 draft's ``propose_block`` hook) walks the block left to right: the GRU consumes the anchor, the
 drafted slot's corrected logits pick (or sample) its token, that token is fed to the GRU for the next
 slot. A walk that commits the ground-truth tokens computes exactly the training logits, so the
@@ -48,7 +48,7 @@ teacher-forced acceptance length of `DominoMetrics` is what the greedy walk woul
 ``3G(H+G) + E(H+G) + V E`` weights). The delta is only ever formed for this rank's vocabulary shard
 (rows ``vocab_range`` of ``embed_proj.2.weight``) and added to the shard's base logits, chunk by chunk:
 the loss holds a few ``[chunk_slots, V / TP]`` fp32 buffers at a time (base and corrected logits, their
-softmax, the delta), whatever the number of slots, in the one loss kernel of every variant (`head_loss.head_loss`). Each rank's gradient w.r.t. the replicated features and ``embed_proj.2`` is
+softmax, the delta), whatever the number of slots, in the one loss kernel of every variant (`objectives.head_loss.head_loss`). Each rank's gradient w.r.t. the replicated features and ``embed_proj.2`` is
 summed over the group, so every rank holds the full, identical gradient of the replicated weights.
 
 **HF format.** ``architectures: ["DominoDraftModel"]``; ``dflash_config`` adds ``projector_type:
@@ -78,10 +78,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..body import DFlashBody
-from ..config import DFLASH_ARCHITECTURE, DFlashConfig
-from ..head_loss import check_loss_options, head_loss
-from ..objectives import (
+from ..common.parallel import reduce_grad_over_group
+from ..draft.body import DFlashBody
+from ..draft.config import DFLASH_ARCHITECTURE, DFlashConfig
+from ..objectives.dflash_loss import (
     EmittedPathMetrics,
     SlotTargets,
     acceptance_lengths,
@@ -89,8 +89,8 @@ from ..objectives import (
     counted_blocks,
     decay_weights,
 )
-from ..parallel import reduce_grad_over_group
-from ..plan import DFlashBatchPlan
+from ..objectives.head_loss import check_loss_options, head_loss
+from ..plan.batch_plan import DFlashBatchPlan
 from .dflash2 import GREEDY_TEMPERATURE_EPS
 
 __all__ = [
@@ -414,7 +414,7 @@ class DominoBody(DFlashBody):
     under ``domino_head.``; `state_dict` and `load_state_dict` translate (`HEAD_PREFIX`). `prefix_gru` /
     `embed_proj` read the head's modules.
 
-    `propose_block` is this variant's decode proposer (`variants.registry`, `generate.spec_generate`).
+    `propose_block` is this variant's decode proposer (`variants.registry`, `decoding.generate.spec_generate`).
     """
 
     HEAD_PREFIX = "domino_head."
@@ -645,7 +645,7 @@ def domino_loss(
         weights: ``[B, N, P]`` overrides the per-slot weights.
         chunk_slots: predicted slots per chunk (None: one chunk); peak memory a few ``[chunk_slots, V / TP]``
             fp32 buffers (base and corrected logits, their softmax, the delta).
-        fused: as `objectives.dflash_loss` (`head_loss.head_loss`): None uses the fused head loss (gradients w.r.t. the hidden
+        fused: as `objectives.dflash_loss.dflash_loss.dflash_loss` (`objectives.head_loss.head_loss`): None uses the fused head loss (gradients w.r.t. the hidden
             states, the features and ``embed_proj.2`` formed in forward in two reused ``[chunk_slots, V / TP]``
             buffers, nothing recomputed) whenever the target's head is frozen; False forces the recomputing
             per-chunk path. A slot is *correct* when its label's logit is its row maximum.
@@ -847,7 +847,7 @@ def domino_propose(
 
     Returns:
         ``(tokens [B, W-1], draft_probs [B, W-1, V_head] or None)``; ``draft_probs`` (sampling only) is
-        the per-step proposal distribution over the head's columns, for `generate.rejection_verify`.
+        the per-step proposal distribution over the head's columns, for `decoding.generate.rejection_verify`.
     """
     B, W, _ = hidden.shape
     slots = list(domino.decode_slots(W))

@@ -28,8 +28,8 @@ One JetSpec training step::
     out = jetspec_loss(hidden, plan, input_ids, head, teacher_hidden, temperature=2.0)
     (out.loss_sum / global_weight_sum).backward()
 
-The loss is the DFlash skeleton with soft targets: `objectives.slot_targets` and the one kernel
-`head_loss.head_loss(soft_target="kl")` (chunked, vocab-parallel, never all logits at once); the
+The loss is the DFlash skeleton with soft targets: `objectives.dflash_loss.dflash_loss.slot_targets` and the one kernel
+`objectives.head_loss.head_loss(soft_target="kl")` (chunked, vocab-parallel, never all logits at once); the
 target's argmax for the metrics is found chunk by chunk with `topk_vocab_parallel`, one extra no-grad
 pass of the head over the teacher rows.
 """
@@ -43,11 +43,18 @@ from typing import Any, Optional
 
 import torch
 
-from ..config import DFLASH_ARCHITECTURE, DFlashConfig, resolve_causal
-from ..head import OutputHead
-from ..head_loss import check_loss_options, head_loss, topk_vocab_parallel
-from ..objectives import DFlashLossOutput, SlotTargets, check_block_hidden, dflash_metrics, slot_targets, teacher_rows
-from ..plan import DFlashBatchPlan
+from ..draft.config import DFLASH_ARCHITECTURE, DFlashConfig, resolve_causal
+from ..objectives.dflash_loss import (
+    DFlashLossOutput,
+    SlotTargets,
+    check_block_hidden,
+    dflash_metrics,
+    slot_targets,
+    teacher_rows,
+)
+from ..objectives.head_loss import check_loss_options, head_loss, topk_vocab_parallel
+from ..plan.batch_plan import DFlashBatchPlan
+from ..target.head import OutputHead
 
 __all__ = ["JetSpecConfig", "jetspec_config", "jetspec_loss", "teacher_argmax_ids"]
 
@@ -94,7 +101,7 @@ class JetSpecConfig(DFlashConfig):
         """Read a JetSpec `config.json`.
 
         Raises:
-            ValueError: the file does not declare causal in-block attention (`config.resolve_causal`:
+            ValueError: the file does not declare causal in-block attention (`draft.config.resolve_causal`:
                 ``dflash_config.causal``, else the top-level ``is_causal``): reading a bidirectional draft
                 as JetSpec would silently change its attention. NeMo AutoModel's JetSpec drafters
                 (``is_causal: false``, ``dflash_config.causal: true``) are causal.
@@ -191,9 +198,9 @@ def jetspec_loss(
     """JetSpec objective of one micro-batch: temperature-scaled forward KL to the target, per slot.
 
     ``loss_k = T**2 * KL(softmax(teacher_{p+k-1} / T) || softmax(draft_k / T))`` with the slot weights
-    ``w_k`` of `objectives.decay_weights` (uniform when ``decay_gamma`` is None, the JetSpec paper's
+    ``w_k`` of `objectives.dflash_loss.dflash_loss.decay_weights` (uniform when ``decay_gamma`` is None, the JetSpec paper's
     main setting); ``loss_sum = sum(w * mask * loss)`` and ``weight_sum = sum(w * mask)``, to be summed
-    over the global batch before dividing (as for `objectives.dflash_loss`).
+    over the global batch before dividing (as for `objectives.dflash_loss.dflash_loss.dflash_loss`).
 
     Args:
         hidden: ``[B, N, W, H]`` output of a causal (JetSpec) body.
@@ -204,10 +211,10 @@ def jetspec_loss(
         teacher_hidden: ``[B, S, H]`` the target's final normed hidden states (the input of its output
             layer): the teacher logits are ``head(teacher_hidden)``.
         temperature: T > 0 of both distributions; the loss is scaled by ``T**2``.
-        decay_gamma, loss_mask, weights, chunk_slots, fused: as `objectives.dflash_loss`.
+        decay_gamma, loss_mask, weights, chunk_slots, fused: as `objectives.dflash_loss.dflash_loss.dflash_loss`.
 
     Returns:
-        `objectives.DFlashLossOutput`. Its metrics count a slot as correct when the draft's argmax equals
+        `objectives.dflash_loss.dflash_loss.DFlashLossOutput`. Its metrics count a slot as correct when the draft's argmax equals
         the **target's** argmax at ``p + k - 1``; ``acceptance_length`` is then the greedy acceptance
         length against the target (bonus included), the quantity speculative decoding realises.
     """

@@ -13,10 +13,10 @@ A `Variant` says everything the rest of the package asks of a draft variant (doc
 * **its objective**: `loss`, a thin adapter from the micro-batch, the run's options record and the
   schedule's facts (step, total steps) to the variant's loss function, returning a `VariantLoss`;
 * **its draft family**: the body family it builds (`draft_family`; "qwen3", the Qwen3-style draft of
-  `body.py`, unless it says otherwise). A target family names the draft family it is served by
-  (`families.TargetFamily.draft_family`); `variant_for_draft_family` picks the variant that trains the
+  `draft/body.py`, unless it says otherwise). A target family names the draft family it is served by
+  (`target.families.TargetFamily.draft_family`); `variant_for_draft_family` picks the variant that trains the
   requested objective on that family's body (`trains_as`);
-* **its decoding**: `proposer`, which hands `generate.spec_generate` the function that turns one
+* **its decoding**: `proposer`, which hands `decoding.generate.spec_generate` the function that turns one
   block's draft hidden states into draft tokens (None: each slot's own argmax or sample);
 * **its capabilities**: variable prefixes (D2SD), soft targets, the target's final hidden state,
   the weight dtypes it runs in, a forced in-block direction, uniform loss weights by default.
@@ -40,9 +40,11 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 from torch import nn
 
-from ..body import DFlashBody, default_parallel_config
-from ..config import DFLASH_ARCHITECTURE, DFlashConfig, resolve_causal
-from ..objectives import AdditiveMetrics, dflash_loss
+from ..draft.body import DFlashBody, default_parallel_config
+from ..draft.config import DFLASH_ARCHITECTURE, DFlashConfig, resolve_causal
+from ..draft.kimi_k3.body import KimiK3Body
+from ..draft.kimi_k3.config import KIMI_K3_DRAFT_ARCHITECTURE, KIMI_K3_DRAFT_FAMILY, KimiK3DraftConfig
+from ..objectives.dflash_loss import AdditiveMetrics, dflash_loss
 from .dflash2 import (
     DFLASH2_ARCHITECTURE,
     DFLASH2_DTYPES,
@@ -53,10 +55,16 @@ from .dflash2 import (
 )
 from .domino import DOMINO_ARCHITECTURE, DominoBody, DominoConfig, domino_lambda, domino_loss, is_domino_hf_config
 from .jetspec import JetSpecConfig, jetspec_loss
-from .options import DFLASH_OPTIONS, DFLASH2_OPTIONS, DOMINO_OPTIONS, JETSPEC_OPTIONS, VariantOptions, NoOptions
-from .options import declare_options, forget_options
-from ..kimi_k3.body import KimiK3Body
-from ..kimi_k3.config import KIMI_K3_DRAFT_ARCHITECTURE, KIMI_K3_DRAFT_FAMILY, KimiK3DraftConfig
+from .options import (
+    DFLASH2_OPTIONS,
+    DFLASH_OPTIONS,
+    DOMINO_OPTIONS,
+    JETSPEC_OPTIONS,
+    NoOptions,
+    VariantOptions,
+    declare_options,
+    forget_options,
+)
 
 __all__ = [
     "Variant",
@@ -83,7 +91,7 @@ ProposeFn = Callable[..., tuple]
 class VariantLoss:
     """One micro-batch: `loss_sum` (differentiable), `weight_sum` (no grad), additive metrics.
 
-    `metrics` is the variant's `objectives.AdditiveMetrics` (`DFlashMetrics`, `DFlash2Metrics`,
+    `metrics` is the variant's `objectives.dflash_loss.dflash_loss.AdditiveMetrics` (`DFlashMetrics`, `DFlash2Metrics`,
     `DominoMetrics`): the loop sums it over micro-batches and ranks and logs its `logged` ratios.
     """
 
@@ -92,7 +100,7 @@ class VariantLoss:
     metrics: AdditiveMetrics
 
 
-# The draft family of `body.py`'s Qwen3-style body, which every variant builds unless it says otherwise.
+# The draft family of `draft/body.py`'s Qwen3-style body, which every variant builds unless it says otherwise.
 QWEN3_DRAFT_FAMILY = "qwen3"
 
 
@@ -114,7 +122,7 @@ class Variant:
         hf_aliases: other `architectures[0]` names of the same draft (other trainers' class names).
         hf_match: a predicate on a config.json dict, for variants whose files cannot be told by name
             alone; replaces the name test when given.
-        proposer: `proposer(body) -> ProposeFn` for decoding (see `generate.spec_generate`); None: each
+        proposer: `proposer(body) -> ProposeFn` for decoding (see `decoding.generate.spec_generate`); None: each
             slot proposes its own argmax (or sample).
         draft_family: the body family it builds (`QWEN3_DRAFT_FAMILY`, or a target family's own draft).
         trains_as: for a draft family's own form of another variant's objective, that variant's name (e.g. the
@@ -427,7 +435,7 @@ for _variant in (
         options=DOMINO_OPTIONS, proposer=_propose_block,
     ),
     # The Kimi K3 MLA draft family (docs/design.md §16 Kimi K3 draft family): another body, trained with
-    # the DFlash objective; the Kimi K3 target family (`families.py`) names this draft family.
+    # the DFlash objective; the Kimi K3 target family (`target/families.py`) names this draft family.
     Variant(
         name="kimi_k3", title="DFlash (Kimi K3 MLA draft)", config_cls=KimiK3DraftConfig, body_cls=KimiK3Body,
         architecture=KIMI_K3_DRAFT_ARCHITECTURE, loss=_dflash_loss, options=DFLASH_OPTIONS,

@@ -1,0 +1,61 @@
+"""Where the tensors of a HF checkpoint directory are: `model.safetensors`, or the shards its
+`model.safetensors.index.json` names. The one discovery that draft checkpoints and target weights share
+(docs/design.md §11 HF export format, §14 Reliability guarantees: an index names only files of its directory).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+__all__ = ["SAFETENSORS_NAME", "SAFETENSORS_INDEX_NAME", "safetensors_index_files", "safetensors_files"]
+
+SAFETENSORS_NAME = "model.safetensors"
+SAFETENSORS_INDEX_NAME = "model.safetensors.index.json"
+
+
+def safetensors_index_files(index: str) -> list[str]:
+    """The shard files that the sharded-save index `index` (`model.safetensors.index.json`) names, as
+    paths in its directory.
+
+    Raises:
+        ValueError: an entry of its `weight_map` is an absolute path or leads out of the directory
+            (`..`): a checkpoint only reads its own files. (The entries themselves may be symbolic
+            links, as in the HF hub cache, whose snapshot files link to its blob store.)
+    """
+    directory = os.path.dirname(index)
+    with open(index) as f:
+        weight_map = json.load(f).get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{index} has no weight_map object; not a safetensors index.")
+    files = []
+    for name in sorted(set(weight_map.values()), key=str):
+        normal = os.path.normpath(name) if isinstance(name, str) and name else ""
+        if not normal or os.path.isabs(normal) or normal == os.curdir or normal.split(os.sep)[0] == os.pardir:
+            raise ValueError(
+                f"{index} names the shard {name!r}, which is not a file in {directory or os.curdir}; refusing to "
+                "read it (the weight_map may only name files of the checkpoint directory)."
+            )
+        files.append(os.path.join(directory, name))
+    return files
+
+
+def safetensors_files(directory: str, missing: Optional[str] = None) -> list[str]:
+    """The safetensors files of the HF directory `directory`, drafts and targets alike: `model.safetensors`,
+    else the shards its `model.safetensors.index.json` names (`safetensors_index_files`); HF's own order.
+
+    Raises:
+        FileNotFoundError: neither exists; `missing` is the message (default: the draft's).
+        ValueError: the index names a file outside `directory`.
+    """
+    single = os.path.join(directory, SAFETENSORS_NAME)
+    index = os.path.join(directory, SAFETENSORS_INDEX_NAME)
+    if os.path.isfile(single):
+        return [single]
+    if os.path.isfile(index):  # a sharded HF save
+        return safetensors_index_files(index)
+    raise FileNotFoundError(missing or (
+        f"{directory} has neither {SAFETENSORS_NAME} nor {SAFETENSORS_INDEX_NAME}: not a HF draft "
+        "checkpoint in safetensors format."
+    ))

@@ -1,0 +1,987 @@
+"""Speculative decoding with a DFlash draft and a HF causal-LM target: `spec_generate`.
+
+One decoding cycle per batch:
+
+1. **Draft.** The block `[last token, MASK, ..., MASK]` (`W = block_size` slots, at positions
+   `n .. n + W - 1` where `n` is the row's committed length) is embedded with the target's
+   input embedding (times `input_embedding_scale`) and run through the draft's own forward
+   (`DFlashBody.forward` with its `DraftKVCache`, the modules training runs). Its queries
+   attend to the cached committed context and to the block's own slots; slots `1..W-1` become
+   draft tokens through the target's LM head (with the draft's
+   `output_multiplier` / `final_logit_softcapping`, exactly as in training). DFlash 2 drafts
+   walk their candidate selector instead of taking each slot's argmax or sample, Domino drafts
+   their GRU head: a variant with a proposer (`variants.registry`, its `propose_block`) picks its
+   tokens itself from the whole block's hidden states.
+2. **Verify.** The target runs once over the `W` block tokens (with its KV cache; a target
+   without one, over the committed tokens and the block, see below). Greedy: the longest prefix of
+   draft tokens equal to the target's argmax is accepted, plus the target's own token at the
+   first mismatch (the bonus). Sampling: lossless rejection sampling (accept draft token `x`
+   with probability `min(1, p(x) / q(x))`, on rejection sample from `max(p - q, 0)`), so the
+   emitted tokens follow the target's distribution exactly.
+3. **Commit.** The anchor and the accepted tokens become context: their target taps
+   (`hidden_states[i + 1]` for `i` in `target_layer_ids`) go to the next draft forward, which
+   turns them into context features `hidden_norm(fc(taps))` and writes each layer's
+   `k_proj`/`v_proj` of them (k_norm and RoPE at their positions) into the draft KV cache before
+   its block attends. The bonus token is the next anchor.
+
+The target's side comes in two kinds, chosen by its family (`target.families.target_keeps_kv_cache`,
+docs/design.md §17 Target families), never by its class: `_CachedTarget` keeps a HF KV cache and
+rolls it back (Qwen3, Llama, ... and any transformers causal LM no family registers);
+`_RecomputedTarget` serves targets whose model code keeps no cache (Kimi K3 on NeMo AutoModel's
+code) or whose recurrent layers cannot drop rejected tokens (Qwen3.5's linear attention): each
+verify forward recomputes the target over the committed tokens plus the block, which costs
+quadratically in the generated length, and the block's taps come from that forward.
+
+Batches: rows accept different lengths. The target's HF KV cache stays rectangular (rejected
+slots become masked holes, `_CachedTarget`); a recomputed target keeps each row's tokens at their
+positions, right-padded (`_RecomputedTarget`). Rows that hit `max_new_tokens` or a stop token are
+dropped from the batch; their outputs are frozen. The draft cache is indexed by position, so a
+block's visibility is simply "context positions `< n`" (`BlockVisibility` with `anchor = n`), also
+for sliding-window layers.
+
+Shapes: B batch (rows still decoding), W block size, T = W - 1 drafted slots, H hidden,
+V vocabulary, L cache length, Hq / Hkv query / KV heads, D head_dim.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence, Union
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..draft.body import DraftBody
+from ..draft.kv_cache import DraftKVCache
+from ..plan.batch_plan import DFlashBatchPlan
+from ..target.families import resolve_text_config, target_keeps_kv_cache
+from ..target.head import OutputHead
+from ..target.model import taps_from_hidden_states
+from ..variants.registry import variant_of
+
+__all__ = [
+    "SpecDecodeOutput",
+    "spec_generate",
+    "sampling_probs",
+    "greedy_verify",
+    "rejection_verify",
+]
+
+# Temperatures below this decode greedily: softmax(logits / T) over- or underflows long before T = 0,
+# and its limit is the argmax (the reference decoder's rule and threshold).
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
+# ================================================================================== output
+
+
+@dataclass
+class SpecDecodeOutput:
+    """Tokens and statistics of one `spec_generate` call.
+
+    Attributes:
+        tokens: `[B, max(lengths)]` int64, each row its prompt followed by its generated
+            tokens, right-padded with `pad_token_id`.
+        lengths: `[B]` prompt + generated tokens per row.
+        prompt_lengths: `[B]`.
+        pad_token_id: the padding id of `tokens`.
+        acceptance_lengths: per row, one entry per verify cycle the row took part in: the
+            tokens that cycle committed, i.e. accepted draft tokens + 1 (the bonus token).
+            The row's last cycle may be cut short by `max_new_tokens` or a stop token. A row's
+            first generated token comes from the prefill, so for every row that generated
+            anything `num_generated = 1 + sum(acceptance_lengths[row])`.
+        stopped: `[B]` bool, the row ended with a stop token.
+        num_target_forwards: batched verify forwards of the target (prefill excluded).
+        num_prefill_forwards: target forwards over the prompts (1, or 0 if nothing was generated).
+        num_draft_forwards: batched draft forwards.
+    """
+
+    tokens: torch.Tensor
+    lengths: torch.Tensor
+    prompt_lengths: torch.Tensor
+    pad_token_id: int
+    acceptance_lengths: list[list[int]]
+    stopped: torch.Tensor
+    num_target_forwards: int = 0
+    num_prefill_forwards: int = 0
+    num_draft_forwards: int = 0
+
+    @property
+    def batch_size(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def num_generated(self) -> torch.Tensor:
+        """`[B]` generated tokens per row."""
+        return self.lengths - self.prompt_lengths
+
+    @property
+    def num_cycles(self) -> list[int]:
+        """Verify cycles each row took part in."""
+        return [len(a) for a in self.acceptance_lengths]
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Mean tokens committed per (row, verify cycle): the usual `tau`. NaN without cycles."""
+        flat = [a for row in self.acceptance_lengths for a in row]
+        return float(sum(flat) / len(flat)) if flat else float("nan")
+
+    def row_acceptance_length(self, row: int) -> float:
+        values = self.acceptance_lengths[row]
+        return float(sum(values) / len(values)) if values else float("nan")
+
+    def generated(self, row: int) -> list[int]:
+        """The generated tokens of `row` (without its prompt)."""
+        return self.tokens[row, int(self.prompt_lengths[row]) : int(self.lengths[row])].tolist()
+
+    def sequence(self, row: int) -> list[int]:
+        """Prompt + generated tokens of `row`."""
+        return self.tokens[row, : int(self.lengths[row])].tolist()
+
+    def to_dict(self) -> dict:
+        """JSON-friendly statistics (no tokens)."""
+        return {
+            "num_generated": self.num_generated.tolist(),
+            "acceptance_lengths": [list(a) for a in self.acceptance_lengths],
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "num_target_forwards": self.num_target_forwards,
+            "num_prefill_forwards": self.num_prefill_forwards,
+            "num_draft_forwards": self.num_draft_forwards,
+            "stopped": self.stopped.tolist(),
+        }
+
+
+# ================================================================================== sampling
+
+
+def sampling_probs(
+    logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0
+) -> torch.Tensor:
+    """fp32 `[..., V]` distribution of `softmax(logits / temperature)` after top-k, then top-p.
+
+    top-k keeps exactly the `top_k` largest logits (0 or >= V: all). top-p then keeps the
+    smallest set of most likely tokens whose mass reaches `top_p` (a token is kept when the
+    mass of the tokens ranked above it is still below `top_p`; the most likely token always is)
+    and renormalises.
+    """
+    scores = logits.float() / temperature
+    V = scores.shape[-1]
+    if 0 < top_k < V:
+        kept = torch.topk(scores, top_k, dim=-1).indices
+        keep = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, kept, True)
+        scores = scores.masked_fill(~keep, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        mass_above = sorted_probs.cumsum(dim=-1) - sorted_probs
+        sorted_probs = sorted_probs * (mass_above < top_p)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def _sample(probs: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
+    """One draw per row of `probs [..., V]` -> `[...]` int64."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+
+
+def greedy_verify(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy acceptance.
+
+    Args:
+        draft_tokens: `[B, T]` tokens of slots `1..T`.
+        target_logits: `[B, T + 1, V]` target logits over the block; entry `j` predicts slot `j + 1`.
+    Returns:
+        `(accepted [B], bonus [B])`: the longest prefix of draft tokens equal to the target's
+        argmax, and the target's argmax right after it.
+    """
+    posterior = target_logits.argmax(dim=-1)  # [B, T + 1]
+    matches = draft_tokens == posterior[:, :-1]
+    accepted = matches.to(torch.int64).cumprod(dim=1).sum(dim=1)
+    bonus = posterior.gather(1, accepted[:, None])[:, 0]
+    return accepted, bonus
+
+
+def rejection_verify(
+    draft_tokens: torch.Tensor,
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor,
+    generator: Optional[torch.Generator] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lossless rejection sampling of a drafted block (speculative sampling).
+
+    Args:
+        draft_tokens: `[B, T]` proposals; token `t` was drawn from `draft_probs[:, t]` (which may
+            depend on the tokens drawn before it).
+        target_probs: `[B, T + 1, V]` the target's sampling distribution over the block; entry
+            `j` is the distribution of the token after slot `j`.
+        draft_probs: `[B, T, V]` the proposal distributions.
+        generator: RNG of the uniforms and the residual draw.
+    Returns:
+        `(accepted [B], next_token [B])`. Token `t` is accepted with probability
+        `min(1, p(x)/q(x))` while all before it were; at the first rejection the next token is
+        drawn from `normalise(max(p - q, 0))` (from `p` if that is all zero); when everything
+        is accepted it is drawn from `p` after the last slot (the bonus).
+    """
+    B, T = draft_tokens.shape
+    p_x = target_probs[:, :T].gather(-1, draft_tokens[..., None])[..., 0]
+    q_x = draft_probs.gather(-1, draft_tokens[..., None])[..., 0]
+    u = torch.rand(p_x.shape, generator=generator, device=p_x.device, dtype=p_x.dtype)
+    # u < p/q without the division (q(x) > 0 for a drawn token; p(x) = 0 always rejects).
+    accepted = (u * q_x < p_x).to(torch.int64).cumprod(dim=1).sum(dim=1)
+    rows = torch.arange(B, device=draft_tokens.device)
+    p_next = target_probs[rows, accepted]  # [B, V]
+    q_next = draft_probs[rows, accepted.clamp(max=T - 1)] * (accepted < T).to(draft_probs.dtype)[:, None]
+    residual = (p_next - q_next).clamp_min(0)
+    total = residual.sum(dim=-1, keepdim=True)
+    residual = torch.where(total > 0, residual / total.clamp_min(torch.finfo(residual.dtype).tiny), p_next)
+    return accepted, _sample(residual, generator)
+
+
+# ================================================================================== draft
+
+
+def _check_draft(draft: nn.Module) -> None:
+    if not isinstance(draft, DraftBody):
+        raise ValueError(
+            f"draft must be a draft body (a DFlashBody of any variant, or a KimiK3Body), got {type(draft).__name__}."
+        )
+    if draft.tp_group.size() != 1:
+        raise ValueError(
+            f"spec_generate runs the draft at tensor-parallel size 1, but it was built with TP="
+            f"{draft.tp_group.size()}; load it with checkpoint.load_hf_checkpoint(directory) in a plain process."
+        )
+
+
+# ================================================================================== target helpers
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    device = getattr(module, "device", None)
+    if isinstance(device, torch.device):
+        return device
+    return next(module.parameters()).device
+
+
+def _cache_argument(target: nn.Module) -> str:
+    """transformers >= 5 calls the cache argument `cache`, older versions `past_key_values`."""
+    params = inspect.signature(target.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _make_target_cache(target: nn.Module):
+    from transformers import DynamicCache
+
+    try:
+        cache = DynamicCache(config=target.config)
+    except TypeError:  # older transformers: no config argument
+        cache = DynamicCache()
+    layers = getattr(cache, "layers", None) or []
+    if any(getattr(layer, "is_sliding", False) for layer in layers) or _target_has_sliding_window(
+            resolve_text_config(target.config)):
+        raise ValueError(
+            "spec_generate does not support targets with sliding-window layers (layer_types other than "
+            "full_attention and linear_attention): it keeps the target's KV cache rectangular, rejected slots "
+            "as masked holes, which would shrink a window counted in cache slots. Use a target whose layers are "
+            "full attention (or linear attention: such targets are recomputed every cycle)."
+        )
+    return cache
+
+
+def _target_has_sliding_window(config) -> bool:
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types and any(t != "full_attention" for t in layer_types):
+        return True
+    if getattr(config, "sliding_window", None) is None:
+        return False
+    # Qwen-style configs switch the window on with `use_sliding_window`; Mistral-style ones use
+    # it whenever it is set.
+    return bool(getattr(config, "use_sliding_window", True))
+
+
+def _cache_layers_with_tensors(cache) -> Optional[list]:
+    """The cache's layers if each exposes `keys`/`values` `[B, Hkv, L, D]` tensors, else None."""
+    layers = getattr(cache, "layers", None)
+    if not layers:
+        return None
+    for layer in layers:
+        if not isinstance(getattr(layer, "keys", None), torch.Tensor) or not isinstance(
+            getattr(layer, "values", None), torch.Tensor
+        ):
+            return None
+    return list(layers)
+
+
+def _compact_target_cache(cache, valid: torch.Tensor) -> Optional[torch.Tensor]:
+    """Move each row's valid slots to the front and drop the rest; returns the new `valid`.
+
+    The order of committed slots does not matter to attention (positions live in the RoPE'd
+    keys), only that they all precede the slots a forward appends. None if the cache layout is
+    unknown (then nothing changes).
+    """
+    layers = _cache_layers_with_tensors(cache)
+    if layers is None:
+        return None
+    counts = valid.sum(dim=1)
+    keep = int(counts.max())
+    order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices[:, :keep]  # [B, keep]
+    for layer in layers:
+        index = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
+        layer.keys = layer.keys.gather(2, index)
+        layer.values = layer.values.gather(2, index.expand(-1, layer.values.shape[1], -1, layer.values.shape[-1]))
+    return torch.arange(keep, device=valid.device)[None, :] < counts[:, None]
+
+
+class _CachedTarget:
+    """The target with a HF KV cache (Qwen3, Llama, ...): a verify forward runs over the `W` block
+    slots only, attending to the cache.
+
+    The cache stays rectangular: every verify appends `W` slots to every row, rejected slots become
+    holes that a 2-D attention mask (`valid [B, L]`) hides, and every row gets explicit position
+    ids. Tail holes common to all rows are cropped each cycle; the cache is compacted when holes
+    dominate. Prompts are left-padded, so each row's last prompt token is the last column.
+    """
+
+    def __init__(self, target: nn.Module, target_layer_ids, pad_id: int, block_size: int):
+        self.target = target
+        self.target_layer_ids = list(target_layer_ids)
+        self.pad_id = pad_id
+        self.W = block_size
+        self.cache_arg = _cache_argument(target)
+        self.cache = _make_target_cache(target)
+        self.valid: Optional[torch.Tensor] = None  # [B, L] which cache slots hold committed tokens
+
+    def _taps(self, hidden_states) -> torch.Tensor:
+        return taps_from_hidden_states(hidden_states, self.target_layer_ids)
+
+    def prefill(self, prompts: list, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(logits [B, V] fp32 after each row's last prompt token, taps [B, S, taps*H] at index = position)`;
+        a short row's entries past its length are scratch."""
+        device = lengths.device
+        B, S = len(prompts), int(lengths.max())
+        offsets = S - lengths  # [B] left padding per row
+        ids = torch.full((B, S), self.pad_id, dtype=torch.int64)
+        for b, prompt in enumerate(prompts):
+            ids[b, S - len(prompt) :] = torch.tensor(prompt, dtype=torch.int64)
+        ids = ids.to(device)
+        columns = torch.arange(S, device=device)[None, :]
+        self.valid = columns >= offsets[:, None]
+        positions = (columns - offsets[:, None]).clamp_min(0)
+        out = self.target(
+            input_ids=ids,
+            attention_mask=self.valid.to(torch.int64),
+            position_ids=positions,
+            use_cache=True,
+            output_hidden_states=True,
+            logits_to_keep=1,
+            **{self.cache_arg: self.cache},
+        )
+        taps = self._taps(out.hidden_states)  # [B, S, taps*H]
+        # Position t of row b sits in column t + offset (the left padding undone; the clamped tail of
+        # a short row is scratch past its committed length).
+        gather = (columns + offsets[:, None]).clamp(max=S - 1)
+        return out.logits[:, -1].float(), taps.gather(1, gather[:, :, None].expand(-1, -1, taps.shape[-1]))
+
+    def verify(self, block: torch.Tensor, committed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(logits [B, W, V] fp32, taps [B, W, taps*H])` of `block [B, W]` at positions `committed + j`."""
+        B, W = block.shape
+        attn_mask = torch.cat([self.valid, torch.ones(B, W, dtype=torch.bool, device=block.device)], dim=1)
+        out = self.target(
+            input_ids=block,
+            attention_mask=attn_mask.to(torch.int64),
+            position_ids=committed[:, None] + torch.arange(W, device=block.device),
+            use_cache=True,
+            output_hidden_states=True,
+            **{self.cache_arg: self.cache},
+        )
+        return out.logits.float(), self._taps(out.hidden_states)
+
+    def commit(self, accepted: torch.Tensor) -> None:
+        """Slots `0..accepted` of the last verified block stay; the rest become holes."""
+        new_slots = torch.arange(self.W, device=accepted.device)[None, :] <= accepted[:, None]  # [B, W]
+        valid = torch.cat([self.valid, new_slots], dim=1)
+        # Keep the cache small: crop common tail holes, compact when holes dominate.
+        used = valid.any(dim=0).nonzero()
+        new_length = int(used.max()) + 1 if used.numel() else 0
+        if new_length < valid.shape[1]:
+            self.cache.crop(new_length - valid.shape[1])
+            valid = valid[:, :new_length]
+        # Compaction copies the whole cache, so only when holes are a good part of it; every
+        # later forward then attends over fewer slots.
+        longest = int(valid.sum(dim=1).max())
+        if valid.shape[1] - longest > max(longest // 2, 2 * self.W):
+            compacted = _compact_target_cache(self.cache, valid)
+            if compacted is not None:
+                valid = compacted
+        self.valid = valid
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        self.cache.batch_select_indices(index)
+        self.valid = self.valid[index]
+
+    def close(self) -> None:
+        """Nothing to release: the cache is this call's own."""
+
+
+class _RecomputedTarget:
+    """A target without a usable KV cache (`target.families.target_keeps_kv_cache` is False: Kimi K3 on NeMo
+    AutoModel's model code, targets with linear-attention layers): every verify forward runs the
+    target over each row's committed tokens plus the block, from the first token.
+
+    Why: losslessness needs the target's logits for the block given exactly the committed tokens,
+    and a target whose model code keeps no cache, or whose recurrent state cannot drop rejected
+    tokens, can only give them by recomputing. Cost: a cycle processes all `L` committed tokens
+    instead of `W`, so the target's work over a generation grows quadratically with its length
+    (and attention inside each forward with `L^2`), where the cached path's grows linearly. Use it
+    to measure acceptance and check losslessness, not to serve.
+
+    Rows are right-padded, so no attention mask and no position ids are needed: a causal target's
+    real tokens never see the padding after them, and each row's tokens sit at their positions.
+    `tokens [B, L]` is indexed by position like the draft's cache: a verify writes the block at
+    `committed + j`; slots past a row's committed length are scratch, overwritten when committed.
+    The taps come from `HFTarget` (the forward hooks training reads them with; it freezes the model,
+    as `spec_generate` expects of a target), the logits from the target's LM head
+    (`get_output_embeddings()`) at the block's positions only.
+    """
+
+    def __init__(self, target: nn.Module, target_layer_ids, pad_id: int, block_size: int):
+        from ..target.model import HFTarget  # the training-side tap reader
+
+        self.tapped = HFTarget(target, target_layer_ids)
+        self.pad_id = pad_id
+        self.W = block_size
+        self.tokens: Optional[torch.Tensor] = None  # [B, L] token at each position (scratch past committed)
+
+    def _logits(self, final_hidden: torch.Tensor) -> torch.Tensor:
+        return self.tapped.output_head.local_logits(final_hidden)
+
+    def prefill(self, prompts: list, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """See `_CachedTarget.prefill`."""
+        device = lengths.device
+        B, S = len(prompts), int(lengths.max())
+        tokens = torch.full((B, S), self.pad_id, dtype=torch.int64)
+        for b, prompt in enumerate(prompts):
+            tokens[b, : len(prompt)] = torch.tensor(prompt, dtype=torch.int64)
+        self.tokens = tokens.to(device)
+        out = self.tapped(self.tokens)
+        last = out.final_hidden[torch.arange(B, device=device), lengths - 1]  # [B, H]
+        return self._logits(last), out.taps
+
+    def verify(self, block: torch.Tensor, committed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """See `_CachedTarget.verify`."""
+        B, W = block.shape
+        end = int(committed.max()) + W
+        if end > self.tokens.shape[1]:  # grow by doubling, as the draft's cache does
+            grown = self.tokens.new_full((B, max(end, 2 * self.tokens.shape[1])), self.pad_id)
+            grown[:, : self.tokens.shape[1]] = self.tokens
+            self.tokens = grown
+        index = committed[:, None] + torch.arange(W, device=block.device)  # [B, W] positions of the block
+        self.tokens.scatter_(1, index, block)
+        out = self.tapped(self.tokens[:, :end])
+        final = out.final_hidden.gather(1, index[:, :, None].expand(-1, -1, out.final_hidden.shape[-1]))
+        taps = out.taps.gather(1, index[:, :, None].expand(-1, -1, out.taps.shape[-1]))
+        return self._logits(final), taps
+
+    def commit(self, accepted: torch.Tensor) -> None:
+        """Nothing to do: the accepted slots already sit at their positions, the rest is scratch."""
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        self.tokens = self.tokens[index]
+
+    def close(self) -> None:
+        """Detach the tap hooks from the caller's model."""
+        self.tapped.remove_hooks()
+
+
+# ================================================================================== inputs
+
+
+def _prompt_list(input_ids, attention_mask) -> list[list[int]]:
+    """Prompts as lists of ids from a `[B, S]`/`[S]` tensor (+ optional mask) or a list of sequences."""
+    if isinstance(input_ids, torch.Tensor):
+        if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+            raise ValueError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}.")
+        if input_ids.dim() == 1:
+            input_ids = input_ids[None]
+            if attention_mask is not None:
+                attention_mask = attention_mask.reshape(1, -1)
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq] or [seq], got shape {tuple(input_ids.shape)}.")
+        rows = input_ids.tolist()
+        if attention_mask is None:
+            return rows
+        if tuple(attention_mask.shape) != tuple(input_ids.shape):
+            raise ValueError(
+                f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids {tuple(input_ids.shape)}."
+            )
+        prompts = []
+        for b, (row, mask) in enumerate(zip(rows, attention_mask.bool().tolist())):
+            kept = [i for i, m in enumerate(mask) if m]
+            if kept and kept != list(range(kept[0], kept[-1] + 1)):
+                raise ValueError(
+                    f"row {b}: the attention_mask marks non-contiguous tokens; each prompt must be one run "
+                    "of real tokens (left or right padding)."
+                )
+            prompts.append([row[i] for i in kept])
+        return prompts
+    if attention_mask is not None:
+        raise ValueError("attention_mask is only accepted with a tensor input_ids.")
+    prompts = []
+    for row in input_ids:
+        if isinstance(row, torch.Tensor):
+            row = row.reshape(-1).tolist()
+        prompts.append([int(t) for t in row])
+    return prompts
+
+
+def _check_sampling(temperature, top_p, top_k, max_new_tokens) -> None:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a non-negative integer.")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature < math.inf:
+        raise ValueError(f"temperature={temperature!r} must be a finite number >= 0 (0 = greedy).")
+    if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        raise ValueError(f"top_p={top_p!r} must be in (0, 1].")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(f"top_k={top_k!r} must be a non-negative integer (0 = off).")
+
+
+def _stop_set(stop_token_ids) -> set:
+    """`stop_token_ids` as a set: None, one id, or a sequence of ids."""
+    if stop_token_ids is None:
+        return set()
+    if isinstance(stop_token_ids, (int, np.integer)) and not isinstance(stop_token_ids, bool):
+        return {int(stop_token_ids)}
+    if isinstance(stop_token_ids, torch.Tensor):
+        stop_token_ids = stop_token_ids.reshape(-1).tolist()
+    try:
+        ids = list(stop_token_ids)
+    except TypeError:
+        raise ValueError(f"stop_token_ids={stop_token_ids!r} must be a token id or a sequence of token ids.") from None
+    if any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in ids):
+        raise ValueError(f"stop_token_ids={stop_token_ids!r} must hold integer token ids.")
+    return {int(t) for t in ids}
+
+
+def _check_prompts(prompts: list, target: nn.Module, draft: DraftBody) -> None:
+    """Ids inside the target's embedding, lengths inside the model's positions."""
+    rows = getattr(target.get_input_embeddings(), "num_embeddings", None) or draft.config.vocab_size
+    for b, prompt in enumerate(prompts):
+        low, high = min(prompt), max(prompt)
+        if low < 0 or high >= rows:
+            raise ValueError(
+                f"prompt {b} has token id {low if low < 0 else high}, outside the target's vocabulary [0, {rows}); "
+                "tokenise with the target's tokenizer."
+            )
+    limit = min(int(getattr(resolve_text_config(target.config), "max_position_embeddings", None)
+                    or draft.config.max_position_embeddings),
+                int(draft.config.max_position_embeddings))
+    longest = max(range(len(prompts)), key=lambda b: len(prompts[b]))
+    if len(prompts[longest]) >= limit:
+        raise ValueError(
+            f"prompt {longest} has {len(prompts[longest])} tokens, but the model has {limit} positions "
+            "(max_position_embeddings) and needs one more for the first generated token; shorten the prompt."
+        )
+
+
+def _check_pair(target: nn.Module, draft: DraftBody) -> None:
+    cfg = draft.config
+    tcfg = resolve_text_config(target.config)  # the text decoder's config of a multimodal wrapper
+    layers = getattr(tcfg, "num_hidden_layers", None)
+    if layers is not None and layers != cfg.num_target_layers:
+        raise ValueError(
+            f"the draft was built for a {cfg.num_target_layers}-layer target (num_target_layers) but the "
+            f"target has {layers} layers; use the target the draft was trained with."
+        )
+    hidden = getattr(tcfg, "hidden_size", None)
+    if hidden is not None and hidden != cfg.hidden_size:
+        raise ValueError(
+            f"draft hidden_size={cfg.hidden_size} differs from the target's hidden_size={hidden}; the draft "
+            "reads the target's hidden states and embeddings, so they must match."
+        )
+    embedding = target.get_input_embeddings()
+    rows = getattr(embedding, "num_embeddings", None)
+    vocab = getattr(tcfg, "vocab_size", None) or rows
+    if vocab is not None and cfg.vocab_size != vocab:
+        raise ValueError(
+            f"the draft's vocab_size={cfg.vocab_size} differs from the target's {vocab}; the draft's proposals "
+            "and the target's distributions must share one vocabulary. Use the draft trained for this target."
+        )
+    if rows is not None and not cfg.mask_token_id < rows:
+        raise ValueError(
+            f"mask_token_id={cfg.mask_token_id} is not a row of the target embedding ({rows} rows)."
+        )
+
+
+def _propose(propose, hidden, anchor_ids, head, embedding, temperature, generator):
+    """Call a draft's `propose_block` hook and check what it returns.
+
+    The hook gets the whole block's draft hidden states `hidden [B, W, H]` (slot 0 included: a
+    variant may propose from slots 0..W-2), the block's slot-0 tokens `anchor_ids [B]`, the
+    target's output layer as an `OutputHead` (TP=1), the target's input embedding module (the
+    draft applies its own `input_embedding_scale`), the temperature (0: greedy) and the generator.
+    It returns `(tokens [B, W-1] int64, draft_probs)`: `draft_probs [B, W-1, V]` (V the head's
+    width) is the distribution each token was drawn from (it may depend on the tokens drawn
+    before it), required when sampling; None when greedy.
+    """
+    B, W, _ = hidden.shape
+    tokens, probs = propose(hidden, anchor_ids, head, embedding, temperature, generator)
+    if tuple(tokens.shape) != (B, W - 1):
+        raise ValueError(f"propose_block returned tokens of shape {tuple(tokens.shape)}, expected {(B, W - 1)}.")
+    if probs is not None and tuple(probs.shape) != (B, W - 1, head.local_vocab_size):
+        raise ValueError(
+            f"propose_block returned draft_probs of shape {tuple(probs.shape)}, expected "
+            f"{(B, W - 1, head.local_vocab_size)}."
+        )
+    if temperature > 0 and probs is None:
+        raise ValueError("propose_block must return its proposal distributions when sampling (temperature > 0).")
+    return tokens.to(torch.int64), probs
+
+
+# ================================================================================== spec_generate
+
+
+@dataclass
+class _Rows:
+    """Per-original-row bookkeeping (host side)."""
+
+    generated: list[list[int]] = field(default_factory=list)
+    acceptance: list[list[int]] = field(default_factory=list)
+    stopped: list[bool] = field(default_factory=list)
+
+
+@torch.inference_mode()
+def spec_generate(
+    target: nn.Module,
+    draft: DraftBody,
+    input_ids: Union[torch.Tensor, Sequence[Sequence[int]]],
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    stop_token_ids: Optional[Sequence[int]] = None,
+    generator: Optional[torch.Generator] = None,
+    attention_mask: Optional[torch.Tensor] = None,
+    pad_token_id: Optional[int] = None,
+    attention_backend: str = "chunked",
+) -> SpecDecodeOutput:
+    """Generate with `target`, drafting blocks with `draft` (speculative decoding).
+
+    Args:
+        target: a HF causal LM (e.g. `Qwen3ForCausalLM`, `LlamaForCausalLM`), frozen, without
+            sliding-window layers; its input embedding, LM head and hidden states are used. Or a
+            causal LM of a family whose targets keep no KV cache (Kimi K3, `kimi_k3_target`) or
+            with linear-attention layers (Qwen3.5): recomputed over the committed tokens every
+            cycle (target work quadratic in the generated length; for measuring acceptance, not
+            for serving).
+        draft: a `DFlashBody` (any registered variant) or a `KimiK3Body` at TP=1 for this target.
+        input_ids: `[B, S]` / `[S]` token ids (with `attention_mask` `[B, S]` when padded), or a
+            list of B token-id sequences of any lengths (each >= 1 token).
+        max_new_tokens: tokens to generate per row at most.
+        temperature: 0 = greedy; > 0 samples (the draft proposes from `softmax(logits / T)`, the
+            target distribution also gets `top_p` / `top_k`), losslessly.
+        top_p, top_k: applied to the target's distribution (temperature > 0 only).
+        stop_token_ids: a row stops after emitting any of these (the stop token is kept).
+        generator: `torch.Generator` on the target's device for every random draw.
+        attention_mask: marks real tokens of a padded tensor `input_ids` (left or right padding).
+        pad_token_id: pads `tokens` of the result (default: the target's pad, else eos, else 0).
+        attention_backend: the draft's block attention backend ("chunked": exact, any shape).
+
+    Returns:
+        `SpecDecodeOutput`: tokens, lengths and acceptance statistics.
+    """
+    _check_draft(draft)
+    _check_sampling(temperature, top_p, top_k, max_new_tokens)
+    _check_pair(target, draft)
+    prompts = _prompt_list(input_ids, attention_mask)
+    if not prompts:
+        raise ValueError("input_ids holds no prompt.")
+    empty = [b for b, p in enumerate(prompts) if len(p) == 0]
+    if empty:
+        raise ValueError(f"prompts {empty} are empty; every prompt needs at least one token.")
+    _check_prompts(prompts, target, draft)
+    if pad_token_id is None:
+        pad_token_id = _default_pad(resolve_text_config(target.config))
+    stop_set = _stop_set(stop_token_ids)
+    if temperature < GREEDY_BELOW_TEMPERATURE:
+        # softmax(logits / T) over- or underflows for tiny T; its limit is the argmax (the reference's rule)
+        temperature = 0.0
+
+    device = _device_of(target)
+    cfg = draft.config
+    W = cfg.block_size
+    B0 = len(prompts)
+    prompt_lengths = [len(p) for p in prompts]
+    sampling = temperature > 0
+    rows = _Rows([[] for _ in range(B0)], [[] for _ in range(B0)], [False] * B0)
+    stats = {"target": 0, "prefill": 0, "draft": 0}
+
+    if max_new_tokens > 0:
+        _decode(
+            target, draft, prompts, rows, stats, device=device, max_new_tokens=max_new_tokens,
+            temperature=temperature, top_p=top_p, top_k=top_k, stop_set=stop_set,
+            generator=generator, sampling=sampling, W=W, attention_backend=attention_backend,
+        )
+
+    lengths = [prompt_lengths[b] + len(rows.generated[b]) for b in range(B0)]
+    width = max(lengths)
+    tokens = torch.tensor(
+        [prompts[b] + rows.generated[b] + [int(pad_token_id)] * (width - lengths[b]) for b in range(B0)],
+        dtype=torch.int64,
+    )
+    return SpecDecodeOutput(
+        tokens=tokens.to(device),
+        lengths=torch.tensor(lengths, dtype=torch.int64, device=device),
+        prompt_lengths=torch.tensor(prompt_lengths, dtype=torch.int64, device=device),
+        pad_token_id=int(pad_token_id),
+        acceptance_lengths=rows.acceptance,
+        stopped=torch.tensor(rows.stopped, dtype=torch.bool, device=device),
+        num_target_forwards=stats["target"],
+        num_prefill_forwards=stats["prefill"],
+        num_draft_forwards=stats["draft"],
+    )
+
+
+def _default_pad(config) -> int:
+    for name in ("pad_token_id", "eos_token_id"):
+        value = getattr(config, name, None)
+        if isinstance(value, (list, tuple)):
+            value = value[0] if value else None
+        if value is not None:
+            return int(value)
+    return 0
+
+
+def _decode(
+    target, draft, prompts, rows: _Rows, stats, *, device, max_new_tokens, temperature, top_p, top_k,
+    stop_set, generator, sampling, W, attention_backend,
+) -> None:
+    """Prefill + draft/verify cycles; fills `rows` (per original row) and `stats`.
+
+    Its keyword arguments are the seam the decoding-parity oracle replaces (`spec_generate` calls it by
+    name); from here on they travel as one `_DecodeSettings`.
+    """
+    settings = _DecodeSettings(
+        device=device, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+        stop_set=stop_set, generator=generator, sampling=sampling, W=W, attention_backend=attention_backend,
+    )
+    verifier = (_CachedTarget if target_keeps_kv_cache(target.config) else _RecomputedTarget)(
+        target, draft.config.target_layer_ids, draft.config.mask_token_id, W
+    )
+    try:
+        _cycles(verifier, _DraftSide.of(target, draft), prompts, rows, stats, settings)
+    finally:
+        verifier.close()
+
+
+@dataclass(frozen=True)
+class _DecodeSettings:
+    """What `spec_generate` was asked for, fixed for the whole decode.
+
+    ``W``: the block size; ``sampling``: ``temperature > 0``; ``stop_set``: the stop token ids.
+    """
+
+    device: torch.device
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    stop_set: set
+    generator: Optional[torch.Generator]
+    sampling: bool
+    W: int
+    attention_backend: str
+
+    def target_dist(self, logits: torch.Tensor) -> torch.Tensor:
+        """``[..., V]`` logits -> the target's sampling distribution ``[..., V]``."""
+        return sampling_probs(logits, self.temperature, self.top_p, self.top_k)
+
+    def draw(self, logits: torch.Tensor) -> torch.Tensor:
+        """``[B, V]`` target logits -> ``[B]`` next token: sampled, or the argmax when greedy."""
+        return _sample(self.target_dist(logits), self.generator) if self.sampling else logits.argmax(dim=-1)
+
+
+@dataclass(frozen=True)
+class _DraftSide:
+    """The draft and the target modules it proposes with: the target's input embedding and output layer (as
+    an `OutputHead`), and the variant's proposer.
+
+    ``propose`` (DFlash 2's selector walk, Domino's `propose_block`): ``propose(hidden [B, W, H], anchor_ids
+    [B], head, embedding, temperature, generator) -> (tokens [B, W-1], draft_probs [B, W-1, V] or None)``, see
+    `_propose`; None: each slot proposes its own token.
+    """
+
+    draft: DraftBody
+    embedding: nn.Module
+    head_layer: nn.Module
+    head: OutputHead
+    propose: Optional[Callable]
+
+    @classmethod
+    def of(cls, target: nn.Module, draft: DraftBody) -> "_DraftSide":
+        head_layer = target.get_output_embeddings()
+        return cls(
+            draft=draft,
+            embedding=target.get_input_embeddings(),
+            head_layer=head_layer,
+            head=OutputHead.from_config(head_layer, draft.config),
+            propose=variant_of(draft).propose_fn(draft),
+        )
+
+
+@dataclass
+class _DecodeState:
+    """The batch rows still decoding (B of them) and what the next cycle starts from.
+
+    ``committed [B]``: committed length = position of the next block's slot 0; ``last [B]``: the next block's
+    anchor token; ``new_context [B, C, taps*H]``: context committed but not yet seen by the draft, which the
+    next draft forward writes into ``draft_cache`` at positions ``new_start[b] + j`` (``new_start [B]``)
+    before its block attends over the cache; ``row_ids``: the original row of each batch row; ``active``:
+    which batch rows go on.
+    """
+
+    committed: torch.Tensor
+    last: torch.Tensor
+    new_context: torch.Tensor
+    new_start: torch.Tensor
+    draft_cache: DraftKVCache
+    row_ids: list
+    active: list
+
+
+def _cycles(verifier, side: _DraftSide, prompts, rows: _Rows, stats, settings: _DecodeSettings) -> None:
+    """The prefill and the draft / verify / commit cycles, the target's side through `verifier` (a
+    `_CachedTarget` or `_RecomputedTarget`: `prefill`, `verify`, `commit`, `select_rows`)."""
+    state = _prefill(verifier, side.draft, prompts, rows, stats, settings)
+    while _drop_finished_rows(state, verifier, settings.device):
+        block, draft_probs = _draft_block(state, side, stats, settings)
+        # ---- verify: the target over the block at positions committed .. committed + W - 1 ----
+        target_logits, block_taps = verifier.verify(block, state.committed)  # [B, W, V], [B, W, taps*H]
+        stats["target"] += 1
+        if settings.sampling:
+            accepted, bonus = rejection_verify(
+                block[:, 1:], settings.target_dist(target_logits), draft_probs, settings.generator
+            )
+        else:
+            accepted, bonus = greedy_verify(block[:, 1:], target_logits)
+        # ---- commit: anchor + accepted become context (all W verified slots go to the draft's
+        # next forward; those past the accepted ones are scratch); the bonus is the next anchor ----
+        state.new_context, state.new_start = block_taps, state.committed
+        verifier.commit(accepted)
+        state.committed = state.committed + accepted + 1
+        state.last = bonus
+        _record_produced(rows, state, block, accepted, bonus, settings)
+
+
+def _prefill(verifier, draft: DraftBody, prompts, rows: _Rows, stats, settings: _DecodeSettings) -> _DecodeState:
+    """The target over the prompts, each row's first token recorded in `rows`; the state of the first cycle."""
+    B = len(prompts)
+    device = settings.device
+    lengths = torch.tensor([len(p) for p in prompts], dtype=torch.int64, device=device)
+    S = int(lengths.max())
+    last_logits, new_context = verifier.prefill(prompts, lengths)
+    stats["prefill"] += 1
+    first = settings.draw(last_logits)
+    # The draft's KV cache, sized for the first cycles only; a forward that writes past its end
+    # grows it (doubling), so it follows what is committed.
+    W = settings.W
+    draft_cache = DraftKVCache(draft, B, S + W + min(settings.max_new_tokens, 4 * W))
+    active = []
+    for b in range(B):
+        token = int(first[b])
+        rows.generated[b].append(token)
+        done = token in settings.stop_set
+        rows.stopped[b] = done
+        active.append(not done and len(rows.generated[b]) < settings.max_new_tokens)
+    # The prompt's taps go to the draft's first forward, at index = position.
+    return _DecodeState(
+        committed=lengths.clone(), last=first, new_context=new_context,
+        new_start=torch.zeros(B, dtype=torch.int64, device=device), draft_cache=draft_cache,
+        row_ids=list(range(B)), active=active,
+    )
+
+
+def _drop_finished_rows(state: _DecodeState, verifier, device) -> bool:
+    """Drop the rows that are not active from every piece of state; False when none is left."""
+    if all(state.active):
+        return True
+    keep = [i for i, a in enumerate(state.active) if a]
+    if not keep:
+        return False
+    index = torch.tensor(keep, dtype=torch.int64, device=device)
+    verifier.select_rows(index)
+    state.draft_cache.select_rows(index)
+    state.committed, state.last = state.committed[index], state.last[index]
+    state.new_context, state.new_start = state.new_context[index], state.new_start[index]
+    state.row_ids = [state.row_ids[i] for i in keep]
+    state.active = [True] * len(keep)
+    return True
+
+
+def _draft_block(
+    state: _DecodeState, side: _DraftSide, stats, settings: _DecodeSettings
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """One draft forward: ``(block [B, W] int64, draft_probs [B, W-1, V] or None)``, slot 0 the anchor
+    ``state.last``, slots 1.. the proposals (with the distributions they were drawn from when sampling)."""
+    cfg = side.draft.config
+    W, device = settings.W, settings.device
+    B = len(state.row_ids)
+    block = torch.full((B, W), cfg.mask_token_id, dtype=torch.int64, device=device)
+    block[:, 0] = state.last
+    embedded = side.embedding(block)
+    if isinstance(embedded, tuple):
+        embedded = embedded[0]
+    scale = float(cfg.input_embedding_scale)
+    if scale != 1.0:
+        embedded = embedded * scale
+    plan = DFlashBatchPlan.for_decoding(
+        state.committed, state.new_start[:, None] + torch.arange(state.new_context.shape[1], device=device),
+        block_size=W,
+    )
+    hidden = side.draft(state.new_context, embedded[:, None], plan, state.draft_cache, settings.attention_backend)
+    hidden = hidden[:, 0]  # [B, W, H]
+    stats["draft"] += 1
+    draft_probs = None
+    if side.propose is not None:
+        temperature = settings.temperature if settings.sampling else 0.0
+        path, draft_probs = _propose(
+            side.propose, hidden, state.last, side.head, side.embedding, temperature, settings.generator
+        )
+        block[:, 1:] = path
+    else:
+        # The head's full width (columns past the draft's vocab_size are -inf), so draft and
+        # target distributions share one index space.
+        draft_logits = side.head.local_logits(hidden[:, 1:].to(side.head_layer.weight.dtype))  # [B, T, V]
+        if settings.sampling:
+            draft_probs = torch.softmax(draft_logits / settings.temperature, dim=-1)
+            block[:, 1:] = _sample(draft_probs, settings.generator)
+        else:
+            block[:, 1:] = draft_logits.argmax(dim=-1)
+    return block, draft_probs
+
+
+def _record_produced(
+    rows: _Rows, state: _DecodeState, block: torch.Tensor, accepted: torch.Tensor, bonus: torch.Tensor,
+    settings: _DecodeSettings,
+) -> None:
+    """Each batch row's accepted tokens of ``block [B, W]`` (``accepted [B]`` of them) and its ``bonus [B]``
+    token, cut at ``max_new_tokens`` and after a stop token, appended to its original row in `rows`; marks
+    which batch rows go on."""
+    max_new_tokens = settings.max_new_tokens
+    block_host, accepted_host, bonus_host = block.tolist(), accepted.tolist(), bonus.tolist()
+    for i, row in enumerate(state.row_ids):
+        a = accepted_host[i]
+        produced = block_host[i][1 : 1 + a] + [bonus_host[i]]
+        produced = produced[: max_new_tokens - len(rows.generated[row])]
+        for j, token in enumerate(produced):
+            if token in settings.stop_set:
+                produced = produced[: j + 1]
+                rows.stopped[row] = True
+                break
+        rows.generated[row].extend(produced)
+        rows.acceptance[row].append(len(produced))
+        state.active[i] = not rows.stopped[row] and len(rows.generated[row]) < max_new_tokens
