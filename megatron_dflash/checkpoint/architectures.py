@@ -21,6 +21,7 @@ __all__ = ["architecture_of", "architecture_for_config", "known_architectures", 
 
 
 def _registry():
+    # here: command lines read which variant a config names before torch loads (see the module docstring)
     from ..variants import registry
 
     return registry
@@ -69,6 +70,7 @@ def build_body_for_checkpoint(architecture: "Variant", config, *, params_dtype=N
     """
     import torch
 
+    # here: command lines read which variant a config names before torch loads (see the module docstring)
     from ..draft.body import default_parallel_config
 
     if parallel_config is None:

@@ -324,6 +324,7 @@ def read_draft_config(iteration_dir: str, config_path: Optional[str] = None):
 def megatron_draft_tensors(iteration_dir: str, prefix: str = MODEL_PREFIX) -> dict:
     """`{published name: (global shape, dtype)}` of the draft tensors in a torch_dist checkpoint
     (read from its metadata, no data loaded). Needs `torch.distributed` initialised."""
+    # here: the layout names serve command lines before torch loads (module docstring, Imports)
     from .torch_dist_load import load_tensors_metadata
 
     if not os.path.isfile(os.path.join(iteration_dir, MEGATRON_METADATA)):
@@ -352,6 +353,7 @@ def read_megatron_draft_state(iteration_dir: str, prefix: str = MODEL_PREFIX) ->
     import torch
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
+    # here: the layout names serve command lines before torch loads (module docstring, Imports)
     from .torch_dist_load import load
 
     stored = megatron_draft_tensors(iteration_dir, prefix)
@@ -366,6 +368,7 @@ def read_megatron_draft_state(iteration_dir: str, prefix: str = MODEL_PREFIX) ->
 def _check_tensors(body, given: Mapping[str, tuple], what: str, architecture=None) -> None:
     """Raise ValueError naming missing, unexpected and mis-shaped tensors of `given`
     (`{name: shape}`, full shapes) against `body`, with a hint when the config is the cause."""
+    # here: the layout names serve command lines before torch loads (module docstring, Imports)
     from .hf import check_tensor_shapes
 
     check_tensor_shapes(body, given, what, extra_hints=(lambda unexpected: architecture_hint(architecture, unexpected),))
@@ -396,6 +399,7 @@ def save_megatron_draft(body, iteration_dir: str, *, extra_state: Optional[dict]
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedBase
 
+    # here: the layout names serve command lines before torch loads (module docstring, Imports)
     from .torch_dist_save import in_process_save_strategy
 
     if body is None and draft_config is None:
@@ -433,7 +437,10 @@ def load_megatron_draft_into(body, iteration_dir: str) -> None:
             checkpoint's metadata before anything is read), with a hint when the config and
             the weights disagree.
     """
+    # here: the layout names serve command lines before torch loads (module docstring, Imports)
     from .hf import load_sharded_state_dict_into
+
+    # here: the layout names serve command lines before torch loads (module docstring, Imports)
     from .torch_dist_load import load
 
     with single_process_group():

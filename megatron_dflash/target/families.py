@@ -137,6 +137,7 @@ def _load_with(auto_class: str) -> Callable:
 
 
 def _load_kimi_k3(directory: str, dtype):
+    # here: only a Kimi K3 target needs NeMo AutoModel's model code (an optional install) and torch
     from .kimi_k3 import load_kimi_k3_target
 
     return load_kimi_k3_target(directory, dtype=dtype)

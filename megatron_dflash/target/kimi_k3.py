@@ -29,6 +29,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from ..draft.config import resolve_text_config
+from .weights import safetensors_files
 
 __all__ = ["KIMI_K3_INSTALL_HINT", "kimi_k3_available", "load_kimi_k3_target", "build_tiny_kimi_k3_target"]
 
@@ -91,7 +92,6 @@ def load_kimi_k3_target(directory: str, dtype: Optional[torch.dtype] = None) -> 
     BackendConfig, _, KimiK3TextConfig, KimiK3ForCausalLM = _reference()
     from safetensors.torch import load_file
 
-    from .weights import safetensors_files
 
     with open(os.path.join(directory, "config.json")) as f:
         data = json.load(f)

@@ -20,6 +20,7 @@ import math
 import os
 from typing import Mapping, Optional, Sequence
 
+from ..common.cli import ArgumentParser, UsageError, require_dir, require_file
 from ..common.errors import RunError
 from ..variants.options import BUILT_IN_OPTIONS, Flag, declared_options
 
@@ -57,7 +58,6 @@ class ArgumentError(RunError):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..common.cli import ArgumentParser
 
     p = ArgumentParser(
         prog="pretrain_dflash.py",
@@ -280,6 +280,7 @@ def _check_expert_and_sequence_parallel(args: argparse.Namespace, world_size: in
     if errors:
         raise ArgumentError(errors[0])
     if args.context_parallel_size > 1:
+        # here, not at the top: the arguments are parsed and checked before torch loads (--help, usage errors)
         from ..target.model import context_parallel_refusal
 
         raise ArgumentError("--context-parallel-size: " + context_parallel_refusal(args))
@@ -316,7 +317,6 @@ def check_input_paths(args: argparse.Namespace) -> None:
     by `outputs.check_outputs`. Data paths are checked for the `--data-format` given (none: the format
     is required and `validate_args` says so).
     """
-    from ..common.cli import UsageError, require_dir, require_file
 
     fmt = args.data_format
     data = [("--train-data", args.train_data), ("--valid-data", args.valid_data)]
@@ -364,7 +364,6 @@ def validate_args(
     `use_cuda`, and the draft settings' defaults for this run (`resolve_run_defaults`,
     `dflash_defaulted`).
     """
-    from ..common.cli import UsageError
 
     env = os.environ if env is None else env
     cuda = cuda_available() if cuda is None else cuda
@@ -766,6 +765,7 @@ def run_variant(args: argparse.Namespace):
 
 def _names_with(capability: str) -> str:
     """The registered variants that have `capability` (a `Variant` flag), for messages."""
+    # here, not at the top: the arguments are parsed and checked before torch loads (--help, usage errors)
     from ..variants.registry import get_variant, variant_names
 
     return " / ".join(name for name in variant_names() if getattr(get_variant(name), capability))

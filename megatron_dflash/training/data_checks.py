@@ -31,6 +31,7 @@ def check_something_to_learn(dataset, collate, *, block_size: int, use_documents
     the same rule the training step uses (`data.datasets.attach_dflash_plan`)."""
     import torch
 
+    # here, with torch: `job.py` reads this module's file checks before the run loads torch
     from ..data.datasets import attach_dflash_plan
 
     n = min(len(dataset), MAX_SAMPLES_SCANNED)

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from ..data.prompts import PromptError, read_prompt_file, tokenize_prompt, unknown_token_warning
 from ..draft.config import DFlashConfig
 from ..embedded_job.synthetic_corpus import conversations
 from ..embedded_job.tiny_target import (
@@ -36,6 +37,7 @@ from .arguments import (
     world_size_from_env,
 )
 from .outputs import check_outputs
+from .rundir import resolve_run_dir
 
 __all__ = ["Job", "prepare_job", "draft_config_from_target", "load_eval_prompts", "resolve_target_dir"]
 
@@ -208,7 +210,6 @@ def load_eval_prompts(path: str, tokenizer, limit: Optional[int] = None, log=Non
     """Token ids of every prompt in a JSONL file, in the format of `megatron_dflash.data.prompts`
     (`input_ids`, `text` / `prompt` or `messages` lines; chats get the generation prompt).
     `log` (when given) receives a warning for each prompt that is mostly unknown tokens."""
-    from ..data.prompts import PromptError, read_prompt_file, tokenize_prompt, unknown_token_warning
 
     try:
         items = read_prompt_file(path, limit)
@@ -321,6 +322,7 @@ def _check_target_config(args, target_dir: str, target_config: dict) -> None:
             raise ArgumentError(f"--target={target_dir}: config.json has no {key!r}; not a decoder LLM config.")
     if args.target_backend != "megatron":
         return
+    # here: only the megatron backend needs the target model's module (megatron-core's GPT layers)
     from ..target.model import hf_target_spec, megatron_target_config
 
     try:
@@ -405,7 +407,6 @@ def _check_sequence_length(args, config: DFlashConfig) -> None:
 
 def _resolve_outputs(args, env) -> tuple[str, str]:
     """`(run_dir, export_dir)`; the embedded job keeps a checkpoint by default (sets `args.save`)."""
-    from .rundir import resolve_run_dir
 
     run_dir = resolve_run_dir(args, env)
     if os.path.exists(run_dir) and not os.path.isdir(run_dir):
