@@ -380,6 +380,13 @@ class DFlashBatchPlan:
         if document_ids is not None:
             _check_blocks_in_documents(anchors, block_valid, block_size, document_ids, run_id)
 
+        return cls._with_derived_fields(anchors, block_valid, input_mask, run_start, block_size)
+
+    @classmethod
+    def _with_derived_fields(cls, anchors: torch.Tensor, block_valid: torch.Tensor, input_mask: torch.Tensor,
+                             run_start: torch.Tensor, block_size: int) -> "DFlashBatchPlan":
+        """The plan of checked `anchors [B, N]` / `block_valid [B, N]`, with its context starts, positions and
+        loss mask derived from them (`_derive_fields`): the last step of both constructors."""
         context_start, position_ids, context_position_ids, loss_mask = _derive_fields(
             anchors, block_valid, input_mask, run_start, block_size
         )
@@ -586,18 +593,7 @@ def build_dflash_batch_plan(
     eligible = _eligible_anchors(input_mask, block_size, document_ids, run_id)
     anchor_positions, block_valid = _draw_anchors(eligible, step_hash, sample_ids, num_blocks)
 
-    context_start, position_ids, context_position_ids, loss_mask = _derive_fields(
-        anchor_positions, block_valid, input_mask, run_start, block_size
-    )
-    return DFlashBatchPlan(
-        anchor_positions=anchor_positions,
-        block_valid=block_valid,
-        context_start=context_start,
-        position_ids=position_ids,
-        context_position_ids=context_position_ids,
-        loss_mask=loss_mask,
-        block_size=block_size,
-    )
+    return DFlashBatchPlan._with_derived_fields(anchor_positions, block_valid, input_mask, run_start, block_size)
 
 
 def _check_sample_ids(sample_ids, input_mask: torch.Tensor) -> torch.Tensor:
