@@ -63,7 +63,13 @@ from ..checkpoint.torch_dist import (
 from ..checkpoint.torch_dist_load import load, load_common_state_dict, load_tensors_metadata
 from ..common.atomic import publish_directory, remove_stale_siblings, temporary_of
 from ..common.errors import CheckpointError
-from ..common.parallel import ProcessGroups, agree_or_raise, current_process_groups, distributed_ready
+from ..common.parallel import (
+    ProcessGroups,
+    agree_or_raise,
+    collective_device,
+    current_process_groups,
+    distributed_ready,
+)
 from .optim import optimizer_layout
 from .resume import ResumePoint, find_resume_point, is_stale_temporary
 
@@ -218,8 +224,7 @@ def _from_a_draft_rank(payload, holds_draft: bool):
 
     Pipeline parallelism: global rank 0 writes the checkpoint's common state and `dflash_config.json`
     but may sit on a stage without the draft (no optimizer, no scheduler)."""
-    device = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
-    src = torch.tensor([_rank() if holds_draft else _world()], dtype=torch.int64, device=device)
+    src = torch.tensor([_rank() if holds_draft else _world()], dtype=torch.int64, device=collective_device())
     dist.all_reduce(src, op=dist.ReduceOp.MIN)
     box = [payload if holds_draft else None]
     dist.broadcast_object_list(box, src=int(src.item()))

@@ -67,14 +67,16 @@ class StopSignals:
         """The name of the signal that any rank received (the lowest number when several did), or None.
 
         Collective over the world when `torch.distributed` is initialised: one all-reduce of one integer."""
+        # Local: this module is read before torch loads (the argument checks, `pretrain_dflash.py`).
         import torch
         import torch.distributed as dist
 
+        from ..common.parallel import collective_device, distributed_ready
+
         received = self.received or 0
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        if distributed_ready() and dist.get_world_size() > 1:
             # MIN over (number or a large value): the same signal named on every rank
-            flag = torch.tensor([received or 1 << 30], dtype=torch.int64, device=device)
+            flag = torch.tensor([received or 1 << 30], dtype=torch.int64, device=collective_device())
             dist.all_reduce(flag, op=dist.ReduceOp.MIN)
             received = int(flag.item())
             received = 0 if received == 1 << 30 else received
