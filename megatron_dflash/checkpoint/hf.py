@@ -85,14 +85,6 @@ def _write_directory(
                 f.write(text)
 
 
-def _agree_on_success(error: Optional[BaseException], group, device, directory: str) -> None:
-    """Barrier over `group` that also tells every rank whether the writer succeeded, so a
-    failed save raises everywhere instead of leaving the other ranks waiting; a full file system
-    is the same `NoSpaceError` on every rank (`common.parallel.agree_or_raise`, one all-reduce)."""
-    agree_or_raise(error, group=group, device=device, path=directory,
-                   elsewhere=f"saving the HF checkpoint to {directory} failed on the writing rank; see its error.")
-
-
 def save_hf_checkpoint(
     body: nn.Module,
     directory: str,
@@ -133,8 +125,8 @@ def save_hf_checkpoint(
         architecture = variant.architecture
     tensors = hf_state_dict(body)
     device = next(iter(tensors.values())).device
-    writer = _is_writer(body)
-    if writer:
+    error: Optional[BaseException] = None
+    if _is_writer(body):
         try:
             out = {}
             for name, tensor in tensors.items():
@@ -148,10 +140,12 @@ def save_hf_checkpoint(
             extra.update({"torch_dtype": dtype_name, "dtype": dtype_name})
             config = dataclasses.replace(body.config, extra_hf_fields=extra)
             _write_directory(config, out, directory, architecture, overwrite, extra_files)
-        except BaseException as err:
-            _agree_on_success(err, body.tp_group, device, directory)
-            raise
-    _agree_on_success(None, body.tp_group, device, directory)
+        except BaseException as err:  # every rank of the TP group must learn of it
+            error = err
+    # The TP group's barrier, telling every rank whether the writer succeeded (one all-reduce): a failed save
+    # raises everywhere instead of leaving the others waiting; a full file system is `NoSpaceError` on every rank.
+    agree_or_raise(error, group=body.tp_group, device=device, path=directory,
+                   elsewhere=f"saving the HF checkpoint to {directory} failed on the writing rank; see its error.")
 
 
 # ---------------------------------------------------------------------------------- HF import

@@ -23,7 +23,6 @@ The tensors of a checkpoint are read by torch with `weights_only=True` and need 
 
 from __future__ import annotations
 
-import io
 import os
 import pickle
 import types
@@ -134,8 +133,6 @@ def _pickle_module(source: str, allowed: frozenset) -> types.ModuleType:
 def torch_load(file: Union[str, IO[bytes]], source: str, allowed: frozenset = TENSORS):
     """`torch.load` of a checkpoint file (`common.pt`, a `.distcp` byte item) onto the CPU, every pickled
     global checked against `allowed` (the tensors' storages are torch's own)."""
-    if isinstance(file, (bytes, bytearray)):
-        file = io.BytesIO(file)
     if os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "0").lower() in ("1", "y", "yes", "true"):
         # torch then refuses any pickle_module: its own weights-only unpickler, stricter still, reads the file
         return torch.load(file, map_location="cpu", weights_only=True)

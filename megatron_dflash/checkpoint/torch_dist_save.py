@@ -49,16 +49,12 @@ class _FileSystemWriter(dcp.FileSystemWriter):
     """torch's synchronous `FileSystemWriter`; a write that finds the file system full raises
     `common.atomic.NoSpaceError` naming the checkpoint directory (see the module docstring)."""
 
-    def __init__(self, path: str, **kwargs):
-        super().__init__(path, **kwargs)
-        self.checkpoint_dir = path
-
     def write_data(self, plan, planner):
-        with no_space_as_error(self.checkpoint_dir):
+        with no_space_as_error(str(self.path)):
             return super().write_data(plan, planner)
 
     def finish(self, metadata, results) -> None:
-        with no_space_as_error(self.checkpoint_dir):
+        with no_space_as_error(str(self.path)):
             super().finish(metadata, results)
 
 

@@ -41,6 +41,7 @@ __all__ = [
     "as_no_space",
     "no_space_as_error",
     "write_file",
+    "new_staged_directory",
     "publish_directory",
     "atomic_directory",
     "aside_copy",
@@ -318,6 +319,13 @@ def publish_directory(staged: str, output: str, *, replace: bool) -> None:
     _fsync(parent)
 
 
+def new_staged_directory(output: str) -> str:
+    """A new, uniquely named staged sibling of `output` (`.NAME.tmp-XXXXXX`), empty; a writer fills it and
+    publishes it onto `output`, and `remove_stale_siblings` recognises it as a leftover otherwise."""
+    output = os.path.abspath(output)
+    return tempfile.mkdtemp(prefix=f".{os.path.basename(output)}.{_STAGED}-", dir=os.path.dirname(output))
+
+
 @contextlib.contextmanager
 def atomic_directory(output: str, *, replace: bool, remove_stale: bool = True) -> Iterator[str]:
     """Yield a staged directory that `publish_directory` moves into place as `output` when the
@@ -333,7 +341,7 @@ def atomic_directory(output: str, *, replace: bool, remove_stale: bool = True) -
     if remove_stale:
         remove_stale_siblings(output)
     with no_space_as_error(output):
-        staged = tempfile.mkdtemp(prefix=f".{os.path.basename(output)}.{_STAGED}-", dir=parent)
+        staged = new_staged_directory(output)
         try:
             yield staged
             publish_directory(staged, output, replace=replace)

@@ -39,7 +39,6 @@ from __future__ import annotations
 import os
 import random
 import shutil
-import tempfile
 from typing import Callable, Optional
 
 import numpy as np
@@ -61,7 +60,7 @@ from ..checkpoint.torch_dist import (
     write_tracker,
 )
 from ..checkpoint.torch_dist_load import load, load_common_state_dict, load_tensors_metadata
-from ..common.atomic import publish_directory, remove_stale_siblings, temporary_of
+from ..common.atomic import new_staged_directory, publish_directory, remove_stale_siblings, temporary_of
 from ..common.errors import CheckpointError
 from ..common.parallel import (
     ProcessGroups,
@@ -103,22 +102,13 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def raise_alike_after_write(error: Optional[BaseException], path: str, *, note: Optional[str], elsewhere: str) -> None:
-    """After a write every rank of the world took part in (collective: one all-reduce): return when it
-    succeeded on every rank, else raise the same error on every rank. A full file system on any rank is
-    `NoSpaceError(path, note)` everywhere (a save may fail on some ranks only: the ones whose shards did
-    not fit); another error is raised by the ranks that met it, and `RuntimeError(elsewhere)` by the others.
-    `common.parallel.agree_or_raise`'s exception form."""
-    agree_or_raise(error, path=path, note=note, elsewhere=elsewhere)
-
-
 def _agree_on_save(error: Optional[BaseException], final: str, staged: Optional[str], step: str) -> None:
-    """`raise_alike_after_write` for a step of `save_checkpoint` (`step`: what it did); on failure rank 0
-    first deletes the staged directory (every rank has stopped writing into it)."""
+    """`agree_or_raise` after a step of `save_checkpoint` (`step`: what it did; collective over the world):
+    the same error on every rank, a full file system `NoSpaceError` everywhere; on failure rank 0 first
+    deletes the staged directory (every rank has stopped writing into it)."""
     try:
-        raise_alike_after_write(error, final, note="the checkpoints saved before are intact",
-                                elsewhere=f"{step} checkpoint {final} failed on another rank; the previous "
-                                "checkpoint is intact.")
+        agree_or_raise(error, path=final, note="the checkpoints saved before are intact",
+                       elsewhere=f"{step} checkpoint {final} failed on another rank; the previous checkpoint is intact.")
     except BaseException:
         if _rank() == 0 and staged is not None:
             shutil.rmtree(staged, ignore_errors=True)
@@ -270,7 +260,7 @@ def _agree_on_staged_directory(save_dir: str, final: str, log: Callable) -> str:
         try:
             os.makedirs(save_dir, exist_ok=True)
             _remove_stale_temporaries(save_dir)
-            staged = tempfile.mkdtemp(prefix=f".{os.path.basename(final)}.tmp-", dir=save_dir)
+            staged = new_staged_directory(final)
         except OSError as err:
             log(f"[checkpoint] cannot prepare a staged directory for {final} in {save_dir}: {err}")
             error = err

@@ -47,6 +47,7 @@ from ..common.errors import DataError, DivergenceError, RunError
 from ..common.parallel import (
     ProcessGroups,
     SingleRankGroup,
+    agree_or_raise,
     destroy_model_parallel,
     distributed_ready,
     initialize_model_parallel,
@@ -72,7 +73,7 @@ from ..target.pipeline import copy_frozen_target_heads, resolve_draft_stage, run
 from . import optim
 from .agreement import agree_on_job
 from .arguments import EMBEDDED_SYNTHETIC_HELDOUT_SEED, EMBEDDED_SYNTHETIC_TRAIN_SEED, ArgumentError, parse_args
-from .checkpointing import load_checkpoint, raise_alike_after_write, save_checkpoint
+from .checkpointing import load_checkpoint, save_checkpoint
 from .data_checks import check_indexed_token_range, check_something_to_learn
 from .device_shim import megatron_target_on_cpu
 from .job import Job, prepare_job
@@ -586,8 +587,8 @@ def _export(job: Job, body) -> None:
         error = err
     # Every rank has checked before any rank writes: a rank still checking while the draft's stage publishes
     # the export would otherwise see a directory it did not expect and stop alone.
-    raise_alike_after_write(error, job.export_dir, note=None,
-                            elsewhere=f"the HF export {job.export_dir} was refused on another rank.")
+    agree_or_raise(error, path=job.export_dir, note=None,
+                   elsewhere=f"the HF export {job.export_dir} was refused on another rank.")
     if body is not None:
         try:
             # collective over the draft's TP group
@@ -596,8 +597,8 @@ def _export(job: Job, body) -> None:
             error = err
     kept = (f"the checkpoints in {job.args.save} are intact; tools/convert_checkpoint.py to-hf exports one"
             if job.args.save else None)
-    raise_alike_after_write(error, job.export_dir, note=kept,
-                            elsewhere=f"writing the HF export {job.export_dir} failed on another rank.")
+    agree_or_raise(error, path=job.export_dir, note=kept,
+                   elsewhere=f"writing the HF export {job.export_dir} failed on another rank.")
 
 
 def _stop_message(signal_name: str, iteration: int, args) -> str:
