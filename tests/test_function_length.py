@@ -3,7 +3,8 @@
 import ast
 import os
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from repo_paths import REPO_ROOT as ROOT
+
 LIMIT = 100
 
 

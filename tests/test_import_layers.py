@@ -9,7 +9,8 @@ import ast
 import os
 import re
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from repo_paths import REPO_ROOT as ROOT
+
 PACKAGE = "megatron_dflash"
 DESIGN = os.path.join(ROOT, "docs", "design.md")
 
@@ -63,11 +64,6 @@ def _imports(module: str, path: str, modules: dict) -> set:
             if name and name != module and name.startswith(PACKAGE + "."):
                 found.add(name)
     return found
-
-
-def _stage(module: str) -> str:
-    parts = module.split(".")
-    return parts[1] if len(parts) > 2 or module.endswith("__init__") else "<top>"
 
 
 def test_imports_follow_the_stage_order():

@@ -266,9 +266,10 @@ def _config_dict(path: str) -> dict:
 
 
 def _megatron_cpu_patch_points() -> dict:
-    """What `device_shim.megatron_target_on_cpu` replaces, as it is now (None: the name is absent)."""
+    """What `device_shim.megatron_target_on_cpu` replaces, as it is now ("absent": the name is not defined)."""
     from megatron.core.models.common.language_module.language_module import LanguageModule
     from megatron.core.tensor_parallel import mappings
+    from megatron.core.tensor_parallel import random as mp_random
     from megatron.core.transformer import multi_latent_attention as mla
     from megatron.core.transformer.moe import moe_utils
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher as alltoall
@@ -276,7 +277,8 @@ def _megatron_cpu_patch_points() -> dict:
     return {"current_device": torch.cuda.current_device, "embd_group": LanguageModule._is_in_embd_group,
             "dtoh": alltoall._maybe_dtoh_and_synchronize, "stream": alltoall.cuda_dtoh_stream,
             "gather": mappings._gather_along_first_dim, "scatter": mappings._reduce_scatter_along_first_dim,
-            "mla_te": mla.HAVE_TE, "gemm": getattr(moe_utils, "te_general_gemm", None)}
+            "mla_te": mla.HAVE_TE, "gemm": getattr(moe_utils, "te_general_gemm", "absent"),
+            "fork": vars(mp_random.get_cuda_rng_tracker()).get("fork", "absent")}
 
 
 def test_megatron_target_cpu_patches_apply_only_inside_a_cpu_run(monkeypatch):
@@ -300,7 +302,8 @@ def test_megatron_target_cpu_patches_apply_only_inside_a_cpu_run(monkeypatch):
     on_cuda, hf, cpu = seen
     assert on_cuda == outside and hf == outside
     assert all(cpu[name] is not outside[name] for name in ("current_device", "embd_group", "dtoh", "stream",
-                                                             "gather", "scatter"))
+                                                             "gather", "scatter", "fork"))
+    assert cpu["gemm"] is None or cpu["gemm"] is outside["gemm"]  # defined (as None) only where TE does not
     assert cpu["current_device"]() == "cpu" and cpu["mla_te"] is False
     assert _megatron_cpu_patch_points() == outside
 
