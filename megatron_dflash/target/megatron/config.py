@@ -3,7 +3,8 @@
 `hf_target_spec` reads a HF ``config.json`` (Qwen3, Llama, Qwen3-MoE, DeepSeek-V3) into the `HFTargetSpec`
 the converter needs, refusing what the megatron target cannot reproduce (attention/MLP biases, sliding
 windows, YaRN outside DeepSeek-V3's multi-latent attention, routings megatron-core computes differently) with
-an error that names it. `megatron_target_config` turns it into a ``TransformerConfig`` (``MLATransformerConfig``
+an error that names it; DeepSeek-V3's YaRN ``rope_scaling`` maps onto megatron's MLA YaRN, softmax-scale
+correction included. `megatron_target_config` turns it into a ``TransformerConfig`` (``MLATransformerConfig``
 for DeepSeek-V3) at this job's TP / PP / EP sizes, `check_parallel_sizes` says whether those sizes split the
 target, and `megatron_target_block_spec` picks the modules of each layer: megatron's local spec with
 `TargetRMSNorm` (and `MLALatentRMSNorm` for MLA's latent norms), or Transformer Engine's.

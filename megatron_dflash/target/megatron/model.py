@@ -14,7 +14,8 @@ forward captures the taps of the layers this stage owns, keyed by **global** lay
 tensors (megatron works in ``[S, B, H]`` inside, ``[S / TP, B, H]`` under sequence parallelism: taps are
 gathered back to the full sequence), so a pipeline schedule (`target.megatron.pipeline`) can route them to the
 stage that holds the draft; `target.taps.concat_taps` assembles them. Its ``embedding`` is the vocab-parallel
-input embedding. Context parallelism is refused (`context_parallel_refusal` says why).
+input embedding. Context parallelism is refused (`context_parallel_refusal` says why), and so are
+per-document positions with multi-latent attention (megatron's MLA takes no position ids).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Pipeline parallelism for the frozen target: run it stage by stage and route its taps to the draft's stage.
 
-The target is a megatron-core ``GPTModel`` split over ``PP`` pipeline stages (`target.megatron.model.MegatronTarget` wraps
-one stage). The draft body lives on **one** stage, chosen by the caller (`resolve_draft_stage`; default the
-last, ``--dflash-pipeline-stage -1``). Because the target is frozen and forward-only, its pipeline is a plain
+The target is a megatron-core ``GPTModel`` split over ``PP`` pipeline stages (`target.megatron.model.MegatronTarget`
+wraps one stage). The draft body lives on **one** stage, chosen by the caller (`resolve_draft_stage`; default
+the last, ``--dflash-pipeline-stage -1``). Because the target is frozen and forward-only, its pipeline is a plain
 chain, with no backward pass and no 1F1B schedule:
 
 1. stage ``s > 0`` receives the ``[S, B, H]`` activations of stage ``s - 1``; stage 0 embeds the tokens;

@@ -5,11 +5,11 @@ parameter this rank holds as a `MegatronWeight`: its name, the HF tensors it is 
 split, pad). Two drivers consume the plan:
 
 * `convert_with_plan` reads a ``name -> tensor`` mapping (a dict, or a lazy view) into a state dict;
-* `stream_with_plan` (through `load_plan_into`, what `target.megatron.model.build_megatron_target` uses) opens the HF safetensors files **one at a time**, reads from each only the tensors this
-  rank needs, yields every megatron tensor as soon as its sources are complete, and closes the file before
-  opening the next. Host memory is bounded by the tensors of one shard this rank needs (plus any sources
-  still waiting for a partner in a later shard), not by the model; experts of other EP ranks are never
-  read.
+* `stream_with_plan` (through `load_plan_into`, what `target.megatron.model.build_megatron_target` uses)
+  opens the HF safetensors files **one at a time**, reads from each only the tensors this rank needs, yields
+  every megatron tensor as soon as its sources are complete, and closes the file before opening the next.
+  Host memory is bounded by the tensors of one shard this rank needs (plus any sources still waiting for a
+  partner in a later shard), not by the model; experts of other EP ranks are never read.
 
 Layouts (megatron-core 0.16, local and Transformer Engine specs): ``linear_qkv`` is the per-query-group
 interleaved ``[q_g; k_g; v_g]`` matrix, split by whole groups across TP; ``linear_proj`` and ``linear_fc2``
