@@ -138,7 +138,7 @@ def build_ours(args, seq: int):
     from megatron_dflash.draft.config import DFlashConfig
     from megatron_dflash.objectives.dflash_loss import dflash_loss, embed_blocks
     from megatron_dflash.plan.batch_plan import build_dflash_batch_plan
-    from megatron_dflash.target.model import HFTarget
+    from megatron_dflash.target.taps import HFTarget
 
     torch.manual_seed(0)
     model = _hf_target(args, seq)

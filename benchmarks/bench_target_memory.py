@@ -10,7 +10,7 @@ runs in a fresh Python process (imports done, baseline RSS taken, then the conve
 rounds, and reports the high-water RSS above the baseline (``ru_maxrss``; it includes the pages of the mmapped
 shard files that were touched and are still mapped):
 
-    stream   ``target.weights.stream_with_plan``, the production loader: shard by shard, each converted tensor
+    stream   ``target.megatron.weights.stream_with_plan``, the production loader: shard by shard, each converted tensor
              handed on (here: dropped, as after its copy into a device parameter) before the next is read.
     lazy     one lazy mapping over every shard (all files mapped at once), the rank's whole converted state dict
              built, then dropped: what the converter did before the streaming loader.
@@ -116,14 +116,20 @@ def child(mode: str, directory: str, ep_rank: int, ep_size: int) -> dict:
     import torch  # noqa: F401  (imported before the baseline)
     from safetensors.torch import load_file
 
-    from megatron_dflash.target.model import _weight_plan, hf_target_spec, load_hf_state_dict
-    from megatron_dflash.target.weights import convert_with_plan, safetensors_files, stream_with_plan
+    from megatron_dflash.common.safetensors_files import target_safetensors_files
+    from megatron_dflash.target.megatron.config import hf_target_spec
+    from megatron_dflash.target.megatron.weights import (
+        checked_weight_plan,
+        convert_with_plan,
+        load_hf_state_dict,
+        stream_with_plan,
+    )
 
     spec = hf_target_spec(directory)
-    plan = _weight_plan(spec, 0, 1, layer_offset=0, num_layers=None, pre_process=True, post_process=True,
-                        padded_vocab=None, make_vocab_size_divisible_by=128, ep_rank=ep_rank, ep_size=ep_size,
-                        etp_rank=None, etp_size=None)
-    files = safetensors_files(directory)
+    plan = checked_weight_plan(spec, 0, 1, layer_offset=0, num_layers=None, pre_process=True, post_process=True,
+                               padded_vocab=None, make_vocab_size_divisible_by=128, ep_rank=ep_rank,
+                               ep_size=ep_size, etp_rank=None, etp_size=None)
+    files = target_safetensors_files(directory)
     base = _rss()
     loaded = 0
     if mode == "stream":

@@ -172,7 +172,8 @@ def check_te_layer_spec(target_dir, device: str, *, specs: tuple = (False, True)
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from megatron_dflash.target.model import MegatronTarget, hf_target_spec
+    from megatron_dflash.target.megatron.config import hf_target_spec
+    from megatron_dflash.target.megatron.model import MegatronTarget
 
     owns = not dist.is_initialized()
     if owns:

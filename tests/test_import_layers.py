@@ -1,8 +1,10 @@
 """The package's import graph follows the stage order of docs/design.md §7 Module map.
 
 Every import of the package's own modules is read from the source (also those inside functions) and
-resolved to a stage, the first folder under `megatron_dflash/`. An import may only go to the same stage
-or to an earlier one in the order that §7 writes down; the graph of modules has no cycle.
+resolved to a stage, the first folder under `megatron_dflash/`: a nested subpackage such as
+`target/megatron/` belongs to its stage (`target`). An import may only go to the same stage or to an
+earlier one in the order that §7 writes down; the graph of modules has no cycle; and every relative
+import resolves to a module of the package (one that did not would escape both checks).
 """
 
 import ast
@@ -41,23 +43,27 @@ def _modules() -> dict:
     return out
 
 
-def _imports(module: str, path: str, modules: dict) -> set:
-    """The package modules `module` imports (at top level or inside functions)."""
+def _import_names(module: str, path: str):
+    """Per import statement of `module` (top level or inside functions): (is relative, the dotted names it may
+    name: the module imported from, and each imported name under it)."""
     is_package = path.endswith("__init__.py")
     base = module.split(".") if is_package else module.split(".")[:-1]
-    found = set()
     for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
         if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
+            yield False, [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 parent = base[: len(base) - node.level + 1]
                 target = ".".join(parent + ([node.module] if node.module else []))
             else:
                 target = node.module or ""
-            names = [target] + [f"{target}.{a.name}" for a in node.names]
-        else:
-            continue
+            yield bool(node.level), [target] + [f"{target}.{a.name}" for a in node.names]
+
+
+def _imports(module: str, path: str, modules: dict) -> set:
+    """The package modules `module` imports (at top level or inside functions)."""
+    found = set()
+    for _, names in _import_names(module, path):
         for name in names:
             while name and name not in modules:
                 name = name.rpartition(".")[0]
@@ -104,3 +110,14 @@ def test_no_import_cycle():
         if node not in state:
             visit(node, [])
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_relative_imports_resolve_to_package_modules():
+    modules = _modules()
+    stray = []
+    for module, path in modules.items():
+        for relative, names in _import_names(module, path):
+            # `from .x import y` names the module x; `from . import x` names the modules it imports.
+            if relative and names[0] not in modules and not all(name in modules for name in names[1:]):
+                stray.append(f"{module}: from {names[0]} (no such module of the package)")
+    assert not stray, "relative imports that name no module:\n" + "\n".join(sorted(stray))

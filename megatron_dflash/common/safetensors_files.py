@@ -9,7 +9,13 @@ import json
 import os
 from typing import Optional
 
-__all__ = ["SAFETENSORS_NAME", "SAFETENSORS_INDEX_NAME", "safetensors_index_files", "safetensors_files"]
+__all__ = [
+    "SAFETENSORS_NAME",
+    "SAFETENSORS_INDEX_NAME",
+    "safetensors_index_files",
+    "safetensors_files",
+    "target_safetensors_files",
+]
 
 SAFETENSORS_NAME = "model.safetensors"
 SAFETENSORS_INDEX_NAME = "model.safetensors.index.json"
@@ -59,3 +65,11 @@ def safetensors_files(directory: str, missing: Optional[str] = None) -> list[str
         f"{directory} has neither {SAFETENSORS_NAME} nor {SAFETENSORS_INDEX_NAME}: not a HF draft "
         "checkpoint in safetensors format."
     ))
+
+
+def target_safetensors_files(directory: str) -> list[str]:
+    """`safetensors_files` of a HF target directory (HF and megatron backends alike), with the target's message
+    when there are none."""
+    return safetensors_files(directory, missing=(
+        f"{directory} holds no model.safetensors or model.safetensors.index.json; save the target with "
+        "save_pretrained(safe_serialization=True)."))

@@ -59,7 +59,7 @@ from ..draft.kv_cache import DraftKVCache
 from ..plan.batch_plan import DFlashBatchPlan
 from ..target.families import resolve_text_config, target_keeps_kv_cache
 from ..target.head import OutputHead
-from ..target.model import taps_from_hidden_states
+from ..target.taps import HFTarget, taps_from_hidden_states
 from ..variants.registry import variant_of
 
 __all__ = [
@@ -449,8 +449,6 @@ class _RecomputedTarget:
     """
 
     def __init__(self, target: nn.Module, target_layer_ids, pad_id: int, block_size: int):
-        from ..target.model import HFTarget  # the training-side tap reader
-
         self.tapped = HFTarget(target, target_layer_ids)
         self.pad_id = pad_id
         self.W = block_size

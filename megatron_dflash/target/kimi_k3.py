@@ -7,7 +7,7 @@ HF checkpoint directory in the released layout (``KimiK3ForConditionalGeneration
 weights under ``language_model.``, experts split per expert; or a text-only ``KimiK3ForCausalLM``), text
 backbone only: the vision tower is never built, DFlash taps the text decoder.
 
-The loaded model speaks the part of the causal-LM interface `target.model.HFTarget` uses: ``config`` (the text
+The loaded model speaks the part of the causal-LM interface `target.taps.HFTarget` uses: ``config`` (the text
 config), ``model.layers`` (a ``ModuleDict`` keyed by layer index), ``model(input_ids, ...)`` returning the
 final-norm hidden states ``[B, S, H]``, ``get_input_embeddings()``, ``get_output_embeddings()``. With attention
 residuals (``attn_res_block_size``) a decoder layer returns ``(hidden, block_residual)``; its tap is
@@ -28,8 +28,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from ..common.safetensors_files import target_safetensors_files
 from ..draft.config import resolve_text_config
-from .weights import safetensors_files
 
 __all__ = ["KIMI_K3_INSTALL_HINT", "kimi_k3_available", "load_kimi_k3_target", "build_tiny_kimi_k3_target"]
 
@@ -98,7 +98,7 @@ def load_kimi_k3_target(directory: str, dtype: Optional[torch.dtype] = None) -> 
     config = _text_config(KimiK3TextConfig, data, dtype)
     model = KimiK3ForCausalLM(config, backend=_backend(BackendConfig))
     hf_state: dict[str, torch.Tensor] = {}
-    for path in safetensors_files(directory):
+    for path in target_safetensors_files(directory):
         # Text weights only: the vision tower and projector of a multimodal checkpoint are never built.
         hf_state.update({k: v for k, v in load_file(path).items() if not k.startswith(("vision_tower.", "mm_projector."))})
     native = model.state_dict_adapter.from_hf(hf_state)

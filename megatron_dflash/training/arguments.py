@@ -281,7 +281,7 @@ def _check_expert_and_sequence_parallel(args: argparse.Namespace, world_size: in
         raise ArgumentError(errors[0])
     if args.context_parallel_size > 1:
         # here, not at the top: the arguments are parsed and checked before torch loads (--help, usage errors)
-        from ..target.model import context_parallel_refusal
+        from ..target.megatron.model import context_parallel_refusal
 
         raise ArgumentError("--context-parallel-size: " + context_parallel_refusal(args))
     sharded = [flag for flag, on in (("--expert-model-parallel-size", ep > 1),

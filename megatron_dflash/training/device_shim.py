@@ -45,7 +45,7 @@ that mask on the CPU). What is left, each patch restored on exit:
   (probability 0 for the target); the fork reads and sets CUDA RNG states, so it becomes a no-op context.
 * **Tied-embedding sync under pipeline parallelism**: ``LanguageModule.setup_embeddings_and_output_layer``
   moves the last stage's copy of the embedding to CUDA and all-reduces it with the first stage's. That copy
-  is loaded from the checkpoint right after the build (`target_weights`: ``output_layer.weight`` from
+  is loaded from the checkpoint right after the build (`target.megatron.weights`: ``output_layer.weight`` from
   ``embed_tokens``), so the sync is skipped (``_is_in_embd_group`` answers False). Its only caller is that
   initial sync.
 * **MoE token dispatch**: the all-to-all dispatcher creates a CUDA stream at construction and copies its

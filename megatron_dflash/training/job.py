@@ -323,7 +323,7 @@ def _check_target_config(args, target_dir: str, target_config: dict) -> None:
     if args.target_backend != "megatron":
         return
     # here: only the megatron backend needs the target model's module (megatron-core's GPT layers)
-    from ..target.model import hf_target_spec, megatron_target_config
+    from ..target.megatron.config import hf_target_spec, megatron_target_config
 
     try:
         # The target's sizes against the layout (heads, MLP columns and experts per rank), before any rank

@@ -19,8 +19,8 @@ One optimizer step (iteration `t`, counted from 0)::
 Pipeline parallelism (`--pipeline-model-parallel-size > 1`, megatron target): every rank builds its own
 stage of the target; the draft body and its optimizer exist only on the stage `--dflash-pipeline-stage`
 (default the last), which gets frozen copies of the target's embedding and output layer
-(`target.pipeline.copy_frozen_target_heads`). Every rank runs every micro-batch through
-`target.pipeline.run_target_pipeline` (same data on every stage: the DP rank comes from the job's
+(`target.megatron.pipeline.copy_frozen_target_heads`). Every rank runs every micro-batch through
+`target.megatron.pipeline.run_target_pipeline` (same data on every stage: the DP rank comes from the job's
 `common.parallel.ProcessGroups`, built once by `initialize_distributed` and handed down); the
 other stages contribute zero statistics, and the step statistics are summed over DP, then over the
 pipeline group, so every rank (rank 0 included) logs the draft's numbers. The grad norm is reduced over
@@ -68,8 +68,9 @@ from ..objectives.dflash_loss import AdditiveMetrics, all_reduce_together, embed
 from ..objectives.variable_prefix import sample_prefix_lengths
 from ..target.families import resolve_target_family, target_architecture
 from ..target.masks import causal_mask, document_mask, hf_document_mask
-from ..target.model import HFTarget, MegatronTarget, concat_taps
-from ..target.pipeline import copy_frozen_target_heads, resolve_draft_stage, run_target_pipeline
+from ..target.megatron.model import MegatronTarget
+from ..target.megatron.pipeline import copy_frozen_target_heads, resolve_draft_stage, run_target_pipeline
+from ..target.taps import HFTarget, concat_taps
 from . import optim
 from .agreement import agree_on_job
 from .arguments import EMBEDDED_SYNTHETIC_HELDOUT_SEED, EMBEDDED_SYNTHETIC_TRAIN_SEED, ArgumentError, parse_args

@@ -344,7 +344,7 @@ def test_a_sharded_index_names_only_files_of_its_directory(tmp_path):
     import re
 
     from megatron_dflash.checkpoint.hf import read_safetensors
-    from megatron_dflash.target.weights import safetensors_files
+    from megatron_dflash.common.safetensors_files import target_safetensors_files
 
     outside = tmp_path / "outside"
     outside.mkdir()
@@ -355,14 +355,14 @@ def test_a_sharded_index_names_only_files_of_its_directory(tmp_path):
     for entry in ("../outside/x.safetensors", str(outside / "x.safetensors"), "sub/../../outside/x.safetensors"):
         weight_map = {"fc.bias": "model-00001.safetensors", "fc.weight": entry}
         (draft / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-        for read in (read_safetensors, safetensors_files):
+        for read in (read_safetensors, target_safetensors_files):
             with pytest.raises(ValueError, match=re.escape(f"names the shard '{entry}', which is not a file in")) as info:
                 read(str(draft))
             assert "\n" not in str(info.value)
     # entries inside the directory are read as before
     (draft / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"fc.bias": "model-00001.safetensors"}}))
     assert sorted(read_safetensors(str(draft))) == ["fc.bias"]
-    assert safetensors_files(str(draft)) == [str(draft / "model-00001.safetensors")]
+    assert target_safetensors_files(str(draft)) == [str(draft / "model-00001.safetensors")]
 
 
 # ------------------------------------------------------------------------------ megatron dist_checkpointing

@@ -35,7 +35,7 @@ from megatron_dflash.decoding.generate import (
 )
 from megatron_dflash.objectives.dflash_loss import OutputHead
 from megatron_dflash.draft.rope import apply_rope, rope_cos_sin, rope_inv_freq
-from megatron_dflash.target.model import taps_from_hidden_states
+from megatron_dflash.target.taps import taps_from_hidden_states
 
 
 def _rope(config, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,7 +19,7 @@ from megatron_dflash.target.families import (
     resolve_text_config,
     supported_architectures,
 )
-from megatron_dflash.target.model import HFTarget
+from megatron_dflash.target.taps import HFTarget
 from megatron_dflash.training.arguments import ArgumentError, parse_args
 from megatron_dflash.training.job import prepare_job
 from megatron_dflash.embedded_job.tiny_target import SHIPPED_TARGET_DIR

@@ -19,13 +19,14 @@ import os
 import pytest
 import torch
 
-from megatron_dflash.target.model import (
+from megatron_dflash.common.safetensors_files import target_safetensors_files
+from megatron_dflash.target.megatron.config import hf_target_spec, megatron_target_config
+from megatron_dflash.target.megatron.weights import (
     convert_hf_to_megatron_state_dict,
-    hf_target_spec,
     load_hf_state_dict,
-    megatron_target_config,
+    megatron_weight_plan,
+    stream_with_plan,
 )
-from megatron_dflash.target.weights import megatron_weight_plan, safetensors_files, stream_with_plan
 from megatron_dflash.training.device_shim import causal_mask, megatron_target_on_cpu
 from repo_paths import REPO_ROOT
 
@@ -189,7 +190,7 @@ def test_expert_parallel_shards_hold_only_their_experts(tiny_moe):
 
 def test_streaming_reads_shard_by_shard_and_equals_the_dict_conversion(tiny_moe):
     _, path = tiny_moe["raw_topk"]
-    files = safetensors_files(path)
+    files = target_safetensors_files(path)
     assert len(files) > 3, files  # the fixture is sharded
     spec = hf_target_spec(path)
     kwargs = dict(tp_rank=1, tp_size=2, layer_offset=2, num_layers=2, pre_process=False, post_process=True,
@@ -249,8 +250,8 @@ def _gather_vocab(local: torch.Tensor) -> torch.Tensor:
 
 def _on_ranks_moe(rank: int, world_size: int, cases: dict, layouts: list) -> list:
     from megatron_dflash.common.parallel import destroy_model_parallel, initialize_model_parallel
-    from megatron_dflash.target.pipeline import run_target_pipeline
-    from megatron_dflash.target.model import MegatronTarget
+    from megatron_dflash.target.megatron.model import MegatronTarget
+    from megatron_dflash.target.megatron.pipeline import run_target_pipeline
 
     reports = []
     for layout, names in layouts:

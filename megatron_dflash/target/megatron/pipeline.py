@@ -1,8 +1,8 @@
 """Pipeline parallelism for the frozen target: run it stage by stage and route its taps to the draft's stage.
 
-The target is a megatron-core ``GPTModel`` split over ``PP`` pipeline stages (`target.model.MegatronTarget` wraps
-one stage). The draft body lives on **one** stage, chosen by the caller (`resolve_draft_stage`; default the
-last, ``--dflash-pipeline-stage -1``). Because the target is frozen and forward-only, its pipeline is a plain
+The target is a megatron-core ``GPTModel`` split over ``PP`` pipeline stages (`target.megatron.model.MegatronTarget`
+wraps one stage). The draft body lives on **one** stage, chosen by the caller (`resolve_draft_stage`; default
+the last, ``--dflash-pipeline-stage -1``). Because the target is frozen and forward-only, its pipeline is a plain
 chain, with no backward pass and no 1F1B schedule:
 
 1. stage ``s > 0`` receives the ``[S, B, H]`` activations of stage ``s - 1``; stage 0 embeds the tokens;
@@ -12,7 +12,7 @@ chain, with no backward pass and no 1F1B schedule:
 4. a stage that owns tapped layers and is not the draft's stage sends them, concatenated in ascending layer
    id order (one ``[B, S, n_s * H]`` message per producing stage), to the draft's stage;
 5. the draft's stage receives the taps of every producing stage (ascending stage order) and assembles the
-   body's input ``[B, S, taps * H]`` in ``target_layer_ids`` order (`target.model.concat_taps`). When the draft
+   body's input ``[B, S, taps * H]`` in ``target_layer_ids`` order (`target.taps.concat_taps`). When the draft
    is on the last stage it also has ``final_hidden`` (the target's final normed hidden states, for
    distillation); elsewhere the last stage sends them on request (``need_final_hidden=True``).
 
@@ -53,10 +53,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..common.parallel import ProcessGroups, agree_or_raise, current_process_groups, megatron_ready
-from .head import OutputHead
-from .masks import causal_mask
-from .model import MegatronTarget, concat_taps, context_parallel_refusal
+from ...common.parallel import ProcessGroups, agree_or_raise, current_process_groups, megatron_ready
+from ..head import OutputHead
+from ..masks import causal_mask
+from ..taps import concat_taps
+from .model import MegatronTarget, context_parallel_refusal
 
 __all__ = [
     "DraftStagePlacement",

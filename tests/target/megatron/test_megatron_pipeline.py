@@ -26,8 +26,8 @@ from megatron_dflash.draft.config import DFlashConfig
 from megatron_dflash.data.datasets import attach_dflash_plan
 from megatron_dflash.objectives.dflash_loss import dflash_loss, embed_blocks
 from megatron_dflash.common.parallel import SingleRankGroup
-from megatron_dflash.target.pipeline import DraftStagePlacement, resolve_draft_stage
-from megatron_dflash.target.model import HFTarget
+from megatron_dflash.target.megatron.pipeline import DraftStagePlacement, resolve_draft_stage
+from megatron_dflash.target.taps import HFTarget
 from megatron_dflash.training.device_shim import megatron_target_on_cpu
 
 VOCAB, LAYERS, HIDDEN, BATCH, SEQ = 300, 4, 32, 2, 16
@@ -149,8 +149,8 @@ def _on_ranks_pipeline(rank: int, world_size: int, case: dict) -> dict:
     from megatron.core import parallel_state
 
     from megatron_dflash.common.parallel import destroy_model_parallel, initialize_model_parallel
-    from megatron_dflash.target.pipeline import copy_frozen_target_heads, run_target_pipeline
-    from megatron_dflash.target.model import MegatronTarget
+    from megatron_dflash.target.megatron.model import MegatronTarget
+    from megatron_dflash.target.megatron.pipeline import copy_frozen_target_heads, run_target_pipeline
 
     cfg, batch = case["cfg"], case["batch"]
     plan, tokens = batch["dflash_plan"], batch["tokens"]

@@ -1,15 +1,15 @@
-"""HF weights -> megatron ``GPTModel`` weights of one rank: the mapping plan and the shard-by-shard loader.
+"""HF weights -> megatron ``GPTModel`` weights of one rank: the mapping plan, its checks and the shard-by-shard loader.
 
 One idea, one place: `megatron_weight_plan` lists, for one (TP rank, EP rank, PP stage), every megatron
 parameter this rank holds as a `MegatronWeight`: its name, the HF tensors it is made of, and how (fuse,
 split, pad). Two drivers consume the plan:
 
 * `convert_with_plan` reads a ``name -> tensor`` mapping (a dict, or a lazy view) into a state dict;
-* `stream_with_plan` opens the HF safetensors files **one at a time**, reads from each only the tensors this
-  rank needs, yields every megatron tensor as soon as its sources are complete, and closes the file before
-  opening the next. Host memory is bounded by the tensors of one shard this rank needs (plus any sources
-  still waiting for a partner in a later shard), not by the model; experts of other EP ranks are never
-  read.
+* `stream_with_plan` (through `load_plan_into`, what `target.megatron.model.build_megatron_target` uses)
+  opens the HF safetensors files **one at a time**, reads from each only the tensors this rank needs, yields
+  every megatron tensor as soon as its sources are complete, and closes the file before opening the next.
+  Host memory is bounded by the tensors of one shard this rank needs (plus any sources still waiting for a
+  partner in a later shard), not by the model; experts of other EP ranks are never read.
 
 Layouts (megatron-core 0.16, local and Transformer Engine specs): ``linear_qkv`` is the per-query-group
 interleaved ``[q_g; k_g; v_g]`` matrix, split by whole groups across TP; ``linear_proj`` and ``linear_fc2``
@@ -17,6 +17,10 @@ are split on their input dim; ``linear_fc1`` is ``[gate shard; up shard]`` per r
 layer are split by vocabulary rows (padded rows are zero). MoE layers (``mlp.router.weight``, replicated, and
 ``mlp.experts.local_experts.{j}``: the experts ``ep_rank * E / EP + j`` of this expert-parallel rank, each
 split like a dense MLP over the expert-tensor-parallel group).
+
+`checked_weight_plan` checks a rank's coordinates against the target (`config.check_parallel_sizes`, layer
+range, padded vocabulary) before planning; `convert_hf_to_megatron_state_dict` is the whole conversion of one
+shard from a mapping (`load_hf_state_dict`: a lazy view of a HF directory's safetensors files).
 """
 
 from __future__ import annotations
@@ -25,16 +29,21 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
+from torch import nn
 
-from ..common.safetensors_files import safetensors_files as checkpoint_safetensors_files
+from ...common.safetensors_files import target_safetensors_files
+from .config import HFTargetSpec, check_parallel_sizes, hf_target_spec, padded_vocab_size
 
 __all__ = [
     "MegatronWeight",
     "fused_qkv_weight",
     "megatron_weight_plan",
+    "checked_weight_plan",
     "convert_with_plan",
-    "safetensors_files",
+    "convert_hf_to_megatron_state_dict",
     "stream_with_plan",
+    "load_plan_into",
+    "load_hf_state_dict",
 ]
 
 
@@ -242,14 +251,6 @@ def convert_with_plan(plan: Sequence[MegatronWeight], hf: Mapping[str, torch.Ten
     return {w.name: w.build(*[get(s) for s in w.sources]) for w in plan}
 
 
-def safetensors_files(directory: str) -> list[str]:
-    """The safetensors files of a HF target directory: `checkpoint.safetensors_files`, the one discovery, with
-    the target's message when there are none."""
-    return checkpoint_safetensors_files(directory, missing=(
-        f"{directory} holds no model.safetensors or model.safetensors.index.json; save the target with "
-        "save_pretrained(safe_serialization=True)."))
-
-
 def stream_with_plan(plan: Sequence[MegatronWeight], files: Sequence[str], model_type: str) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(megatron name, tensor)`` for every planned weight, reading the files one after another.
 
@@ -292,3 +293,141 @@ def stream_with_plan(plan: Sequence[MegatronWeight], files: Sequence[str], model
         missing = sorted({s for srcs in waiting.values() for s in srcs})
         raise KeyError(f"HF checkpoint has no tensor(s) {missing[:8]}{' ...' if len(missing) > 8 else ''} "
                        f"(a {model_type} checkpoint was expected).")
+
+
+def convert_hf_to_megatron_state_dict(
+    hf_state_dict: Mapping[str, torch.Tensor],
+    hf_config: Any,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    *,
+    layer_offset: int = 0,
+    num_layers: Optional[int] = None,
+    pre_process: bool = True,
+    post_process: bool = True,
+    padded_vocab: Optional[int] = None,
+    make_vocab_size_divisible_by: int = 128,
+    dtype: Optional[torch.dtype] = None,
+    transformer_engine_names: bool = False,
+    ep_rank: int = 0,
+    ep_size: int = 1,
+    etp_rank: Optional[int] = None,
+    etp_size: Optional[int] = None,
+) -> dict[str, torch.Tensor]:
+    """The state dict of one (TP, EP rank, PP stage) shard of a megatron ``GPTModel`` from HF weights.
+
+    Args:
+        hf_state_dict: HF names (``model.layers.N.self_attn.q_proj.weight``, ...) to tensors; a lazy mapping
+            is fine, only the tensors of this stage are read.
+        tp_rank, tp_size: this rank's tensor-parallel coordinates.
+        layer_offset, num_layers: the global layers ``layer_offset .. layer_offset + num_layers - 1`` this
+            stage owns (megatron names them ``decoder.layers.0 ..``); all layers by default.
+        pre_process, post_process: whether this stage holds the embedding / the final norm and output layer.
+        padded_vocab: the model's (padded) vocabulary; `padded_vocab_size` by default. Padded rows are zero
+            (never looked up; their logits are masked by `OutputHead`).
+        dtype: cast every tensor to this dtype (default: keep).
+        transformer_engine_names: name the norms as the TE spec does (fused into the following linear).
+        ep_rank, ep_size: this rank's expert-parallel coordinates (MoE targets: only its experts are read).
+        etp_rank, etp_size: expert tensor parallelism (default: ``tp_rank``/``tp_size``, megatron's default).
+
+    Layouts: see this module's docstring. With tied embeddings the output layer is absent on a stage that also
+    holds the embedding (megatron reuses the embedding weight) and is the embedding's copy otherwise.
+    """
+    spec = hf_target_spec(hf_config)
+    plan = checked_weight_plan(spec, tp_rank, tp_size, layer_offset=layer_offset, num_layers=num_layers,
+                        pre_process=pre_process, post_process=post_process, padded_vocab=padded_vocab,
+                        make_vocab_size_divisible_by=make_vocab_size_divisible_by, dtype=dtype,
+                        transformer_engine_names=transformer_engine_names, ep_rank=ep_rank, ep_size=ep_size,
+                        etp_rank=etp_rank, etp_size=etp_size)
+    return convert_with_plan(plan, hf_state_dict, spec.model_type)
+
+
+def checked_weight_plan(
+    spec: HFTargetSpec,
+    tp_rank: int,
+    tp_size: int,
+    *,
+    layer_offset: int,
+    num_layers: Optional[int],
+    padded_vocab: Optional[int],
+    make_vocab_size_divisible_by: int,
+    ep_rank: int,
+    ep_size: int,
+    etp_rank: Optional[int],
+    etp_size: Optional[int],
+    **kwargs: Any,
+) -> list:
+    """`megatron_weight_plan` after checking this rank's coordinates against ``spec``."""
+    check_parallel_sizes(spec, tp_size, ep_size, etp_size)
+    for name, rank, size in (("tp_rank", tp_rank, tp_size), ("ep_rank", ep_rank, ep_size),
+                             ("etp_rank", etp_rank, etp_size)):
+        if rank is not None and not 0 <= rank < (size or tp_size):
+            raise ValueError(f"{name}={rank} must be in [0, {size or tp_size}).")
+    if num_layers is None:
+        num_layers = spec.num_layers - layer_offset
+    if layer_offset < 0 or num_layers < 0 or layer_offset + num_layers > spec.num_layers:
+        raise ValueError(
+            f"layers {layer_offset}..{layer_offset + num_layers - 1} are outside the target's {spec.num_layers} layers."
+        )
+    vocab = padded_vocab or padded_vocab_size(spec.vocab_size, tp_size, make_vocab_size_divisible_by)
+    if vocab < spec.vocab_size or vocab % tp_size:
+        raise ValueError(f"padded_vocab={vocab} must be >= vocab_size={spec.vocab_size} and divisible by TP={tp_size}.")
+    return megatron_weight_plan(spec, tp_rank=tp_rank, tp_size=tp_size, layer_offset=layer_offset,
+                                num_layers=num_layers, padded_vocab=vocab, ep_rank=ep_rank, ep_size=ep_size,
+                                etp_rank=etp_rank, etp_size=etp_size, **kwargs)
+
+
+class _SafetensorsDirectory(Mapping):
+    """Lazy ``name -> tensor`` view of the safetensors files of a HF directory (one or many shards)."""
+
+    def __init__(self, directory: str):
+        from safetensors import safe_open
+
+        files = target_safetensors_files(directory)
+        self._handles = {path: safe_open(path, framework="pt") for path in files}
+        self._where = {key: path for path, handle in self._handles.items() for key in handle.keys()}
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self._handles[self._where[key]].get_tensor(key)
+
+    def __iter__(self):
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._where
+
+
+def load_hf_state_dict(hf_dir: str) -> Mapping[str, torch.Tensor]:
+    """A lazy mapping over the safetensors weights of ``hf_dir``: tensors are read when indexed."""
+    return _SafetensorsDirectory(hf_dir)
+
+
+def load_plan_into(model: nn.Module, plan: Sequence, files: Sequence[str], model_type: str) -> None:
+    """Copy the planned weights into ``model``'s parameters as they stream in, one shard file at a time.
+
+    The plan must name every tensor of ``model.state_dict()`` (Transformer Engine's ``_extra_state`` aside)
+    and nothing else; this is checked before any file is read. Each converted tensor is copied into its
+    parameter (on the model's device) and dropped, so host memory never holds this rank's whole slice.
+    """
+    state = model.state_dict(keep_vars=True)
+    expected = {k for k in state if not k.endswith("_extra_state")}
+    planned = [w.name for w in plan]
+    missing = sorted(expected - set(planned))
+    unexpected = sorted(set(planned) - expected)
+    if missing or unexpected:
+        raise RuntimeError(
+            f"build_megatron_target: the converted weights do not match the model: missing {missing}, "
+            f"unexpected {unexpected}."
+        )
+    with torch.no_grad():
+        for name, tensor in stream_with_plan(plan, files, model_type):
+            param = state[name]
+            if tuple(param.shape) != tuple(tensor.shape):
+                raise RuntimeError(
+                    f"build_megatron_target: {name} is {tuple(tensor.shape)} in the converted checkpoint but "
+                    f"{tuple(param.shape)} in the model."
+                )
+            param.copy_(tensor)
