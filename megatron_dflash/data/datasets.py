@@ -39,7 +39,7 @@ import torch
 
 from ..common.errors import DataError
 from ..common.hashing import M32 as _M32
-from ..common.hashing import absorb, mix32
+from ..common.hashing import absorb, hash_elements, mix32
 from ..common.parallel import current_process_groups, distributed_ready, is_distributed_group, megatron_ready
 from ..embedded_job.synthetic_corpus import conversations
 from ..plan.batch_plan import DFlashBatchPlan, build_dflash_batch_plan
@@ -919,14 +919,6 @@ _STAGE_CONTENT_HI = 0x9E3779B1
 _STAGE_CHECK = 0x4F1BBCDD
 
 
-def _hash_tensor(values: torch.Tensor, stage: int, dim_positions: torch.Tensor) -> torch.Tensor:
-    """32-bit hash per element of int64 ``values`` mixed with its position (all on-device, no sync)."""
-    lo = values & _M32
-    hi = (values >> 32) & _M32
-    h = absorb(mix32((dim_positions + stage) & _M32), lo, stage)
-    return absorb(h, hi, _STAGE_CONTENT_HI)
-
-
 def content_sample_ids(tokens: torch.Tensor) -> torch.Tensor:
     """[B] int64 row IDs hashed from the tokens on the device (for batches that carry no sample IDs).
 
@@ -937,8 +929,8 @@ def content_sample_ids(tokens: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"tokens must be a [batch, seq] tensor, got {getattr(tokens, 'shape', type(tokens))}.")
     tokens = tokens.to(torch.int64)
     pos = torch.arange(tokens.shape[1], dtype=torch.int64, device=tokens.device)[None, :]
-    lo = _hash_tensor(tokens, _STAGE_CONTENT_LO, pos).sum(dim=1) & _M32  # order-aware through positions
-    hi = _hash_tensor(tokens, _STAGE_CONTENT_HI, pos).sum(dim=1) & _M32
+    lo = hash_elements(tokens, _STAGE_CONTENT_LO, pos).sum(dim=1) & _M32  # order-aware through positions
+    hi = hash_elements(tokens, _STAGE_CONTENT_HI, pos).sum(dim=1) & _M32
     lo, hi = mix32(lo), mix32(absorb(hi, lo, _STAGE_CHECK))
     return ((hi & 0x7FFFFFFF) << 32) | lo
 
@@ -1033,7 +1025,7 @@ def _tensor_checksum(t: torch.Tensor, stage: int) -> torch.Tensor:
         t = t.to(torch.int64)
     pos = torch.arange(t.numel(), dtype=torch.int64, device=t.device)
     # Each term < 2**32; sums of up to 2**31 terms stay below 2**63, so no overflow.
-    return _hash_tensor(t, stage, pos).sum()
+    return hash_elements(t, stage, pos).sum()
 
 
 def plan_checksum(
