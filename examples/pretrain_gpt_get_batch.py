@@ -39,7 +39,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron_dflash.data.datasets import attach_dflash_plan, from_megatron_gpt_batch, verify_plan_agreement
+from megatron_dflash.data.datasets import from_megatron_gpt_batch
+from megatron_dflash.plan.data_hook import attach_dflash_plan, verify_plan_agreement
 
 # Keys broadcast from TP rank 0 when present (the union of both batch formats).
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids", "document_ids", "sample_ids")
