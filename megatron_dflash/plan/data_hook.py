@@ -2,7 +2,7 @@
 the same plan (docs/design.md §5 The batch plan and the anchor rule).
 
 ``attach_dflash_plan`` adds ``batch["dflash_plan"]`` (a ``DFlashBatchPlan``) to a batch of the format of
-`data/datasets.py` (``loss_mask`` [B, S], ``sample_ids`` [B], ``document_ids`` [B, S]) on the device of the
+`data/batching.py` (``loss_mask`` [B, S], ``sample_ids`` [B], ``document_ids`` [B, S]) on the device of the
 batch, without any host synchronisation; ``verify_plan_agreement`` is the opt-in, periodic check that every
 rank of a group built the same plan. It reads only the batch's tensors, so it needs nothing of `data`.
 """

@@ -54,7 +54,7 @@ from ..common.parallel import (
     megatron_ready,
 )
 from ..data import datasets as data
-from ..data.datasets import Collator, MicroBatchIterator
+from ..data.batching import Collator, MicroBatchIterator
 from ..decoding.generate import spec_generate
 from ..decoding.metric import decode_metric, no_verify_cycle_reason
 from ..draft.body import default_parallel_config

@@ -12,7 +12,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron_dflash.data.datasets import collate, from_megatron_gpt_batch, stable_sample_id
+from megatron_dflash.data.batching import collate, from_megatron_gpt_batch
+from megatron_dflash.data.samples import stable_sample_id
 from megatron_dflash.plan.batch_plan import build_dflash_batch_plan
 from megatron_dflash.plan.data_hook import (
     PlanDisagreementError,
@@ -21,7 +22,7 @@ from megatron_dflash.plan.data_hook import (
     verify_plan_agreement,
 )
 from repo_paths import REPO_ROOT
-from test_datasets import _sample
+from test_batching import _sample
 
 
 PLAN_FIELDS = ("anchor_positions", "block_valid", "context_start", "position_ids", "context_position_ids", "loss_mask")
