@@ -23,7 +23,7 @@ Two batch formats are accepted:
   * Megatron ``GPTDataset`` batches (``tokens, labels, loss_mask, [attention_mask], position_ids``), whose
     ``loss_mask`` weights the *label* at each position: converted with ``from_megatron_gpt_batch``
     (token-aligned mask, documents from position resets / EOD tokens, sample IDs hashed from the tokens);
-  * ``megatron_dflash.data.datasets.collate`` batches (``tokens, loss_mask, position_ids, document_ids,
+  * ``megatron_dflash.data.batching.collate`` batches (``tokens, loss_mask, position_ids, document_ids,
     sample_ids``), used as they are.
 
 Only ``megatron.core`` is imported; ``megatron.training`` is imported lazily, and only when the optimizer
@@ -39,7 +39,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron_dflash.data.datasets import attach_dflash_plan, from_megatron_gpt_batch, verify_plan_agreement
+from megatron_dflash.data.batching import from_megatron_gpt_batch
+from megatron_dflash.plan.data_hook import attach_dflash_plan, verify_plan_agreement
 
 # Keys broadcast from TP rank 0 when present (the union of both batch formats).
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids", "document_ids", "sample_ids")
@@ -137,7 +138,8 @@ def get_batch(data_iterator: Optional[Iterator], vp_stage=None, *, settings: DFl
 
 
 def _demo() -> None:
-    from megatron_dflash.data.datasets import Collator, MicroBatchIterator, SyntheticChatDataset
+    from megatron_dflash.data.batching import Collator, MicroBatchIterator
+    from megatron_dflash.data.datasets import SyntheticChatDataset
     from megatron_dflash.embedded_job.synthetic_corpus import build_tokenizer
 
     tokenizer = build_tokenizer()

@@ -13,7 +13,7 @@ from typing import Union
 
 import torch
 
-__all__ = ["M32", "absorb", "mix32", "seed_step_hash", "split64"]
+__all__ = ["M32", "absorb", "hash_elements", "mix32", "seed_step_hash", "split64"]
 
 M32 = 0xFFFFFFFF
 _TWO32 = 1 << 32
@@ -24,6 +24,7 @@ _STAGE_SEED_LO = 0x9E3779B9
 _STAGE_SEED_HI = 0x85EBCA77
 _STAGE_STEP_LO = 0xC2B2AE3D
 _STAGE_STEP_HI = 0x27D4EB2F
+_STAGE_ELEMENT_HI = 0x9E3779B1
 
 IntOrTensor = Union[int, torch.Tensor]
 
@@ -69,3 +70,15 @@ def seed_step_hash(seed: int, optimizer_step: int) -> int:
     h = absorb(h, step_lo, _STAGE_STEP_LO)
     h = absorb(h, step_hi, _STAGE_STEP_HI)
     return h
+
+
+def hash_elements(values: torch.Tensor, stage: int, positions: torch.Tensor) -> torch.Tensor:
+    """A 32-bit hash of each element of int64 ``values`` mixed with its position (``positions``, broadcast
+    against ``values``); ``stage`` separates uses. On the device of ``values``, no host synchronisation.
+
+    Summing the result over a dimension gives an order-aware hash of it (content sample IDs, plan checksums).
+    """
+    lo = values & M32
+    hi = (values >> 32) & M32
+    h = absorb(mix32((positions + stage) & M32), lo, stage)
+    return absorb(h, hi, _STAGE_ELEMENT_HI)

@@ -1,57 +1,28 @@
-"""Datasets, packing, collation, a DP-aware sampler and the batch-plan hook.
+"""The datasets: chat / text JSONL, Megatron indexed, and the embedded job's synthetic chats
+(docs/design.md §8 Data path).
 
-Everything here produces or consumes one batch format, a Megatron-style dict of tensors:
-
-=================  ===========  =================================================================
-key                shape/dtype  meaning
-=================  ===========  =================================================================
-``tokens``         [B, S] long  token ids; padding = the tokenizer's pad id
-``loss_mask``      [B, S] bool  supervised tokens (assistant turns for chat, every real token for
-                                text); False on padding
-``position_ids``   [B, S] long  RoPE positions, restarting at 0 at every packed document
-                                (padding continues the count of the row's last document)
-``document_ids``   [B, S] long  document of each token: 0, 1, ... per packed document, 0 for every
-                                real token of an unpacked row, -1 on padding
-``sample_ids``     [B] int64    stable, unique ID of the row (see ``stable_sample_id``)
-=================  ===========  =================================================================
-
-``attach_dflash_plan`` adds ``batch["dflash_plan"]`` (a ``DFlashBatchPlan``) on the device of the batch
-without any host synchronisation; ``verify_plan_agreement`` is the opt-in, periodic check that every
-rank of a group built the same plan.
-
-Determinism: datasets are map-style and a pure function of their files / seed; sample IDs are hashes
-of (dataset kind, name, index, content), never of Python's randomised ``hash``; the sampler's order is
-a pure function of ``(seed, epoch)`` and resumes exactly at any optimizer step.
+Each is a map-style dataset of `data.samples.Sample` (token ids, loss mask, stable sample ID), a pure
+function of its files / seed. A JSONL record is checked when the file is scanned and again when it is read;
+whatever is wrong with it is one `DataError` line naming the file and line. At most ``record_budget
+(seq_length)`` characters of a record are tokenised.
 """
 
 from __future__ import annotations
 
 import abc
-import hashlib
 import json
 import os
-import re
-from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
 
 from ..common.errors import DataError
-from ..common.hashing import M32 as _M32
-from ..common.hashing import absorb, mix32
-from ..common.parallel import current_process_groups, distributed_ready, is_distributed_group, megatron_ready
 from ..embedded_job.synthetic_corpus import conversations
-from ..plan.batch_plan import DFlashBatchPlan, build_dflash_batch_plan
+from .chat import chat_roles, check_messages, tokenize_chat, unicode_problem
+from .samples import Sample, check_seq_length, stable_sample_id
 
 __all__ = [
-    "Sample",
-    "PackedRow",
-    "stable_sample_id",
-    "tokenize_chat",
-    "CHAT_ROLES",
-    "chat_roles",
-    "check_messages",
     "CHARS_PER_TOKEN",
     "record_budget",
     "one_line_error",
@@ -59,307 +30,11 @@ __all__ = [
     "TextJSONLDataset",
     "IndexedDataset",
     "SyntheticChatDataset",
-    "pack_samples",
-    "collate",
-    "Collator",
-    "MicroBatchIterator",
-    "content_sample_ids",
-    "from_megatron_gpt_batch",
-    "attach_dflash_plan",
-    "plan_checksum",
-    "verify_plan_agreement",
-    "template_has_generation_markers",
-    "assistant_mask_from_prefixes",
-    "PlanDisagreementError",
 ]
 
-_INT63 = (1 << 63) - 1
-
 
 # --------------------------------------------------------------------------------------------------
-# Samples and their IDs
-# --------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Sample:
-    """One tokenised document.
-
-    Attributes:
-        input_ids: [L] int64 token ids, 1 <= L <= seq_length of the dataset.
-        loss_mask: [L] bool, True on supervised tokens.
-        sample_id: stable non-negative int63 ID (see ``stable_sample_id``).
-    """
-
-    input_ids: torch.Tensor
-    loss_mask: torch.Tensor
-    sample_id: int
-
-    def __len__(self) -> int:
-        return int(self.input_ids.shape[0])
-
-
-@dataclass(frozen=True)
-class PackedRow:
-    """Documents packed into one row (unpadded, length <= seq_length).
-
-    Attributes:
-        input_ids, loss_mask: [L] concatenation of the documents.
-        position_ids: [L] int64, restarting at 0 at each document.
-        document_ids: [L] int64, 0, 1, ... in the order the documents were placed (contiguous runs).
-        sample_id: ID of the row: the document's own ID for a single document, otherwise a hash of the
-            documents' IDs in order.
-        sample_ids: IDs of the documents, in row order.
-    """
-
-    input_ids: torch.Tensor
-    loss_mask: torch.Tensor
-    position_ids: torch.Tensor
-    document_ids: torch.Tensor
-    sample_id: int
-    sample_ids: tuple
-
-    def __len__(self) -> int:
-        return int(self.input_ids.shape[0])
-
-
-def stable_sample_id(*parts: Union[str, bytes, int]) -> int:
-    """A stable, non-negative int63 ID: blake2b of the parts, folded to 63 bits.
-
-    Parts are strings (UTF-8), bytes or ints, each length-prefixed so that ``("ab", "c")`` and
-    ``("a", "bc")`` differ. The result is the same on every machine, Python version and run (it does not
-    use Python's randomised ``hash``).
-    """
-    h = hashlib.blake2b(digest_size=8)
-    for part in parts:
-        if isinstance(part, bool):
-            raise TypeError("stable_sample_id parts must be str, bytes or int, not bool")
-        if isinstance(part, (int, np.integer)):
-            data, tag = str(int(part)).encode(), b"i"
-        elif isinstance(part, str):
-            data, tag = part.encode("utf-8"), b"s"
-        elif isinstance(part, (bytes, bytearray)):
-            data, tag = bytes(part), b"b"
-        else:
-            raise TypeError(f"stable_sample_id parts must be str, bytes or int, got {type(part).__name__}")
-        h.update(tag + len(data).to_bytes(8, "little") + data)
-    return int.from_bytes(h.digest(), "little") & _INT63
-
-
-def _make_sample(ids, mask, sample_id: int, seq_length: int) -> Sample:
-    input_ids = torch.as_tensor(list(ids)[:seq_length] if not isinstance(ids, torch.Tensor) else ids[:seq_length])
-    loss_mask = torch.as_tensor(list(mask)[:seq_length] if not isinstance(mask, torch.Tensor) else mask[:seq_length])
-    return Sample(input_ids.to(torch.int64), loss_mask.to(torch.bool), sample_id)
-
-
-def _check_seq_length(seq_length) -> int:
-    if isinstance(seq_length, bool) or not isinstance(seq_length, int) or seq_length < 1:
-        raise ValueError(f"seq_length must be an int >= 1, got {seq_length!r}.")
-    return seq_length
-
-
-# --------------------------------------------------------------------------------------------------
-# Chat tokenisation with an assistant mask
-# --------------------------------------------------------------------------------------------------
-
-_GENERATION_TAG = re.compile(r"\{\%-?\s*generation\s*-?\%\}")
-
-
-def _chat_template_of(tokenizer) -> str:
-    template = None
-    getter = getattr(tokenizer, "get_chat_template", None)
-    if getter is not None:
-        try:
-            template = getter()
-        except Exception:  # no default template
-            template = None
-    if template is None:
-        template = getattr(tokenizer, "chat_template", None)
-    if isinstance(template, dict):  # named templates
-        template = template.get("default")
-    if not isinstance(template, str) or not template:
-        raise ValueError(
-            f"tokenizer {type(tokenizer).__name__} has no chat template; chat data needs one "
-            f"(set tokenizer.chat_template)."
-        )
-    return template
-
-
-def template_has_generation_markers(tokenizer) -> bool:
-    """Whether the tokenizer's chat template marks assistant text with ``{% generation %}``."""
-    return bool(_GENERATION_TAG.search(_chat_template_of(tokenizer)))
-
-
-def _render_ids(tokenizer, messages: list, *, add_generation_prompt: bool) -> list[int]:
-    out = tokenizer.apply_chat_template(
-        messages, tokenize=True, return_dict=True, add_generation_prompt=add_generation_prompt
-    )
-    return [int(t) for t in out["input_ids"]]
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
-def _boundary(full: list[int], prefix: list[int], what: str) -> int:
-    """Index in ``full`` where the rendered ``prefix`` ends.
-
-    The rendering of a conversation prefix must be a token prefix of the full rendering; one differing
-    token at the very end is tolerated (a BPE merge across the boundary), the boundary then falls before it.
-    """
-    lcp = _common_prefix(full, prefix)
-    if lcp >= len(prefix) - 1:
-        return lcp
-    raise ValueError(
-        f"cannot find the assistant tokens: the chat template does not render the conversation "
-        f"incrementally ({what} is not a prefix of the full conversation; they differ from token {lcp} "
-        f"of {len(prefix)}). Use a template with {{% generation %}} ... {{% endgeneration %}} markers."
-    )
-
-
-def assistant_mask_from_prefixes(tokenizer, messages: list, input_ids: Sequence[int]) -> list[int]:
-    """Assistant mask of ``input_ids`` (the rendering of ``messages``) for templates without markers.
-
-    Assistant message ``i`` spans from the end of ``messages[:i]`` rendered with the generation prompt
-    (the assistant header) to the end of ``messages[:i + 1]`` rendered without it, so it covers the
-    content and the end-of-turn tokens the template emits after it, like ``{% generation %}`` does.
-    """
-    full = [int(t) for t in input_ids]
-    mask = [0] * len(full)
-    for i, message in enumerate(messages):
-        if message.get("role") != "assistant":
-            continue
-        if i == 0:
-            # No prefix to render (templates refuse empty conversations): the content starts where the
-            # rendering with an empty content first differs from the full one.
-            start = _common_prefix(full, _render_ids(tokenizer, [dict(message, content="")],
-                                                     add_generation_prompt=False))
-        else:
-            start = _boundary(full, _render_ids(tokenizer, messages[:i], add_generation_prompt=True),
-                              f"messages[:{i}] with the generation prompt")
-        end = _boundary(full, _render_ids(tokenizer, messages[: i + 1], add_generation_prompt=False),
-                        f"messages[:{i + 1}]")
-        for j in range(start, end):
-            mask[j] = 1
-    return mask
-
-
-def tokenize_chat(tokenizer, messages: list, *, assistant_mask: str = "auto") -> tuple[list[int], list[int]]:
-    """Token ids of a chat and its assistant mask (1 on assistant tokens).
-
-    Args:
-        tokenizer: a HF tokenizer with a chat template.
-        messages: ``[{"role": ..., "content": ...}, ...]``.
-        assistant_mask: ``"template"`` uses the template's ``{% generation %}`` markers
-            (``return_assistant_tokens_mask``); ``"prefix"`` computes the spans by tokenising prefixes of
-            the conversation; ``"auto"`` picks ``"template"`` when the template has markers and the
-            tokenizer is a fast one, ``"prefix"`` otherwise.
-    """
-    if assistant_mask not in ("auto", "template", "prefix"):
-        raise ValueError(f"assistant_mask must be 'auto', 'template' or 'prefix', got {assistant_mask!r}.")
-    if assistant_mask == "auto":
-        markers = template_has_generation_markers(tokenizer)
-        assistant_mask = "template" if markers and getattr(tokenizer, "is_fast", False) else "prefix"
-    if assistant_mask == "template":
-        if not template_has_generation_markers(tokenizer):
-            raise ValueError(
-                "assistant_mask='template' needs {% generation %} markers in the chat template; "
-                "use assistant_mask='prefix' (or 'auto')."
-            )
-        out = tokenizer.apply_chat_template(
-            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-        )
-        return [int(t) for t in out["input_ids"]], [int(m) for m in out["assistant_masks"]]
-    ids = _render_ids(tokenizer, messages, add_generation_prompt=False)
-    return ids, assistant_mask_from_prefixes(tokenizer, messages, ids)
-
-
-CHAT_ROLES = ("system", "user", "assistant", "tool")
-"""The roles of the chat format; a template need not render all of them (``chat_roles``)."""
-
-_TOOL_ROLE = re.compile(r"""(['"])tool\1""")
-
-
-def _renders_as_assistant(tokenizer, role: str) -> bool:
-    """Whether the template's ``{% generation %}`` markers supervise a lone ``role`` message (a template
-    that renders every role it does not test for as the assistant's). False when that cannot be told:
-    no markers, a slow tokenizer, or a template that refuses the lone message."""
-    if not template_has_generation_markers(tokenizer) or not getattr(tokenizer, "is_fast", False):
-        return False
-    try:
-        out = tokenizer.apply_chat_template([{"role": role, "content": "probe"}], tokenize=True, return_dict=True,
-                                            return_assistant_tokens_mask=True)
-    except Exception:  # the template wants more than one message: it checks roles itself
-        return False
-    return any(out["assistant_masks"])
-
-
-def chat_roles(tokenizer) -> tuple[str, ...]:
-    """The roles a chat record may use with ``tokenizer``: user and assistant; system unless the template
-    supervises it as the assistant's; tool when the template names it (as ``'tool'`` or ``"tool"``, the way
-    templates that render tool results test for it) and does not supervise it.
-
-    Any other role is refused: templates render the roles they do not know as one of theirs (often the
-    assistant's, whose tokens are supervised), so a typo would be trained on silently."""
-    template = _chat_template_of(tokenizer)
-    return tuple(role for role in CHAT_ROLES if role in ("user", "assistant") or (
-        (role != "tool" or _TOOL_ROLE.search(template)) and not _renders_as_assistant(tokenizer, role)))
-
-
-def _json_kind(value) -> str:
-    """How JSON spells the type of a decoded value (for messages about records)."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, (int, float)):
-        return "a number"
-    if isinstance(value, dict):
-        return "an object"
-    if isinstance(value, list):
-        return "an array"
-    return "a string" if isinstance(value, str) else type(value).__name__
-
-
-def _unicode_problem(text: str) -> Optional[str]:
-    """Why ``text`` cannot be tokenised as Unicode (a lone surrogate, which JSON's ``\\ud800`` escapes can
-    produce and no tokenizer accepts), or None."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as err:
-        return (f"is not valid Unicode (a lone surrogate {ascii(text[err.start])[1:-1]} at character {err.start}; "
-                "the file was written by a broken encoder)")
-    return None
-
-
-def check_messages(messages, where: str, roles: Sequence[str]) -> list:
-    """``messages`` if it is a chat of the format (objects with a role of ``roles`` and a string ``content``),
-    else a `DataError` naming ``where``, the message and what is wrong."""
-    if not isinstance(messages, list) or not messages:
-        raise DataError(f"{where}: no messages (expected a non-empty list under 'messages').")
-    for j, message in enumerate(messages):
-        if not isinstance(message, dict) or "role" not in message:
-            raise DataError(f"{where}: message {j} must be an object with a 'role', got {message!r:.80}.")
-        role = message["role"]
-        if not isinstance(role, str) or role not in roles:
-            shown = json.dumps(role)[:40] if isinstance(role, str) else _json_kind(role)
-            raise DataError(f"{where}: message {j}: role is {shown}, not one of the roles the chat template "
-                            f"renders ({', '.join(roles)}).")
-        content = message.get("content")
-        if not isinstance(content, str):
-            raise DataError(f"{where}: message {j} ({role}): content is {_json_kind(content)}, not a string.")
-        problem = _unicode_problem(content)
-        if problem is not None:
-            raise DataError(f"{where}: message {j} ({role}): the content {problem}.")
-    return messages
-
-
-# --------------------------------------------------------------------------------------------------
-# JSONL datasets
+# Record budgets: how much of a record is tokenised
 # --------------------------------------------------------------------------------------------------
 
 
@@ -428,6 +103,17 @@ def _cut_chat(messages: list, budget: int) -> list:
     return messages
 
 
+# --------------------------------------------------------------------------------------------------
+# JSONL datasets
+# --------------------------------------------------------------------------------------------------
+
+
+def _make_sample(ids, mask, sample_id: int, seq_length: int) -> Sample:
+    input_ids = torch.as_tensor(list(ids)[:seq_length] if not isinstance(ids, torch.Tensor) else ids[:seq_length])
+    loss_mask = torch.as_tensor(list(mask)[:seq_length] if not isinstance(mask, torch.Tensor) else mask[:seq_length])
+    return Sample(input_ids.to(torch.int64), loss_mask.to(torch.bool), sample_id)
+
+
 def one_line_error(err: BaseException, limit: int = 200) -> str:
     """``Type: message`` of an exception on one line, at most ``limit`` characters of the message."""
     text = " ".join(str(err).split()).encode("utf-8", "backslashreplace").decode("utf-8")  # printable
@@ -449,7 +135,7 @@ class _JSONLDataset(torch.utils.data.Dataset, abc.ABC):
 
     def __init__(self, path: str, seq_length: int, name: Optional[str] = None, log: Callable[[str], Any] = print):
         self.path = os.fspath(path)
-        self.seq_length = _check_seq_length(seq_length)
+        self.seq_length = check_seq_length(seq_length)
         self.log = log
         self._reported_cuts: set[int] = set()
         if not os.path.isfile(self.path):
@@ -588,7 +274,7 @@ class TextJSONLDataset(_JSONLDataset):
         text = record.get(self.text_key)
         if not isinstance(text, str):
             raise DataError(f"{self._where(lineno)}: no text (expected a string under '{self.text_key}').")
-        problem = _unicode_problem(text)
+        problem = unicode_problem(text)
         if problem is not None:
             raise DataError(f"{self._where(lineno)}: the text {problem}.")
 
@@ -625,7 +311,7 @@ class IndexedDataset(torch.utils.data.Dataset):
         from megatron.core.datasets.indexed_dataset import IndexedDataset as _MegatronIndexedDataset
 
         self.path_prefix = os.fspath(path_prefix)
-        self.seq_length = _check_seq_length(seq_length)
+        self.seq_length = check_seq_length(seq_length)
         missing = [p for p in (self.path_prefix + ".idx", self.path_prefix + ".bin") if not os.path.isfile(p)]
         if missing:
             raise FileNotFoundError(
@@ -681,7 +367,7 @@ class SyntheticChatDataset(torch.utils.data.Dataset):
             raise ValueError(f"SyntheticChatDataset: count must be an int >= 1, got {count!r}.")
         self.seed = int(seed)
         self.tokenizer = tokenizer
-        self.seq_length = _check_seq_length(seq_length)
+        self.seq_length = check_seq_length(seq_length)
         self.assistant_mask = assistant_mask
         self.chats = list(conversations(self.seed, count))
 
@@ -695,411 +381,3 @@ class SyntheticChatDataset(torch.utils.data.Dataset):
         index %= n
         ids, mask = tokenize_chat(self.tokenizer, self.chats[index], assistant_mask=self.assistant_mask)
         return _make_sample(ids, mask, stable_sample_id(self.kind, self.seed, index), self.seq_length)
-
-
-# --------------------------------------------------------------------------------------------------
-# Packing and collation
-# --------------------------------------------------------------------------------------------------
-
-
-def _as_sample(sample, seq_length: int, i: int) -> Sample:
-    if isinstance(sample, Mapping):
-        sample = Sample(torch.as_tensor(sample["input_ids"]), torch.as_tensor(sample["loss_mask"]),
-                        int(sample["sample_id"]))
-    if not hasattr(sample, "input_ids") or not hasattr(sample, "loss_mask") or not hasattr(sample, "sample_id"):
-        raise TypeError(f"sample {i} must be a Sample (input_ids, loss_mask, sample_id), got {type(sample).__name__}.")
-    ids = torch.as_tensor(sample.input_ids).reshape(-1)
-    mask = torch.as_tensor(sample.loss_mask).reshape(-1)
-    if ids.shape != mask.shape:
-        raise ValueError(
-            f"sample {i}: input_ids {tuple(ids.shape)} and loss_mask {tuple(mask.shape)} differ in length."
-        )
-    if ids.numel() == 0:
-        raise ValueError(f"sample {i} (id {sample.sample_id}) has no tokens.")
-    return Sample(ids[:seq_length].to(torch.int64), mask[:seq_length].to(torch.bool), int(sample.sample_id))
-
-
-def pack_samples(samples: Sequence, seq_length: int) -> list[PackedRow]:
-    """Pack documents into rows of at most ``seq_length`` tokens: greedy first fit, in order.
-
-    Each sample (truncated to ``seq_length``) goes into the first row, in creation order, with room for
-    it; a new row is opened when none has. Deterministic; no token is dropped beyond the truncation.
-    """
-    seq_length = _check_seq_length(seq_length)
-    docs = [_as_sample(s, seq_length, i) for i, s in enumerate(samples)]
-    rows: list[list[Sample]] = []
-    free: list[int] = []
-    for doc in docs:
-        n = len(doc)
-        for r, room in enumerate(free):
-            if room >= n:
-                rows[r].append(doc)
-                free[r] -= n
-                break
-        else:
-            rows.append([doc])
-            free.append(seq_length - n)
-    out = []
-    for members in rows:
-        ids = [d.sample_id for d in members]
-        out.append(PackedRow(
-            input_ids=torch.cat([d.input_ids for d in members]),
-            loss_mask=torch.cat([d.loss_mask for d in members]),
-            position_ids=torch.cat([torch.arange(len(d), dtype=torch.int64) for d in members]),
-            document_ids=torch.cat([torch.full((len(d),), j, dtype=torch.int64) for j, d in enumerate(members)]),
-            sample_id=ids[0] if len(ids) == 1 else stable_sample_id("packed", *ids),
-            sample_ids=tuple(ids),
-        ))
-    return out
-
-
-def collate(samples: Sequence, pad_id: int, seq_length: int, pack: bool = False) -> dict:
-    """Stack samples into a batch dict (see the module docstring), padded to ``seq_length``.
-
-    Without packing every sample is one row (B = len(samples)); with ``pack=True`` the samples are packed
-    by ``pack_samples`` and B is the number of packed rows (<= len(samples)).
-    """
-    seq_length = _check_seq_length(seq_length)
-    if isinstance(pad_id, bool) or not isinstance(pad_id, (int, np.integer)):
-        raise ValueError(f"pad_id must be an int (the tokenizer's pad id), got {pad_id!r}.")
-    if len(samples) == 0:
-        raise ValueError("collate needs at least one sample.")
-    if pack:
-        rows = pack_samples(samples, seq_length)
-    else:
-        rows = []
-        for i, s in enumerate(samples):
-            s = _as_sample(s, seq_length, i)
-            n = len(s)
-            rows.append(PackedRow(s.input_ids, s.loss_mask, torch.arange(n, dtype=torch.int64),
-                                  torch.zeros(n, dtype=torch.int64), s.sample_id, (s.sample_id,)))
-    b = len(rows)
-    tokens = torch.full((b, seq_length), int(pad_id), dtype=torch.int64)
-    loss_mask = torch.zeros(b, seq_length, dtype=torch.bool)
-    position_ids = torch.zeros(b, seq_length, dtype=torch.int64)
-    document_ids = torch.full((b, seq_length), -1, dtype=torch.int64)
-    for r, row in enumerate(rows):
-        n = len(row)
-        tokens[r, :n] = row.input_ids
-        loss_mask[r, :n] = row.loss_mask
-        position_ids[r, :n] = row.position_ids
-        document_ids[r, :n] = row.document_ids
-        last = int(row.position_ids[-1]) + 1
-        position_ids[r, n:] = torch.arange(last, last + seq_length - n, dtype=torch.int64)
-    return {
-        "tokens": tokens,
-        "loss_mask": loss_mask,
-        "position_ids": position_ids,
-        "document_ids": document_ids,
-        "sample_ids": torch.tensor([row.sample_id for row in rows], dtype=torch.int64),
-    }
-
-
-@dataclass(frozen=True)
-class Collator:
-    """Picklable ``collate_fn`` (for ``MicroBatchIterator`` or a torch ``DataLoader``)."""
-
-    pad_id: int
-    seq_length: int
-    pack_sequences: bool = False
-
-    def __call__(self, samples: Sequence) -> dict:
-        return collate(samples, self.pad_id, self.seq_length, pack=self.pack_sequences)
-
-
-# --------------------------------------------------------------------------------------------------
-# DP-aware deterministic sampler
-# --------------------------------------------------------------------------------------------------
-
-
-def _check_count(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}.")
-    return int(value)
-
-
-class MicroBatchIterator:
-    """The micro-batches of one data-parallel rank, step after step, in a seeded order.
-
-    The samples form one endless stream: epoch ``e`` is the permutation
-    ``numpy.random.default_rng([seed, e]).permutation(len(dataset))``, epochs follow each other. Optimizer
-    step ``t`` consumes stream positions ``[t * G, (t + 1) * G)`` (G = global batch size); within it,
-    micro-batch ``m`` of DP rank ``r`` is ``t * G + m * (M * D) + r * M + [0, M)`` (M = micro batch size,
-    D = DP size), Megatron's layout. So every sample is seen once per epoch across the DP ranks, and
-    starting at ``start_step`` jumps straight to position ``start_step * G`` without touching earlier ones.
-
-    Iterating yields ``num_micro_batches = G / (M * D)`` micro-batches per step, flat (the way a Megatron
-    training loop calls ``next`` on its data iterator); each is ``collate_fn(list of samples)``, or the
-    list itself without a ``collate_fn``.
-    """
-
-    def __init__(self, dataset, *, micro_batch_size: int, global_batch_size: int, dp_rank: int, dp_size: int,
-                 seed: int, start_step: int = 0, collate_fn: Optional[Callable] = None):
-        self.micro_batch_size = _check_count("micro_batch_size", micro_batch_size, 1)
-        self.global_batch_size = _check_count("global_batch_size", global_batch_size, 1)
-        self.dp_size = _check_count("dp_size", dp_size, 1)
-        self.dp_rank = _check_count("dp_rank", dp_rank, 0)
-        if self.dp_rank >= self.dp_size:
-            raise ValueError(f"dp_rank={dp_rank} must be < dp_size={dp_size}.")
-        per_micro = self.micro_batch_size * self.dp_size
-        if self.global_batch_size % per_micro:
-            raise ValueError(
-                f"global_batch_size={global_batch_size} must be divisible by micro_batch_size * dp_size = "
-                f"{micro_batch_size} * {dp_size} = {per_micro}."
-            )
-        self.num_micro_batches = self.global_batch_size // per_micro
-        self.seed = _check_count("seed", seed, 0)
-        self.start_step = _check_count("start_step", start_step, 0)
-        self.dataset = dataset
-        self.num_samples = len(dataset)
-        if self.num_samples == 0:
-            raise ValueError("MicroBatchIterator: the dataset is empty.")
-        self.collate_fn = collate_fn
-        self.step = self.start_step  # the step the next micro-batch belongs to
-        self.micro = 0  # index of the next micro-batch within the step
-        self._perms: dict[int, np.ndarray] = {}
-
-    # ---- pure index arithmetic -------------------------------------------------------------------
-
-    def permutation(self, epoch: int) -> np.ndarray:
-        """Sample order of ``epoch`` (cached, at most two epochs kept)."""
-        perm = self._perms.get(epoch)
-        if perm is None:
-            perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
-            if len(self._perms) >= 2:
-                self._perms.pop(min(self._perms))
-            self._perms[epoch] = perm
-        return perm
-
-    def micro_batch_indices(self, step: int, micro: int) -> list[int]:
-        """Dataset indices of micro-batch ``micro`` of ``step`` on this DP rank."""
-        if not 0 <= micro < self.num_micro_batches:
-            raise ValueError(f"micro={micro} out of range [0, {self.num_micro_batches}).")
-        first = (step * self.global_batch_size + micro * self.micro_batch_size * self.dp_size
-                 + self.dp_rank * self.micro_batch_size)
-        out = []
-        for g in range(first, first + self.micro_batch_size):
-            epoch, offset = divmod(g, self.num_samples)
-            out.append(int(self.permutation(epoch)[offset]))
-        return out
-
-    def step_indices(self, step: int) -> list[list[int]]:
-        """The ``num_micro_batches`` micro-batches (dataset indices) of ``step`` on this DP rank."""
-        return [self.micro_batch_indices(step, m) for m in range(self.num_micro_batches)]
-
-    def epoch_of(self, step: int) -> int:
-        """Epoch of the first sample of ``step``."""
-        return step * self.global_batch_size // self.num_samples
-
-    @property
-    def consumed_samples(self) -> int:
-        """Samples consumed by all DP ranks before the next step (Megatron's ``consumed_train_samples``)."""
-        return self.step * self.global_batch_size
-
-    # ---- iteration -------------------------------------------------------------------------------
-
-    def __iter__(self) -> "MicroBatchIterator":
-        return self
-
-    def __next__(self):
-        indices = self.micro_batch_indices(self.step, self.micro)
-        self.micro += 1
-        if self.micro == self.num_micro_batches:
-            self.step, self.micro = self.step + 1, 0
-        samples = [self.dataset[i] for i in indices]
-        return self.collate_fn(samples) if self.collate_fn is not None else samples
-
-
-# --------------------------------------------------------------------------------------------------
-# Megatron GPT batches
-# --------------------------------------------------------------------------------------------------
-
-_STAGE_CONTENT_LO = 0x2545F491
-_STAGE_CONTENT_HI = 0x9E3779B1
-_STAGE_CHECK = 0x4F1BBCDD
-
-
-def _hash_tensor(values: torch.Tensor, stage: int, dim_positions: torch.Tensor) -> torch.Tensor:
-    """32-bit hash per element of int64 ``values`` mixed with its position (all on-device, no sync)."""
-    lo = values & _M32
-    hi = (values >> 32) & _M32
-    h = absorb(mix32((dim_positions + stage) & _M32), lo, stage)
-    return absorb(h, hi, _STAGE_CONTENT_HI)
-
-
-def content_sample_ids(tokens: torch.Tensor) -> torch.Tensor:
-    """[B] int64 row IDs hashed from the tokens on the device (for batches that carry no sample IDs).
-
-    Row ``i``'s ID depends only on ``tokens[i]`` (not on the batch, the device or the rank); identical
-    rows get identical IDs. Non-negative, < 2**63. No host synchronisation.
-    """
-    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
-        raise ValueError(f"tokens must be a [batch, seq] tensor, got {getattr(tokens, 'shape', type(tokens))}.")
-    tokens = tokens.to(torch.int64)
-    pos = torch.arange(tokens.shape[1], dtype=torch.int64, device=tokens.device)[None, :]
-    lo = _hash_tensor(tokens, _STAGE_CONTENT_LO, pos).sum(dim=1) & _M32  # order-aware through positions
-    hi = _hash_tensor(tokens, _STAGE_CONTENT_HI, pos).sum(dim=1) & _M32
-    lo, hi = mix32(lo), mix32(absorb(hi, lo, _STAGE_CHECK))
-    return ((hi & 0x7FFFFFFF) << 32) | lo
-
-
-def from_megatron_gpt_batch(batch: Mapping[str, torch.Tensor], *, eod_token_id: Optional[int] = None) -> dict:
-    """Convert a Megatron ``GPTDataset`` batch (label-aligned ``loss_mask``) to this module's format.
-
-    Megatron's ``loss_mask[i]`` weights the prediction of ``labels[i] = tokens[i + 1]``; the DFlash plan
-    wants the token-aligned mask, ``loss_mask[j] = megatron_loss_mask[j - 1]`` (False at j = 0).
-    Documents start at position 0 (``reset_position_ids``) and, with ``eod_token_id``, after every EOD
-    token. Sample IDs are taken from ``batch["sample_ids"]`` when present, else hashed from the tokens.
-    All on the device of the batch, no host synchronisation. Other keys are passed through.
-    """
-    for key in ("tokens", "loss_mask", "position_ids"):
-        if key not in batch:
-            raise KeyError(f"Megatron GPT batch has no '{key}' (keys: {sorted(batch)}).")
-    tokens = batch["tokens"]
-    position_ids = batch["position_ids"]
-    megatron_mask = batch["loss_mask"]
-    if tokens.dim() != 2 or position_ids.shape != tokens.shape or megatron_mask.shape != tokens.shape:
-        raise ValueError(
-            f"tokens, position_ids and loss_mask must all be [batch, seq]; got {tuple(tokens.shape)}, "
-            f"{tuple(position_ids.shape)}, {tuple(megatron_mask.shape)}."
-        )
-    loss_mask = torch.zeros(tokens.shape, dtype=torch.bool, device=tokens.device)
-    loss_mask[:, 1:] = megatron_mask[:, :-1] > 0
-    starts = position_ids == 0
-    if eod_token_id is not None:
-        starts[:, 1:] |= tokens[:, :-1] == eod_token_id
-    starts[:, 0] = True
-    document_ids = starts.to(torch.int64).cumsum(dim=1) - 1
-    out = dict(batch)
-    out.update(
-        tokens=tokens,
-        loss_mask=loss_mask,
-        position_ids=position_ids,
-        document_ids=document_ids,
-        sample_ids=batch["sample_ids"] if "sample_ids" in batch else content_sample_ids(tokens),
-    )
-    return out
-
-
-# --------------------------------------------------------------------------------------------------
-# The plan hook and its agreement check
-# --------------------------------------------------------------------------------------------------
-
-
-def attach_dflash_plan(batch: dict, *, optimizer_step: int, seed: int, anchors_per_sample: int, block_size: int,
-                       use_documents: bool = True) -> dict:
-    """Add ``batch["dflash_plan"] = build_dflash_batch_plan(...)`` and return the same dict.
-
-    Reads ``loss_mask`` [B, S], ``sample_ids`` [B] and (with ``use_documents`` and when present)
-    ``document_ids`` [B, S] (so blocks never cross documents or enter padding). The plan is built on the
-    device of ``loss_mask``, without host synchronisation; it is a pure function of the batch, step and
-    seed, so every tensor-parallel rank holding the same batch builds the same plan locally.
-    """
-    for key in ("loss_mask", "sample_ids"):
-        if key not in batch:
-            raise KeyError(f"attach_dflash_plan: the batch has no '{key}' (keys: {sorted(batch)}).")
-    loss_mask = batch["loss_mask"]
-    if loss_mask.dtype != torch.bool:
-        loss_mask = loss_mask > 0
-    document_ids = batch.get("document_ids") if use_documents else None
-    sample_ids = batch["sample_ids"].to(device=loss_mask.device)
-    if document_ids is not None:
-        document_ids = document_ids.to(device=loss_mask.device)
-    batch["dflash_plan"] = build_dflash_batch_plan(
-        loss_mask,
-        sample_ids,
-        anchors_per_sample=anchors_per_sample,
-        block_size=block_size,
-        optimizer_step=optimizer_step,
-        seed=seed,
-        document_ids=document_ids,
-    )
-    return batch
-
-
-_PLAN_FIELDS = ("anchor_positions", "block_valid", "context_start", "position_ids", "context_position_ids",
-                "loss_mask")
-
-
-class PlanDisagreementError(RuntimeError):
-    """The ranks of a group built different DFlash batch plans."""
-
-
-def _tensor_checksum(t: torch.Tensor, stage: int) -> torch.Tensor:
-    t = t.detach().reshape(-1)
-    if t.is_floating_point():
-        t = t.to(torch.float64).view(torch.int64)
-    else:
-        t = t.to(torch.int64)
-    pos = torch.arange(t.numel(), dtype=torch.int64, device=t.device)
-    # Each term < 2**32; sums of up to 2**31 terms stay below 2**63, so no overflow.
-    return _hash_tensor(t, stage, pos).sum()
-
-
-def plan_checksum(
-    plan: DFlashBatchPlan, extra: Optional[Mapping[str, torch.Tensor]] = None
-) -> tuple[list, torch.Tensor]:
-    """Names and the int64 checksum vector of a plan (shapes, block size, one hash per field, extras).
-
-    Each field's entry is the sum over elements of a 32-bit hash of (value, index), so any changed,
-    moved or reordered element changes it. On the plan's device; no host synchronisation.
-    """
-    device = plan.device
-    names = ["batch", "num_blocks", "block_size", "seq_length"]
-    values = [torch.tensor([plan.batch_size, plan.num_blocks, plan.block_size, plan.seq_length],
-                           dtype=torch.int64, device=device)]
-    items = [(name, getattr(plan, name)) for name in _PLAN_FIELDS]
-    items += [(f"extra:{k}", v) for k, v in sorted((extra or {}).items())]
-    for i, (name, tensor) in enumerate(items):
-        names.append(name)
-        values.append(_tensor_checksum(tensor.to(device), _STAGE_CHECK + 0x1000193 * (i + 1) & _M32).reshape(1))
-    return names, torch.cat(values)
-
-
-def verify_plan_agreement(plan: DFlashBatchPlan, group=None, *,
-                          extra: Optional[Mapping[str, torch.Tensor]] = None) -> torch.Tensor:
-    """Check that every rank of ``group`` holds the same plan; raise on every rank if not.
-
-    Computes ``plan_checksum`` (plus ``extra`` tensors, e.g. the tokens; the same keys on every rank) and
-    all-reduces its MIN and MAX over the group (one all-reduce of ``[v, -v]`` with MAX). Every rank sees
-    the same MIN/MAX, so either all ranks pass or all raise ``PlanDisagreementError`` naming the fields
-    that differ. This synchronises with the host: call it at start-up and every K steps, not every step.
-
-    Args:
-        group: a ``torch.distributed`` process group; default the tensor-parallel group of megatron's
-            ``parallel_state`` when it is initialised, else the default group.
-
-    Returns:
-        The local checksum vector.
-    """
-    import torch.distributed as dist
-
-    names, local = plan_checksum(plan, extra)
-    if not distributed_ready():
-        return local
-    if group is None and megatron_ready():
-        group = current_process_groups().tp
-    if group is not None and not is_distributed_group(group):
-        return local
-    world = dist.get_world_size(group)
-    if world == 1:
-        return local
-    both = torch.cat([local, -local])
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-    n = local.numel()
-    high, low = both[:n], -both[n:]
-    differ = (high != low).tolist()
-    if any(differ):
-        local_l, low_l, high_l = local.tolist(), low.tolist(), high.tolist()
-        detail = "; ".join(
-            f"{names[i]} (this rank {local_l[i]}, min {low_l[i]}, max {high_l[i]})"
-            for i in range(n) if differ[i]
-        )
-        rank = dist.get_rank(group)
-        raise PlanDisagreementError(
-            f"DFlash batch plans disagree across the {world} ranks of the group (this is rank {rank} of the "
-            f"group): {detail}. Every rank must build its plan from the same batch (loss_mask, sample_ids, "
-            f"document_ids), optimizer_step, seed, anchors_per_sample and block_size; check that the batch is "
-            f"broadcast to every tensor-parallel rank and that all ranks use the same step."
-        )
-    return local

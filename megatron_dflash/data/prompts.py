@@ -99,11 +99,12 @@ def tokenize_prompt(item: PromptRecord, tokenizer: TokenizerSource) -> list[int]
 
 def _tokenize_text_or_chat(record: dict, where: str, tok) -> list:
     """Token ids of a `text` / `prompt` or `messages` prompt. Chats are checked like training chats
-    (`data.datasets.check_messages`: roles the template renders, string contents, valid Unicode); whatever the template
+    (`data.chat.check_messages`: roles the template renders, string contents, valid Unicode); whatever the template
     or the tokenizer raises on the prompt is a `PromptError` naming it."""
     # here, not at the top: the tools read and check a prompt file's lines before torch loads
     from ..common.errors import DataError
-    from .datasets import chat_roles, check_messages, one_line_error
+    from .chat import chat_roles, check_messages
+    from .datasets import one_line_error
 
     try:
         if "messages" in record:

@@ -28,11 +28,11 @@ def check_something_to_learn(dataset, collate, *, block_size: int, use_documents
     """Index of the first sample with at least one supervised slot; raises `DataError` if none has.
 
     Each sample is laid out as a one-row micro-batch (`collate`) and planned with every eligible anchor,
-    the same rule the training step uses (`data.datasets.attach_dflash_plan`)."""
+    the same rule the training step uses (`plan.data_hook.attach_dflash_plan`)."""
     import torch
 
     # here, with torch: `job.py` reads this module's file checks before the run loads torch
-    from ..data.datasets import attach_dflash_plan
+    from ..plan.data_hook import attach_dflash_plan
 
     n = min(len(dataset), MAX_SAMPLES_SCANNED)
     for index in range(n):

@@ -54,18 +54,13 @@ from ..common.parallel import (
     megatron_ready,
 )
 from ..data import datasets as data
-from ..data.datasets import (
-    Collator,
-    MicroBatchIterator,
-    PlanDisagreementError,
-    attach_dflash_plan,
-    verify_plan_agreement,
-)
+from ..data.batching import Collator, MicroBatchIterator
 from ..decoding.generate import spec_generate
 from ..decoding.metric import decode_metric, no_verify_cycle_reason
 from ..draft.body import default_parallel_config
 from ..objectives.dflash_loss import AdditiveMetrics, all_reduce_together, embed_blocks
 from ..objectives.variable_prefix import sample_prefix_lengths
+from ..plan.data_hook import PlanDisagreementError, attach_dflash_plan, verify_plan_agreement
 from ..target.families import resolve_target_family, target_architecture
 from ..target.masks import causal_mask, document_mask, hf_document_mask
 from ..target.megatron.model import MegatronTarget

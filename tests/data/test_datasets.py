@@ -1,66 +1,30 @@
-"""Tests for megatron_dflash.data.datasets: datasets, packing, collation, the sampler and the plan hook.
-
-Oracles are written independently of the implementation: the assistant mask from token strings, packing
-invariants from first principles, sampler coverage by counting.
+"""Tests for megatron_dflash.data.datasets: the chat / text JSONL, indexed and synthetic datasets, hostile
+records (one `DataError` line naming the file and line) and the record budget.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import random
 import re
-from collections import Counter
 
 import numpy as np
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron_dflash.data import datasets as D
-from megatron_dflash.plan.batch_plan import build_dflash_batch_plan
+from megatron_dflash.data.chat import tokenize_chat
+from megatron_dflash.data.datasets import (
+    CHARS_PER_TOKEN,
+    ChatJSONLDataset,
+    IndexedDataset,
+    SyntheticChatDataset,
+    TextJSONLDataset,
+    record_budget,
+)
+from megatron_dflash.data.samples import stable_sample_id
 from megatron_dflash.embedded_job import synthetic_corpus as sc
-from repo_paths import REPO_ROOT
-
-PLAN_FIELDS = ("anchor_positions", "block_valid", "context_start", "position_ids", "context_position_ids", "loss_mask")
-EXAMPLE = os.path.join(REPO_ROOT, "examples",
-                       "pretrain_gpt_get_batch.py")
-
-MULTI_TURN = [
-    {"role": "user", "content": "count from 3 to 7"},
-    {"role": "assistant", "content": "3 4 5 6 7"},
-    {"role": "user", "content": "spell the word cat"},
-    {"role": "assistant", "content": "c a t"},
-]
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return sc.build_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def tok_plain():
-    """The same tokenizer with a template that has no {% generation %} markers."""
-    t = sc.build_tokenizer()
-    t.chat_template = sc.CHAT_TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")
-    return t
-
-
-def _expected_assistant_mask(tokens: list[str]) -> list[int]:
-    """Oracle: after each <|assistant|> header, everything up to and including the next <|end|>."""
-    mask, inside = [], False
-    for t in tokens:
-        if t == "<|assistant|>":
-            mask.append(0)
-            inside = True
-        elif inside:
-            mask.append(1)
-            inside = t != "<|end|>"
-        else:
-            mask.append(0)
-    return mask
+from test_chat import MULTI_TURN, tok, tok_plain  # noqa: F401 - tok, tok_plain are fixtures
 
 
 def _write_jsonl(path, records) -> str:
@@ -69,51 +33,6 @@ def _write_jsonl(path, records) -> str:
             f.write(r if isinstance(r, str) else json.dumps(r))
             f.write("\n")
     return str(path)
-
-
-def _sample(ids, mask=None, sid=0):
-    ids = torch.as_tensor(ids, dtype=torch.int64)
-    mask = torch.ones_like(ids, dtype=torch.bool) if mask is None else torch.as_tensor(mask, dtype=torch.bool)
-    return D.Sample(ids, mask, sid)
-
-
-# --------------------------------------------------------------------------------------------------
-# Chat tokenisation
-# --------------------------------------------------------------------------------------------------
-
-
-def test_chat_mask_covers_assistant_turns(tok):
-    for messages in [MULTI_TURN, *sc.conversations(7, 5)]:
-        ids, mask = D.tokenize_chat(tok, messages)
-        tokens = tok.convert_ids_to_tokens(ids)
-        assert mask == _expected_assistant_mask(tokens)
-        assert sum(mask) > 0
-    # The supervised text of the multi-turn chat is exactly the two answers and their end tokens.
-    ids, mask = D.tokenize_chat(tok, MULTI_TURN)
-    picked = [t for t, m in zip(tok.convert_ids_to_tokens(ids), mask) if m]
-    assert picked == "3 4 5 6 7 <|end|> c a t <|end|>".split()
-
-
-def test_prefix_fallback_matches_generation_markers(tok, tok_plain):
-    assert D.template_has_generation_markers(tok)
-    assert not D.template_has_generation_markers(tok_plain)
-    chats = [MULTI_TURN, [MULTI_TURN[1]] + MULTI_TURN[2:], *sc.conversations(11, 12)]  # incl. assistant first
-    for messages in chats:
-        reference = D.tokenize_chat(tok, messages, assistant_mask="template")
-        assert D.tokenize_chat(tok_plain, messages) == reference  # "auto" falls back to prefixes
-        assert D.tokenize_chat(tok_plain, messages, assistant_mask="prefix") == reference
-        assert D.tokenize_chat(tok, messages, assistant_mask="prefix") == reference
-    with pytest.raises(ValueError, match="generation"):
-        D.tokenize_chat(tok_plain, MULTI_TURN, assistant_mask="template")
-
-
-def test_prefix_fallback_rejects_non_incremental_template():
-    t = sc.build_tokenizer()
-    # The message count at the start changes with every prefix: prefixes are not token prefixes.
-    t.chat_template = "{{ messages | length }} " + sc.CHAT_TEMPLATE.replace("{% generation %}", "").replace(
-        "{% endgeneration %}", "")
-    with pytest.raises(ValueError, match="incrementally"):
-        D.tokenize_chat(t, MULTI_TURN)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -125,67 +44,67 @@ def test_chat_jsonl_dataset(tmp_path, tok, tok_plain):
     chats = [MULTI_TURN, *sc.conversations(3, 3)]
     lines = [{"messages": m} for m in chats]
     path = _write_jsonl(tmp_path / "chat.jsonl", lines[:2] + ["   "] + lines[2:])  # a blank line is skipped
-    ds = D.ChatJSONLDataset(path, tok, seq_length=64)
+    ds = ChatJSONLDataset(path, tok, seq_length=64)
     assert len(ds) == 4
     for i, messages in enumerate(chats):
         s = ds[i]
-        ids, mask = D.tokenize_chat(tok, messages)
+        ids, mask = tokenize_chat(tok, messages)
         assert s.input_ids.dtype == torch.int64 and s.loss_mask.dtype == torch.bool
         assert s.input_ids.tolist() == ids[:64] and s.loss_mask.tolist() == [bool(m) for m in mask[:64]]
     # Same data through the fallback template.
-    plain = D.ChatJSONLDataset(path, tok_plain, seq_length=64)
+    plain = ChatJSONLDataset(path, tok_plain, seq_length=64)
     assert all(torch.equal(plain[i].loss_mask, ds[i].loss_mask) for i in range(len(ds)))
     # Truncation.
-    short = D.ChatJSONLDataset(path, tok, seq_length=10)
+    short = ChatJSONLDataset(path, tok, seq_length=10)
     assert len(short[0]) == 10 and short[0].input_ids.tolist() == ds[0].input_ids[:10].tolist()
     # IDs: unique, reproducible, the documented hash of (kind, name, index, line), and path-independent.
     ids = [ds[i].sample_id for i in range(len(ds))]
     assert len(set(ids)) == len(ids) and all(0 <= x < 2**63 for x in ids)
-    assert ids == [D.ChatJSONLDataset(path, tok, seq_length=64)[i].sample_id for i in range(len(ds))]
-    assert ids[0] == D.stable_sample_id("chat", "chat.jsonl", 0, json.dumps(lines[0]).encode())
+    assert ids == [ChatJSONLDataset(path, tok, seq_length=64)[i].sample_id for i in range(len(ds))]
+    assert ids[0] == stable_sample_id("chat", "chat.jsonl", 0, json.dumps(lines[0]).encode())
     os.makedirs(tmp_path / "moved")
     moved = _write_jsonl(tmp_path / "moved" / "chat.jsonl", lines)
-    assert ids == [D.ChatJSONLDataset(moved, tok, seq_length=64)[i].sample_id for i in range(len(ds))]
+    assert ids == [ChatJSONLDataset(moved, tok, seq_length=64)[i].sample_id for i in range(len(ds))]
 
 
 def test_jsonl_errors(tmp_path, tok):
     with pytest.raises(FileNotFoundError, match="nope.jsonl"):
-        D.ChatJSONLDataset(str(tmp_path / "nope.jsonl"), tok, 32)
+        ChatJSONLDataset(str(tmp_path / "nope.jsonl"), tok, 32)
     bad = _write_jsonl(tmp_path / "bad.jsonl", [{"messages": MULTI_TURN}, '{"messages": [', "{}"])
     with pytest.raises(ValueError, match=r"bad\.jsonl:2: invalid JSON"):
-        D.ChatJSONLDataset(bad, tok, 32)
+        ChatJSONLDataset(bad, tok, 32)
     nomsg = _write_jsonl(tmp_path / "nomsg.jsonl", [{"messages": MULTI_TURN}, {"text": "hi"}])
     with pytest.raises(ValueError, match=r"nomsg\.jsonl:2 .*no messages"):
-        D.ChatJSONLDataset(nomsg, tok, 32)
+        ChatJSONLDataset(nomsg, tok, 32)
     emptymsg = _write_jsonl(tmp_path / "emptymsg.jsonl", [{"messages": []}])
     with pytest.raises(ValueError, match=r"emptymsg\.jsonl:1 .*no messages"):
-        D.ChatJSONLDataset(emptymsg, tok, 32)
+        ChatJSONLDataset(emptymsg, tok, 32)
     notobj = _write_jsonl(tmp_path / "list.jsonl", ["[1, 2]"])
     with pytest.raises(ValueError, match=r"list\.jsonl:1: expected a JSON object"):
-        D.ChatJSONLDataset(notobj, tok, 32)
+        ChatJSONLDataset(notobj, tok, 32)
     empty = _write_jsonl(tmp_path / "empty.jsonl", ["", "  "])
     with pytest.raises(ValueError, match="no samples"):
-        D.ChatJSONLDataset(empty, tok, 32)
+        ChatJSONLDataset(empty, tok, 32)
     with pytest.raises(ValueError, match="no samples"):
-        D.TextJSONLDataset(empty, tok, 32)
+        TextJSONLDataset(empty, tok, 32)
     notext = _write_jsonl(tmp_path / "notext.jsonl", [{"text": "a b"}, {"body": "a"}])
     with pytest.raises(ValueError, match=r"notext\.jsonl:2: no text"):
-        D.TextJSONLDataset(notext, tok, 32)
+        TextJSONLDataset(notext, tok, 32)
     with pytest.raises(ValueError, match="seq_length"):
-        D.TextJSONLDataset(notext, tok, 0)
+        TextJSONLDataset(notext, tok, 0)
 
 
 def test_text_jsonl_dataset(tmp_path, tok):
     texts = ["the cat is red", "count from 1 to 5 .", "a b c d e f g h i j"]
     path = _write_jsonl(tmp_path / "text.jsonl", [{"body": t} for t in texts])
-    ds = D.TextJSONLDataset(path, tok, seq_length=8, text_key="body")
+    ds = TextJSONLDataset(path, tok, seq_length=8, text_key="body")
     assert len(ds) == 3
     for i, text in enumerate(texts):
         s = ds[i]
         expected = (tok(text)["input_ids"] + [tok.eos_token_id])[:8]
         assert s.input_ids.tolist() == expected
         assert s.loss_mask.all() and len(s) == len(expected)
-    no_eos = D.TextJSONLDataset(path, tok, seq_length=8, text_key="body", append_eos=False)
+    no_eos = TextJSONLDataset(path, tok, seq_length=8, text_key="body", append_eos=False)
     assert no_eos[0].input_ids.tolist() == tok(texts[0])["input_ids"]
     assert len({ds[i].sample_id for i in range(3)}) == 3
 
@@ -218,25 +137,15 @@ def test_hostile_chat_records_are_one_line_data_errors(tmp_path, tok, case):
     record, what = HOSTILE_CHATS[case]
     path = _write_jsonl(tmp_path / "chats.jsonl", [GOOD_CHAT, "", record, GOOD_CHAT])
     with pytest.raises(DataError) as info:
-        D.ChatJSONLDataset(path, tok, 32)
+        ChatJSONLDataset(path, tok, 32)
     message = str(info.value)
     assert "\n" not in message and len(message) < 300, message
     assert re.match(rf"{re.escape(path)}:3\b.*{what}", message), message  # line 3: 1-based, blank lines count
     # a record that was fine when the file was scanned and is not any more when it is read: the same error
-    ds = D.ChatJSONLDataset(_write_jsonl(tmp_path / "later.jsonl", [GOOD_CHAT, "", GOOD_CHAT]), tok, 32)
+    ds = ChatJSONLDataset(_write_jsonl(tmp_path / "later.jsonl", [GOOD_CHAT, "", GOOD_CHAT]), tok, 32)
     _write_jsonl(tmp_path / "later.jsonl", [GOOD_CHAT, "", record])
     with pytest.raises(DataError, match=rf"later\.jsonl:3\b.*{what}"):
         ds[1]
-
-
-def test_roles_follow_the_chat_template(tok):
-    # the tiny template renders every role but the user's as the assistant's: it has no system or tool role
-    assert D.chat_roles(tok) == ("user", "assistant")
-    t = sc.build_tokenizer()
-    t.chat_template = ("{% for m in messages %}{% if m['role'] in ['user', 'system', 'tool'] %}<|user|> "
-                       "{{ m['content'] }} <|end|> {% else %}<|assistant|> {% generation %}{{ m['content'] }} <|end|>"
-                       "{% endgeneration %} {% endif %}{% endfor %}")
-    assert D.chat_roles(t) == ("system", "user", "assistant", "tool")
 
 
 def test_hostile_text_records_are_one_line_data_errors(tmp_path, tok):
@@ -246,7 +155,7 @@ def test_hostile_text_records_are_one_line_data_errors(tmp_path, tok):
                          ('{"text": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested deeper than")):
         path = _write_jsonl(tmp_path / "texts.jsonl", [{"text": "the cat"}, record])
         with pytest.raises(DataError, match=rf"^{re.escape(path)}:2: .*{what}"):
-            D.TextJSONLDataset(path, tok, 32)
+            TextJSONLDataset(path, tok, 32)
 
 
 def test_whatever_fails_while_tokenising_a_record_names_it(tmp_path, tok):
@@ -257,7 +166,7 @@ def test_whatever_fails_while_tokenising_a_record_names_it(tmp_path, tok):
     strict.chat_template = "{% if messages | length > 3 %}{{ raise_exception('at most 3 turns') }}{% endif %}" + \
         sc.CHAT_TEMPLATE
     path = _write_jsonl(tmp_path / "chats.jsonl", [{"messages": MULTI_TURN[:2]}, GOOD_CHAT])
-    ds = D.ChatJSONLDataset(path, strict, 32)
+    ds = ChatJSONLDataset(path, strict, 32)
     assert len(ds[0]) > 0
     with pytest.raises(DataError, match=rf"^{re.escape(path)}:2: cannot tokenise the record \(TemplateError: at most"):
         ds[1]
@@ -271,11 +180,10 @@ def test_whatever_fails_while_tokenising_a_record_names_it(tmp_path, tok):
             return tok(text)
 
     path = _write_jsonl(tmp_path / "texts.jsonl", [{"text": "the cat"}, {"text": "the dog"}])
-    ds = D.TextJSONLDataset(path, Refusing(), 32)
+    ds = TextJSONLDataset(path, Refusing(), 32)
     assert len(ds[0]) > 0
     with pytest.raises(DataError, match=rf"^{re.escape(path)}:2: cannot tokenise the record \(TypeError: TextEncode"):
         ds[1]
-
 
 
 def test_hostile_prompts_are_one_line_prompt_errors(tmp_path, tok):
@@ -295,6 +203,7 @@ def test_hostile_prompts_are_one_line_prompt_errors(tmp_path, tok):
             [tokenize_prompt(item, tok) for item in read_prompt_file(str(path))]
         message = str(info.value)
         assert "\n" not in message and re.match(rf"{re.escape(str(path))}:3\b.*{what}", message), message
+
 
 # --------------------------------------------------------------------------------------------------
 # Huge records: at most record_budget(seq_length) characters are tokenised
@@ -353,10 +262,10 @@ def test_text_cut_to_the_budget_keeps_the_tokens_of_the_whole_text(tmp_path, tok
     path = _write_jsonl(tmp_path / "long.jsonl", [{"text": t} for t in texts])
     for seq_length in (16, 57, 100):
         said = []
-        ds = D.TextJSONLDataset(path, tok_bpe, seq_length, log=said.append)
+        ds = TextJSONLDataset(path, tok_bpe, seq_length, log=said.append)
         for i, text in enumerate(texts):
             whole = tok_bpe(text)["input_ids"]
-            assert len(whole) > seq_length and len(text) > D.record_budget(seq_length)
+            assert len(whole) > seq_length and len(text) > record_budget(seq_length)
             assert ds[i].input_ids.tolist() == whole[:seq_length], (seq_length, i)
             ds[i]
         # every text was cut (each said so once, not once per read), and each cut still filled the sequence
@@ -379,9 +288,9 @@ def test_chat_cut_to_the_budget_keeps_tokens_and_mask(tmp_path, tok, tok_plain, 
     for tokenizer in (tok, tok_plain, tok_bpe):
         for seq_length in (48, 100):
             said = []
-            ds = D.ChatJSONLDataset(path, tokenizer, seq_length, log=said.append)
+            ds = ChatJSONLDataset(path, tokenizer, seq_length, log=said.append)
             for i, chat in enumerate(chats):
-                ids, mask = D.tokenize_chat(tok if tokenizer is tok_plain else tokenizer, chat)  # the whole chat
+                ids, mask = tokenize_chat(tok if tokenizer is tok_plain else tokenizer, chat)  # the whole chat
                 assert ds[i].input_ids.tolist() == ids[:seq_length]
                 assert ds[i].loss_mask.tolist() == [bool(m) for m in mask[:seq_length]]
                 assert i != 1 or (any(mask[:seq_length]) and not all(mask[:seq_length]))  # cut in the answer
@@ -404,10 +313,10 @@ def test_a_huge_record_is_tokenised_only_to_the_budget(tmp_path, tok, monkeypatc
     monkeypatch.setattr(type(tok), "apply_chat_template", spy_render)
     path = _write_jsonl(tmp_path / "huge.jsonl", [{"messages": chat}])
     said = []
-    sample = D.ChatJSONLDataset(path, tok, 48, log=said.append)[0]
-    budget = D.record_budget(48)
-    assert seen and all(n <= budget // D.CHARS_PER_TOKEN and chars <= budget for n, chars in seen), seen
-    assert sample.input_ids.tolist() == D.tokenize_chat(tok, chat[:2])[0][:48]
+    sample = ChatJSONLDataset(path, tok, 48, log=said.append)[0]
+    budget = record_budget(48)
+    assert seen and all(n <= budget // CHARS_PER_TOKEN and chars <= budget for n, chars in seen), seen
+    assert sample.input_ids.tolist() == tokenize_chat(tok, chat[:2])[0][:48]
     assert len(said) == 1 and f"the chat's {2 * len(text) + 40_000} characters of content in 40002 messages" in said[0]
 
     class Spy:
@@ -421,7 +330,7 @@ def test_a_huge_record_is_tokenised_only_to_the_budget(tmp_path, tok, monkeypatc
     unknown = "x" * 100_000  # one word the vocabulary does not know: one token, however long
     path = _write_jsonl(tmp_path / "huge_text.jsonl", [{"text": text}, {"text": unknown}])
     said = []
-    ds = D.TextJSONLDataset(path, Spy(), 48, log=said.append)
+    ds = TextJSONLDataset(path, Spy(), 48, log=said.append)
     assert ds[0].input_ids.tolist() == tok(text)["input_ids"][:48] and max(seen) <= budget
     assert ds[1].input_ids.tolist() == [tok.unk_token_id]  # not followed by EOS: the record does not end there
     assert len(said) == 2 and f"huge_text.jsonl:2: the text of 100000 characters cut to {budget} characters" in said[1]
@@ -443,7 +352,7 @@ def _ranks_indexed_dataset(rank: int, world_size: int, directory: str) -> dict:
     prefix = os.path.join(directory, f"rank{rank}", "corpus_text_document")
     os.makedirs(os.path.dirname(prefix))
     _write_indexed(prefix, [[[5, 6, 7]], [[1, 2], [3, 4, 5]], [list(range(50))]])
-    ds = D.IndexedDataset(prefix, seq_length=8)
+    ds = IndexedDataset(prefix, seq_length=8)
     out = {
         "len": len(ds),
         "ids": [ds[i].input_ids.tolist() for i in range(len(ds))],
@@ -453,7 +362,7 @@ def _ranks_indexed_dataset(rank: int, world_size: int, directory: str) -> dict:
         "sample_ids": [ds[i].sample_id for i in range(len(ds))],
     }
     try:
-        D.IndexedDataset(os.path.join(directory, "missing"), seq_length=8)
+        IndexedDataset(os.path.join(directory, "missing"), seq_length=8)
     except FileNotFoundError as err:
         out["missing"] = str(err)
     return out
@@ -465,15 +374,15 @@ def test_indexed_dataset(tmp_path, tp_pool):
         assert out["len"] == 3
         assert out["ids"] == [[5, 6, 7], [1, 2, 3, 4, 5], list(range(8))]  # sequences concatenated; truncated
         assert out["dtypes_ok"] and out["all_loss"]
-        assert out["sample_ids"] == [D.stable_sample_id("indexed", "corpus_text_document", i) for i in range(3)]
+        assert out["sample_ids"] == [stable_sample_id("indexed", "corpus_text_document", i) for i in range(3)]
         assert len(set(out["sample_ids"])) == 3
         assert "missing.idx" in out["missing"]
 
 
 def test_synthetic_chat_dataset(tok):
-    ds = D.SyntheticChatDataset(5, 40, tok, seq_length=48)
-    again = D.SyntheticChatDataset(5, 40, tok, seq_length=48)
-    held_out = D.SyntheticChatDataset(6, 40, tok, seq_length=48)
+    ds = SyntheticChatDataset(5, 40, tok, seq_length=48)
+    again = SyntheticChatDataset(5, 40, tok, seq_length=48)
+    held_out = SyntheticChatDataset(6, 40, tok, seq_length=48)
     assert len(ds) == 40
     for i in (0, 17, 39):
         assert torch.equal(ds[i].input_ids, again[i].input_ids) and ds[i].sample_id == again[i].sample_id
@@ -481,411 +390,3 @@ def test_synthetic_chat_dataset(tok):
     ids = {ds[i].sample_id for i in range(40)}
     assert len(ids) == 40 and not ids & {held_out[i].sample_id for i in range(40)}
     assert [ds[i].input_ids.tolist() for i in range(40)] != [held_out[i].input_ids.tolist() for i in range(40)]
-
-
-def test_sample_ids_are_stable_golden_values(tok):
-    # Pinned: changing the hash changes every plan of every run (and breaks exact resumption).
-    assert D.stable_sample_id("chat", "x.jsonl", 3, b'{"a": 1}') == 3706432689276645088
-    assert D.stable_sample_id("synthetic-chat", 0, 0) == 8849768050157614828
-    assert D.stable_sample_id("packed", 1, 2) == 1977666467192771840
-    assert D.stable_sample_id("ab", "c") != D.stable_sample_id("a", "bc")
-    assert D.SyntheticChatDataset(0, 1, tok, 32)[0].sample_id == 8849768050157614828
-    many = {D.stable_sample_id("synthetic-chat", 0, i) for i in range(20000)}
-    assert len(many) == 20000
-
-
-# --------------------------------------------------------------------------------------------------
-# Packing and collation
-# --------------------------------------------------------------------------------------------------
-
-
-def test_pack_first_fit_example():
-    lengths = [6, 5, 3, 4, 2]
-    samples = [_sample(list(range(10 * i, 10 * i + n)), sid=100 + i) for i, n in enumerate(lengths)]
-    rows = D.pack_samples(samples, 8)
-    assert [r.sample_ids for r in rows] == [(100, 104), (101, 102), (103,)]
-    assert rows[2].sample_id == 103  # a single document keeps its own ID
-    assert rows[0].sample_id == D.stable_sample_id("packed", 100, 104)
-    assert rows[0].document_ids.tolist() == [0] * 6 + [1] * 2
-    assert rows[0].position_ids.tolist() == list(range(6)) + [0, 1]
-
-
-def test_pack_invariants():
-    rng = random.Random(0)
-    for trial in range(30):
-        seq_length = rng.randint(4, 40)
-        samples = []
-        for i in range(rng.randint(1, 25)):
-            n = rng.randint(1, seq_length + 5)  # some longer than seq_length: truncated
-            samples.append(_sample([rng.randrange(1000) for _ in range(n)], [rng.random() < 0.7 for _ in range(n)],
-                                   sid=rng.randrange(2**63)))
-        rows = D.pack_samples(samples, seq_length)
-        again = D.pack_samples(samples, seq_length)
-        assert [(r.sample_ids, r.input_ids.tolist(), r.sample_id) for r in rows] == \
-               [(r.sample_ids, r.input_ids.tolist(), r.sample_id) for r in again]
-        by_id = {s.sample_id: s for s in samples}
-        placed = []
-        for row in rows:
-            assert 1 <= len(row) <= seq_length
-            docs = row.document_ids.tolist()
-            # document ids contiguous, 0..k-1 in order
-            assert docs[0] == 0 and all(b - a in (0, 1) for a, b in zip(docs, docs[1:]))
-            assert docs[-1] == len(row.sample_ids) - 1
-            start = 0
-            for d, sid in enumerate(row.sample_ids):
-                n = docs.count(d)
-                src = by_id[sid]
-                assert row.input_ids[start:start + n].tolist() == src.input_ids[:seq_length].tolist()
-                assert row.loss_mask[start:start + n].tolist() == src.loss_mask[:seq_length].tolist()
-                assert row.position_ids[start:start + n].tolist() == list(range(n))  # positions reset
-                assert n == min(len(src), seq_length)  # nothing lost beyond truncation
-                start += n
-            placed.extend(row.sample_ids)
-            # within a row, documents keep the input order
-            order = [next(i for i, s in enumerate(samples) if s.sample_id == sid) for sid in row.sample_ids]
-            assert order == sorted(order)
-        assert Counter(placed) == Counter(s.sample_id for s in samples)  # every document exactly once
-        # first fit: no later row could have taken a document that opened a new row
-        sizes = [0] * len(rows)
-        row_of = {sid: r for r, row in enumerate(rows) for sid in row.sample_ids}
-        for s in samples:
-            r = row_of[s.sample_id]
-            n = min(len(s), seq_length)
-            assert all(sizes[q] + n > seq_length for q in range(r))
-            sizes[r] += n
-
-
-def test_collate_unpacked_and_packed():
-    samples = [_sample([11, 12, 13], [0, 1, 1], sid=7), _sample([21, 22], sid=8), _sample(list(range(30, 40)), sid=9)]
-    b = D.collate(samples, pad_id=0, seq_length=6)
-    assert set(b) == {"tokens", "loss_mask", "position_ids", "document_ids", "sample_ids"}
-    assert b["tokens"].dtype == torch.int64 and b["loss_mask"].dtype == torch.bool
-    assert b["sample_ids"].dtype == torch.int64 and b["sample_ids"].tolist() == [7, 8, 9]
-    assert b["tokens"].tolist() == [[11, 12, 13, 0, 0, 0], [21, 22, 0, 0, 0, 0], [30, 31, 32, 33, 34, 35]]
-    assert b["loss_mask"].tolist()[0] == [False, True, True, False, False, False]
-    assert b["document_ids"].tolist()[1] == [0, 0, -1, -1, -1, -1]
-    assert b["position_ids"].tolist() == [list(range(6))] * 3
-    p = D.Collator(pad_id=0, seq_length=6, pack_sequences=True)(samples)
-    assert p["tokens"].shape == (2, 6)
-    assert p["tokens"].tolist() == [[11, 12, 13, 21, 22, 0], [30, 31, 32, 33, 34, 35]]
-    assert p["document_ids"].tolist() == [[0, 0, 0, 1, 1, -1], [0] * 6]
-    assert p["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2], list(range(6))]
-    assert p["loss_mask"].tolist()[0] == [False, True, True, True, True, False]
-    assert p["sample_ids"].tolist() == [D.stable_sample_id("packed", 7, 8), 9]
-    with pytest.raises(ValueError, match="no tokens"):
-        D.collate([_sample([], sid=1)], 0, 4)
-
-
-# --------------------------------------------------------------------------------------------------
-# Sampler
-# --------------------------------------------------------------------------------------------------
-
-
-class _Counting:
-    def __init__(self, n):
-        self.n, self.reads = n, 0
-
-    def __len__(self):
-        return self.n
-
-    def __getitem__(self, i):
-        self.reads += 1
-        return i
-
-
-def _step_samples(ds, step, dp_size, **kw):
-    per_rank = []
-    for r in range(dp_size):
-        it = D.MicroBatchIterator(ds, dp_rank=r, dp_size=dp_size, start_step=step, **kw)
-        per_rank.append([x for _ in range(it.num_micro_batches) for x in next(it)])
-    return per_rank
-
-
-@pytest.mark.parametrize("n", [24, 20])
-def test_sampler_covers_every_sample_once_per_epoch(n):
-    ds = _Counting(n)
-    kw = dict(micro_batch_size=2, global_batch_size=8, seed=3)
-    stream = []
-    for step in range(3 * n // 8 + 1):
-        ranks = _step_samples(ds, step, 2, **kw)
-        if n % 8 == 0:  # a step inside one epoch: the DP ranks see different samples
-            assert not set(ranks[0]) & set(ranks[1])
-        # Megatron's layout: micro-batch m of the step is rank 0's M samples, then rank 1's
-        for m in range(2):
-            stream += ranks[0][2 * m:2 * m + 2] + ranks[1][2 * m:2 * m + 2]
-    for e in range(3):
-        assert sorted(stream[e * n:(e + 1) * n]) == list(range(n)), f"epoch {e}"
-    assert stream[:n] != stream[n:2 * n]  # a new order every epoch
-    # Another seed gives another order.
-    other = _step_samples(ds, 0, 2, micro_batch_size=2, global_batch_size=8, seed=4)
-    assert other != _step_samples(ds, 0, 2, **kw)
-
-
-def test_sampler_resumes_exactly():
-    ds = _Counting(37)
-    kw = dict(micro_batch_size=3, global_batch_size=12, dp_rank=1, dp_size=2, seed=9,
-              collate_fn=lambda xs: list(xs))
-    full = D.MicroBatchIterator(ds, **kw)
-    assert full.num_micro_batches == 2
-    reference = [next(full) for _ in range(2 * 20)]
-    for k in (0, 1, 3, 7, 19):
-        resumed = D.MicroBatchIterator(ds, start_step=k, **kw)
-        assert resumed.consumed_samples == 12 * k
-        assert [next(resumed) for _ in range(2 * (20 - k))] == reference[2 * k:]
-    # Resuming far away reads only the samples it yields.
-    ds.reads = 0
-    far = D.MicroBatchIterator(ds, start_step=10**9, **kw)
-    next(far)
-    assert ds.reads == 3 and far.step == 10**9 and far.micro == 1
-    assert far.epoch_of(10**9) == 12 * 10**9 // 37
-
-
-def test_sampler_validation():
-    ds = _Counting(10)
-    divisible = r"global_batch_size=10 must be divisible by micro_batch_size \* dp_size = 2 \* 2 = 4"
-    with pytest.raises(ValueError, match=divisible):
-        D.MicroBatchIterator(ds, micro_batch_size=2, global_batch_size=10, dp_rank=0, dp_size=2, seed=0)
-    with pytest.raises(ValueError, match="dp_rank=2 must be < dp_size=2"):
-        D.MicroBatchIterator(ds, micro_batch_size=2, global_batch_size=8, dp_rank=2, dp_size=2, seed=0)
-    with pytest.raises(ValueError, match="micro_batch_size"):
-        D.MicroBatchIterator(ds, micro_batch_size=0, global_batch_size=8, dp_rank=0, dp_size=2, seed=0)
-    with pytest.raises(ValueError, match="empty"):
-        D.MicroBatchIterator(_Counting(0), micro_batch_size=1, global_batch_size=1, dp_rank=0, dp_size=1, seed=0)
-
-
-def test_sampler_with_collator_on_synthetic_data(tok):
-    ds = D.SyntheticChatDataset(1, 32, tok, seq_length=64)
-    it = D.MicroBatchIterator(ds, micro_batch_size=4, global_batch_size=8, dp_rank=0, dp_size=1, seed=0,
-                              collate_fn=D.Collator(tok.pad_token_id, 64))
-    batch = next(it)
-    assert batch["tokens"].shape == (4, 64)
-    idx = it.micro_batch_indices(0, 0)
-    assert batch["sample_ids"].tolist() == [ds[i].sample_id for i in idx]
-    assert (batch["tokens"][~(batch["document_ids"] >= 0)] == tok.pad_token_id).all()
-
-
-# --------------------------------------------------------------------------------------------------
-# The plan hook
-# --------------------------------------------------------------------------------------------------
-
-
-def _random_batch(seed=0, b=4, s=40, pack=True):
-    rng = random.Random(seed)
-    samples = []
-    for i in range(b * 2):
-        n = rng.randint(3, s)
-        samples.append(_sample([rng.randrange(1, 100) for _ in range(n)], [rng.random() < 0.8 for _ in range(n)],
-                               sid=D.stable_sample_id("test", seed, i)))
-    return D.collate(samples, pad_id=0, seq_length=s, pack=pack)
-
-
-def _assert_same_plan(a, b):
-    assert a.block_size == b.block_size
-    for f in PLAN_FIELDS:
-        assert torch.equal(getattr(a, f), getattr(b, f)), f
-
-
-def test_attach_plan_equals_direct_build():
-    for pack in (True, False):
-        batch = _random_batch(pack=pack)
-        out = D.attach_dflash_plan(batch, optimizer_step=5, seed=11, anchors_per_sample=6, block_size=4)
-        assert out is batch and "dflash_plan" in batch
-        direct = build_dflash_batch_plan(batch["loss_mask"], batch["sample_ids"], anchors_per_sample=6, block_size=4,
-                                         optimizer_step=5, seed=11, document_ids=batch["document_ids"])
-        _assert_same_plan(batch["dflash_plan"], direct)
-        # no block enters padding or crosses a document
-        plan = batch["dflash_plan"]
-        docs = torch.gather(batch["document_ids"], 1, plan.token_indices.flatten(1)).view_as(plan.position_ids)
-        valid = plan.block_valid
-        assert (docs[valid] >= 0).all() and (docs[valid] == docs[valid][:, :1]).all()
-    nodoc = D.attach_dflash_plan(dict(batch), optimizer_step=5, seed=11, anchors_per_sample=6, block_size=4,
-                                 use_documents=False)
-    _assert_same_plan(nodoc["dflash_plan"], build_dflash_batch_plan(
-        batch["loss_mask"], batch["sample_ids"], anchors_per_sample=6, block_size=4, optimizer_step=5, seed=11))
-    with pytest.raises(KeyError, match="sample_ids"):
-        D.attach_dflash_plan({"loss_mask": batch["loss_mask"]}, optimizer_step=0, seed=0, anchors_per_sample=1,
-                             block_size=2)
-
-
-class _RecordOps(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
-def _forbid(*_args, **_kwargs):
-    raise AssertionError("the data hook must not synchronise with the host")
-
-
-def test_hook_does_not_sync_with_host():
-    batch = _random_batch(seed=6)
-    tokens = batch["tokens"]
-    megatron = {"tokens": tokens, "labels": torch.roll(tokens, -1, 1), "loss_mask": batch["loss_mask"].float(),
-                "position_ids": batch["position_ids"]}
-    with pytest.MonkeyPatch.context() as mp:
-        for name in ("item", "tolist", "__bool__", "__int__", "__float__", "numpy", "nonzero"):
-            mp.setattr(torch.Tensor, name, _forbid)
-        mp.setattr(torch, "nonzero", _forbid)
-        with _RecordOps() as recorder:
-            D.attach_dflash_plan(batch, optimizer_step=1, seed=2, anchors_per_sample=4, block_size=3)
-            converted = D.from_megatron_gpt_batch(megatron, eod_token_id=0)
-            D.attach_dflash_plan(converted, optimizer_step=1, seed=2, anchors_per_sample=4, block_size=3)
-    syncing = ("_local_scalar_dense", "nonzero", "masked_select", "is_nonzero", "aten.equal")
-    bad = [op for op in recorder.ops if any(s in op for s in syncing)]
-    assert not bad, f"host-syncing ops in the data hook: {bad}"
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_hook_does_not_sync_on_cuda():
-    batch = {k: v.cuda() for k, v in _random_batch(seed=6).items()}
-    megatron = {"tokens": batch["tokens"], "labels": batch["tokens"], "loss_mask": batch["loss_mask"].float(),
-                "position_ids": batch["position_ids"]}
-    kw = dict(optimizer_step=1, seed=2, anchors_per_sample=4, block_size=3)
-    D.attach_dflash_plan(dict(batch), **kw)  # warm up lazy CUDA init outside the check
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        D.attach_dflash_plan(batch, **kw)
-        D.attach_dflash_plan(D.from_megatron_gpt_batch(megatron, eod_token_id=0), **kw)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    assert batch["dflash_plan"].device.type == "cuda"
-
-
-def test_content_sample_ids():
-    gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, 50, (6, 32), generator=gen)
-    tokens[3] = tokens[1]
-    ids = D.content_sample_ids(tokens)
-    assert ids.dtype == torch.int64 and (ids >= 0).all()
-    assert ids[3] == ids[1] and len(set(ids.tolist())) == 5
-    perm = torch.tensor([5, 2, 0, 4, 1, 3])
-    assert torch.equal(D.content_sample_ids(tokens[perm]), ids[perm])  # row-wise only
-    swapped = tokens.clone()
-    swapped[0, [0, 1]] = swapped[0, [1, 0]]
-    assert tokens[0, 0] == tokens[0, 1] or D.content_sample_ids(swapped)[0] != ids[0]  # order matters
-    assert torch.equal(D.content_sample_ids(tokens), ids)
-
-
-def test_from_megatron_gpt_batch():
-    eod = 9
-    tokens = torch.tensor([[1, 2, eod, 3, 4, 5, eod, 6], [7, 7, 7, 7, 7, 7, 7, 7]])
-    # reset_position_ids on row 0; label-aligned loss mask with eod_mask_loss (prediction from EOD masked)
-    position_ids = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 0], list(range(8))])
-    megatron_mask = torch.tensor([[1, 1, 0, 1, 1, 1, 0, 1], [1, 1, 1, 1, 1, 0, 0, 0]], dtype=torch.float)
-    batch = {"tokens": tokens, "labels": torch.roll(tokens, -1, 1), "loss_mask": megatron_mask,
-             "position_ids": position_ids}
-    out = D.from_megatron_gpt_batch(batch)
-    assert out["loss_mask"].tolist() == [[False, True, True, False, True, True, True, False],
-                                         [False, True, True, True, True, True, False, False]]
-    assert out["document_ids"].tolist() == [[0, 0, 0, 1, 1, 1, 1, 2], [0] * 8]
-    assert torch.equal(out["sample_ids"], D.content_sample_ids(tokens)) and "labels" in out
-    # without position resets, EOD tokens split the documents
-    flat = dict(batch, position_ids=torch.arange(8).expand(2, 8))
-    assert D.from_megatron_gpt_batch(flat, eod_token_id=eod)["document_ids"].tolist()[0] == [0, 0, 0, 1, 1, 1, 1, 2]
-    given = D.from_megatron_gpt_batch(dict(batch, sample_ids=torch.tensor([4, 5])))
-    assert given["sample_ids"].tolist() == [4, 5]
-
-
-def test_plan_checksum_sees_every_field():
-    batch = D.attach_dflash_plan(_random_batch(), optimizer_step=1, seed=2, anchors_per_sample=5, block_size=3)
-    plan = batch["dflash_plan"]
-    names, base = D.plan_checksum(plan)
-    assert torch.equal(D.plan_checksum(plan)[1], base)
-    import dataclasses
-
-    for f in PLAN_FIELDS:
-        t = getattr(plan, f).clone()
-        flat = t.view(-1)
-        flat[-1] = ~flat[-1] if t.dtype == torch.bool else flat[-1] + 1
-        changed = D.plan_checksum(dataclasses.replace(plan, **{f: t}))[1]
-        assert [n for n, a, b in zip(names, base.tolist(), changed.tolist()) if a != b] == [f]
-    # anchors of another step differ
-    other = D.attach_dflash_plan(dict(batch), optimizer_step=2, seed=2, anchors_per_sample=5, block_size=3)
-    assert not torch.equal(D.plan_checksum(other["dflash_plan"])[1], base)
-    # single process, no distributed: verify is a no-op returning the checksum
-    assert torch.equal(D.verify_plan_agreement(plan), base)
-
-
-# --------------------------------------------------------------------------------------------------
-# Tensor-parallel agreement (2 gloo ranks)
-# --------------------------------------------------------------------------------------------------
-
-
-def _ranks_verify(rank: int, world_size: int, tamper: str) -> str:
-    from megatron.core import parallel_state
-
-    batch = _random_batch(seed=3)
-    if rank == 1 and tamper == "sample_ids":
-        batch["sample_ids"] = batch["sample_ids"] + 1
-    if rank == 1 and tamper == "loss_mask":
-        batch["loss_mask"] = batch["loss_mask"].clone()
-        batch["loss_mask"][0, :] = False
-    step = 7 + (1 if rank == 1 and tamper == "step" else 0)
-    D.attach_dflash_plan(batch, optimizer_step=step, seed=5, anchors_per_sample=6, block_size=4)
-    try:
-        D.verify_plan_agreement(batch["dflash_plan"], parallel_state.get_tensor_model_parallel_group())
-        D.verify_plan_agreement(batch["dflash_plan"])  # default group: the TP group
-    except D.PlanDisagreementError as err:
-        return str(err)
-    return "ok"
-
-
-def _load_example():
-    import sys
-
-    name = "pretrain_gpt_get_batch_example"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, EXAMPLE)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses look their module up while the file executes
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-def _ranks_example_get_batch(rank: int, world_size: int) -> list:
-    ex = _load_example()
-    ours = _random_batch(seed=4)
-    eod = 9
-    tokens = torch.randint(10, 50, (2, 16), generator=torch.Generator().manual_seed(1))
-    tokens[0, 6] = eod
-    megatron = {"tokens": tokens, "labels": torch.roll(tokens, -1, 1),
-                "loss_mask": torch.ones(2, 16), "position_ids": torch.arange(16).expand(2, 16).contiguous()}
-    iterator = iter([ours, megatron]) if rank == 0 else None  # only TP rank 0 reads data
-    settings = ex.DFlashBatchSettings(seed=3, anchors_per_sample=4, block_size=3, verify_every=1, eod_token_id=eod)
-    results = []
-    for step in (0, 1):
-        batch = ex.get_batch(iterator, settings=settings, optimizer_step=step)
-        plan = batch["dflash_plan"]
-        results.append({f: getattr(plan, f) for f in PLAN_FIELDS} | {"docs": batch["document_ids"],
-                                                                   "sids": batch["sample_ids"]})
-    return results
-
-
-def test_verify_plan_agreement_tp2(tp_pool):
-    pool = tp_pool(2)
-    assert pool.run(_ranks_verify, "none") == ["ok", "ok"]
-    for tamper, field in (("sample_ids", "anchor_positions"), ("loss_mask", "loss_mask"), ("step", "anchor_positions")):
-        messages = pool.run(_ranks_verify, tamper)
-        for rank, message in enumerate(messages):  # every rank raised, naming what differs
-            assert "disagree across the 2 ranks" in message and field in message, (tamper, rank, message)
-            assert f"this is rank {rank}" in message
-
-
-def test_example_get_batch_tp2(tp_pool):
-    ranks = tp_pool(2).run(_ranks_example_get_batch)
-    ours = _random_batch(seed=4)
-    for r0, r1 in zip(*ranks):
-        for key in r0:
-            assert torch.equal(r0[key], r1[key]), key
-    direct = build_dflash_batch_plan(ours["loss_mask"], ours["sample_ids"], anchors_per_sample=4, block_size=3,
-                                     optimizer_step=0, seed=3, document_ids=ours["document_ids"])
-    for f in PLAN_FIELDS:
-        assert torch.equal(ranks[0][0][f], getattr(direct, f)), f
-    # the Megatron batch: documents split after the EOD token, IDs hashed from the tokens
-    assert ranks[0][1]["docs"].tolist()[0] == [0] * 7 + [1] * 9
-    assert ranks[0][1]["block_valid"].any()

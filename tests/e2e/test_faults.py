@@ -425,7 +425,7 @@ def _dp_rank_meeting_an_unreadable_record(rank, world_size, target, data, out_di
     from megatron_dflash.data import datasets as data_module
 
     torch.set_num_threads(1)
-    real = data_module.tokenize_chat
+    real = data_module.tokenize_chat  # patched where the chat dataset looks it up
 
     def tokenize(tokenizer, messages, **kwargs):
         if messages[0]["content"] != _UNREADABLE:
@@ -449,7 +449,7 @@ def _dp_rank_meeting_an_unreadable_record(rank, world_size, target, data, out_di
 def _with_unreadable_record(tmp_path, name, step, seed, content=_UNREADABLE):
     """A copy of `tmp_path / "chats.jsonl"` whose record read first by DP rank 1 (of 2) in `step` (micro-batch 2,
     global batch 4) has `content` as its first message; (its path, its line number)."""
-    from megatron_dflash.data.datasets import MicroBatchIterator
+    from megatron_dflash.data.batching import MicroBatchIterator
 
     lines = (tmp_path / "chats.jsonl").read_text().splitlines()
     order = MicroBatchIterator(list(range(len(lines))), micro_batch_size=2, global_batch_size=4, dp_rank=1,
@@ -735,18 +735,18 @@ def _tp_rank_with_other_data(rank, world_size, target, out_dir):
     """TP=2 ranks of one group; rank 1 reads different tokens (as from another copy of the data)."""
     import pathlib
 
-    from megatron_dflash.data import datasets as data
+    from megatron_dflash.data import batching
 
     torch.set_num_threads(1)
     if rank == 1:
-        real = data.Collator.__call__
+        real = batching.Collator.__call__
 
         def shifted(self, samples):
             batch = real(self, samples)
             batch["tokens"] = batch["tokens"].roll(1, dims=1)
             return batch
 
-        data.Collator.__call__ = shifted
+        batching.Collator.__call__ = shifted
     argv = _base(target, pathlib.Path(out_dir), "--train-iters", "2", "--micro-batch-size", "4",
                  "--dflash-eval-prompts", "0", "--tensor-model-parallel-size", "2", "--target-backend", "megatron")
     try:
@@ -755,7 +755,7 @@ def _tp_rank_with_other_data(rank, world_size, target, out_dir):
         return str(err)
     finally:
         if rank == 1:
-            data.Collator.__call__ = real
+            batching.Collator.__call__ = real
     return None
 
 

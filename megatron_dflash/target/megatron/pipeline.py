@@ -350,7 +350,7 @@ def run_target_pipeline(
 
     Args:
         target: this rank's stage of the target.
-        batch: the batch dict of `data/datasets.py`: ``tokens`` ``[B, S]`` (read on the first stage; its shape on every
+        batch: the batch dict of `data/batching.py`: ``tokens`` ``[B, S]`` (read on the first stage; its shape on every
             stage), ``position_ids`` ``[B, S]`` (optional, RoPE positions on every stage; default ``0..S-1``).
         draft_stage: a `DraftStagePlacement` or the ``--dflash-pipeline-stage`` value (-1: the last stage).
         target_layer_ids: the tapped layers in the body's order; default ``target.target_layer_ids`` (which

@@ -23,7 +23,7 @@ import torch
 from megatron_dflash.draft.body import DFlashBody
 from megatron_dflash.checkpoint.hf import hf_state_dict, load_hf_state_dict_into
 from megatron_dflash.draft.config import DFlashConfig
-from megatron_dflash.data.datasets import attach_dflash_plan
+from megatron_dflash.plan.data_hook import attach_dflash_plan
 from megatron_dflash.objectives.dflash_loss import dflash_loss, embed_blocks
 from megatron_dflash.common.parallel import SingleRankGroup
 from megatron_dflash.target.megatron.pipeline import DraftStagePlacement, resolve_draft_stage

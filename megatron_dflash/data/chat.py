@@ -1,0 +1,220 @@
+"""Chat records: rendering with the tokenizer's chat template, the assistant loss mask, the roles a record may
+use and the check of a record's messages (docs/design.md §8 Data path).
+
+The assistant mask comes from the template's ``{% generation %}`` markers when it has them (and the tokenizer
+is a fast one), otherwise from rendering prefixes of the conversation (``assistant_mask_from_prefixes``).
+Nothing here loads torch.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Optional, Sequence
+
+from ..common.errors import DataError
+
+__all__ = [
+    "tokenize_chat",
+    "template_has_generation_markers",
+    "assistant_mask_from_prefixes",
+    "CHAT_ROLES",
+    "chat_roles",
+    "check_messages",
+    "unicode_problem",
+]
+
+_GENERATION_TAG = re.compile(r"\{\%-?\s*generation\s*-?\%\}")
+
+
+def _chat_template_of(tokenizer) -> str:
+    template = None
+    getter = getattr(tokenizer, "get_chat_template", None)
+    if getter is not None:
+        try:
+            template = getter()
+        except Exception:  # no default template
+            template = None
+    if template is None:
+        template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):  # named templates
+        template = template.get("default")
+    if not isinstance(template, str) or not template:
+        raise ValueError(
+            f"tokenizer {type(tokenizer).__name__} has no chat template; chat data needs one "
+            f"(set tokenizer.chat_template)."
+        )
+    return template
+
+
+def template_has_generation_markers(tokenizer) -> bool:
+    """Whether the tokenizer's chat template marks assistant text with ``{% generation %}``."""
+    return bool(_GENERATION_TAG.search(_chat_template_of(tokenizer)))
+
+
+def _render_ids(tokenizer, messages: list, *, add_generation_prompt: bool) -> list[int]:
+    out = tokenizer.apply_chat_template(
+        messages, tokenize=True, return_dict=True, add_generation_prompt=add_generation_prompt
+    )
+    return [int(t) for t in out["input_ids"]]
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _boundary(full: list[int], prefix: list[int], what: str) -> int:
+    """Index in ``full`` where the rendered ``prefix`` ends.
+
+    The rendering of a conversation prefix must be a token prefix of the full rendering; one differing
+    token at the very end is tolerated (a BPE merge across the boundary), the boundary then falls before it.
+    """
+    lcp = _common_prefix(full, prefix)
+    if lcp >= len(prefix) - 1:
+        return lcp
+    raise ValueError(
+        f"cannot find the assistant tokens: the chat template does not render the conversation "
+        f"incrementally ({what} is not a prefix of the full conversation; they differ from token {lcp} "
+        f"of {len(prefix)}). Use a template with {{% generation %}} ... {{% endgeneration %}} markers."
+    )
+
+
+def assistant_mask_from_prefixes(tokenizer, messages: list, input_ids: Sequence[int]) -> list[int]:
+    """Assistant mask of ``input_ids`` (the rendering of ``messages``) for templates without markers.
+
+    Assistant message ``i`` spans from the end of ``messages[:i]`` rendered with the generation prompt
+    (the assistant header) to the end of ``messages[:i + 1]`` rendered without it, so it covers the
+    content and the end-of-turn tokens the template emits after it, like ``{% generation %}`` does.
+    """
+    full = [int(t) for t in input_ids]
+    mask = [0] * len(full)
+    for i, message in enumerate(messages):
+        if message.get("role") != "assistant":
+            continue
+        if i == 0:
+            # No prefix to render (templates refuse empty conversations): the content starts where the
+            # rendering with an empty content first differs from the full one.
+            start = _common_prefix(full, _render_ids(tokenizer, [dict(message, content="")],
+                                                     add_generation_prompt=False))
+        else:
+            start = _boundary(full, _render_ids(tokenizer, messages[:i], add_generation_prompt=True),
+                              f"messages[:{i}] with the generation prompt")
+        end = _boundary(full, _render_ids(tokenizer, messages[: i + 1], add_generation_prompt=False),
+                        f"messages[:{i + 1}]")
+        for j in range(start, end):
+            mask[j] = 1
+    return mask
+
+
+def tokenize_chat(tokenizer, messages: list, *, assistant_mask: str = "auto") -> tuple[list[int], list[int]]:
+    """Token ids of a chat and its assistant mask (1 on assistant tokens).
+
+    Args:
+        tokenizer: a HF tokenizer with a chat template.
+        messages: ``[{"role": ..., "content": ...}, ...]``.
+        assistant_mask: ``"template"`` uses the template's ``{% generation %}`` markers
+            (``return_assistant_tokens_mask``); ``"prefix"`` computes the spans by tokenising prefixes of
+            the conversation; ``"auto"`` picks ``"template"`` when the template has markers and the
+            tokenizer is a fast one, ``"prefix"`` otherwise.
+    """
+    if assistant_mask not in ("auto", "template", "prefix"):
+        raise ValueError(f"assistant_mask must be 'auto', 'template' or 'prefix', got {assistant_mask!r}.")
+    if assistant_mask == "auto":
+        markers = template_has_generation_markers(tokenizer)
+        assistant_mask = "template" if markers and getattr(tokenizer, "is_fast", False) else "prefix"
+    if assistant_mask == "template":
+        if not template_has_generation_markers(tokenizer):
+            raise ValueError(
+                "assistant_mask='template' needs {% generation %} markers in the chat template; "
+                "use assistant_mask='prefix' (or 'auto')."
+            )
+        out = tokenizer.apply_chat_template(
+            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
+        return [int(t) for t in out["input_ids"]], [int(m) for m in out["assistant_masks"]]
+    ids = _render_ids(tokenizer, messages, add_generation_prompt=False)
+    return ids, assistant_mask_from_prefixes(tokenizer, messages, ids)
+
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+"""The roles of the chat format; a template need not render all of them (``chat_roles``)."""
+
+_TOOL_ROLE = re.compile(r"""(['"])tool\1""")
+
+
+def _renders_as_assistant(tokenizer, role: str) -> bool:
+    """Whether the template's ``{% generation %}`` markers supervise a lone ``role`` message (a template
+    that renders every role it does not test for as the assistant's). False when that cannot be told:
+    no markers, a slow tokenizer, or a template that refuses the lone message."""
+    if not template_has_generation_markers(tokenizer) or not getattr(tokenizer, "is_fast", False):
+        return False
+    try:
+        out = tokenizer.apply_chat_template([{"role": role, "content": "probe"}], tokenize=True, return_dict=True,
+                                            return_assistant_tokens_mask=True)
+    except Exception:  # the template wants more than one message: it checks roles itself
+        return False
+    return any(out["assistant_masks"])
+
+
+def chat_roles(tokenizer) -> tuple[str, ...]:
+    """The roles a chat record may use with ``tokenizer``: user and assistant; system unless the template
+    supervises it as the assistant's; tool when the template names it (as ``'tool'`` or ``"tool"``, the way
+    templates that render tool results test for it) and does not supervise it.
+
+    Any other role is refused: templates render the roles they do not know as one of theirs (often the
+    assistant's, whose tokens are supervised), so a typo would be trained on silently."""
+    template = _chat_template_of(tokenizer)
+    return tuple(role for role in CHAT_ROLES if role in ("user", "assistant") or (
+        (role != "tool" or _TOOL_ROLE.search(template)) and not _renders_as_assistant(tokenizer, role)))
+
+
+def _json_kind(value) -> str:
+    """How JSON spells the type of a decoded value (for messages about records)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, dict):
+        return "an object"
+    if isinstance(value, list):
+        return "an array"
+    return "a string" if isinstance(value, str) else type(value).__name__
+
+
+def unicode_problem(text: str) -> Optional[str]:
+    """Why ``text`` cannot be tokenised as Unicode (a lone surrogate, which JSON's ``\\ud800`` escapes can
+    produce and no tokenizer accepts), or None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        return (f"is not valid Unicode (a lone surrogate {ascii(text[err.start])[1:-1]} at character {err.start}; "
+                "the file was written by a broken encoder)")
+    return None
+
+
+def check_messages(messages, where: str, roles: Sequence[str]) -> list:
+    """``messages`` if it is a chat of the format (objects with a role of ``roles`` and a string ``content``),
+    else a `DataError` naming ``where``, the message and what is wrong."""
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{where}: no messages (expected a non-empty list under 'messages').")
+    for j, message in enumerate(messages):
+        if not isinstance(message, dict) or "role" not in message:
+            raise DataError(f"{where}: message {j} must be an object with a 'role', got {message!r:.80}.")
+        role = message["role"]
+        if not isinstance(role, str) or role not in roles:
+            shown = json.dumps(role)[:40] if isinstance(role, str) else _json_kind(role)
+            raise DataError(f"{where}: message {j}: role is {shown}, not one of the roles the chat template "
+                            f"renders ({', '.join(roles)}).")
+        content = message.get("content")
+        if not isinstance(content, str):
+            raise DataError(f"{where}: message {j} ({role}): content is {_json_kind(content)}, not a string.")
+        problem = unicode_problem(content)
+        if problem is not None:
+            raise DataError(f"{where}: message {j} ({role}): the content {problem}.")
+    return messages
