@@ -6,7 +6,9 @@ Conventions (docs/design.md §2 Conventions and §6 Objectives; they must never 
   ``1..gamma`` the MASK token, all embedded with the **target's** input embedding times
   ``input_embedding_scale``;
 * slot ``k`` predicts the token **at** ``p + k``; slot 0 is never supervised and never computed;
-* slot ``k`` has loss weight ``w_k = exp(-(k - 1) / decay_gamma)`` (uniform when ``decay_gamma`` is None);
+* slot ``k`` has loss weight ``w_k = exp(-(k - 1) / decay_gamma)`` (uniform when ``decay_gamma`` is None), or,
+  with a D-PACE `LossWeighting`, a detached weight formed from the cross entropies of its block's slots
+  (`dpace_weights`), known only once the kernel has computed every slot's loss;
 * the loss is ``sum(w * loss * mask) / sum(w * mask)`` over the **whole global batch**. The objective returns
   numerator and denominator separately (`DFlashLossOutput.loss_sum`, `.weight_sum`) and the training loop
   divides once by the global denominator, like megatron's ``calculate_per_token_loss=True``. Averaging per

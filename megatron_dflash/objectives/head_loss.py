@@ -16,7 +16,10 @@ Two paths, equal to fp32 rounding (tests compare them, and both against dense or
   activation recomputation, through the autograd of `OutputHead.local_logits` and
   `_VocabParallelCrossEntropy`; the head's weight gets its gradient.
 
-Either way the peak is one chunk of logits, whatever the number of slots M.
+Either way the peak is one chunk of logits, whatever the number of slots M. Weights that depend on the
+losses of other slots (D-PACE, ``row_weights``) are formed once every row's loss is known; being detached,
+they scale each row's gradient afterwards (fused: in backward; per chunk: as each chunk's incoming gradient).
+
 
 Vocab-parallel cross entropy (megatron's ``vocab_parallel_cross_entropy`` scheme, with an explicit group
 because megatron's reads ``parallel_state``): local max -> all-reduce MAX; sum of ``exp(z - max)`` and the
