@@ -273,3 +273,16 @@ def test_selector_loss_weight_reaches_the_dflash2_loss():
     selector_part = one.loss_sum - none.loss_sum
     assert selector_part > 0
     torch.testing.assert_close(two.loss_sum - none.loss_sum, 2 * selector_part)
+
+    # The run's loss weighting reaches the DFlash 2 loss through its adapter.
+    from megatron_dflash.objectives.dflash_loss import LossWeighting
+    from megatron_dflash.variants.dflash2 import dflash2_loss
+
+    options = spec.options.build(vars(args_for("--dflash-variant", "dflash2")))
+    weighting = LossWeighting("dpace", 0.3, "supervised")
+    with torch.no_grad():
+        adapted = spec.loss(body, hidden, plan, ids, head, decay_gamma=None, chunk_slots=None, options=options,
+                            weighting=weighting)
+        direct = dflash2_loss(hidden, plan, ids, head, body.candidate_selector, chunk_slots=None, weighting=weighting)
+    assert torch.equal(adapted.loss_sum, direct.loss_sum) and torch.equal(adapted.weight_sum, direct.weight_sum)
+    assert not torch.allclose(adapted.metrics.base_loss_sum, one.metrics.base_loss_sum)
