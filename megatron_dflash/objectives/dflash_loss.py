@@ -232,7 +232,7 @@ def decay_weights(
 DPACE_SCHEMES = ("dpace", "dpace-cumulative-confidence-only", "dpace-continuation-value-only")
 LOSS_WEIGHTINGS = ("decay",) + DPACE_SCHEMES
 # The denominators of a D-PACE run: the weight sum (ModelOpt), the supervised slots (speculators), the rows
-# (SpecForge); each summed over the whole global batch.
+# with a supervised slot (SpecForge's sequences); each summed over the whole global batch.
 DPACE_NORMALIZATIONS = ("weight_sum", "supervised", "sequences")
 
 
@@ -322,7 +322,9 @@ class LossWeighting:
             return targets.weight_sum if used_weights is None else used_weights.detach().sum().to(torch.float32)
         if self.normalization == "supervised":
             return targets.supervised.sum().to(torch.float32)
-        return torch.full((), float(targets.labels.shape[0]), dtype=torch.float32, device=targets.labels.device)
+        # "sequences": the rows with a supervised slot. A row without one adds nothing to learn; counting it
+        # would turn a global batch with nothing to learn into an optimizer step (§9 skips a zero denominator).
+        return targets.supervised.flatten(1).any(dim=1).sum().to(torch.float32)
 
 
 def check_weighting(weighting: Optional[LossWeighting], decay_gamma, weights, soft_target: str = "none"):

@@ -680,7 +680,7 @@ def add_draft_recipe_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dflash-dpace-normalization", choices=DPACE_NORMALIZATIONS,
                    default=RunDefault("weight_sum", same=True),
                    help="D-PACE: the global denominator: weight_sum (ModelOpt), supervised slots (speculators) or "
-                   "sequences, the rows of the global batch (SpecForge).")
+                   "sequences, the rows of the global batch with a supervised slot (SpecForge).")
     for _, flag in variant_flags():  # each variant's own settings, declared by the variant
         _add_variant_flag(g, flag)
 

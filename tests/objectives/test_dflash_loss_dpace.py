@@ -92,7 +92,7 @@ def dense_reference(hidden, plan, input_ids, weight, *, alpha=0.5, scheme="dpace
                 w[b, n] = torch.tensor(reference_block_weights(q[b, n].tolist(), supervised[b, n].tolist(), alpha, scheme))
     loss_sum = torch.where(supervised, w * nll, torch.zeros(())).sum()
     denominator = {"weight_sum": w.sum(), "supervised": supervised.sum().float(),
-                   "sequences": torch.tensor(float(B))}[normalization]
+                   "sequences": torch.tensor(float(sum(bool(supervised[b].any()) for b in range(B))))}[normalization]
     return loss_sum, denominator, supervised
 
 
@@ -193,6 +193,18 @@ def test_the_fused_gradient_follows_the_incoming_gradient_and_skips_it_without_g
         again = dflash_loss(hidden, plan, ids, head, weighting=weighting)
     assert_close(again.loss_sum, out.loss_sum, rtol=0, atol=0)
     assert_close(again.weight_sum, out.weight_sum, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("normalization", DPACE_NORMALIZATIONS)
+def test_a_micro_batch_without_supervision_has_a_zero_denominator(normalization):
+    """So that the loop counts it as empty and a global batch of such skips its optimizer step (§9)."""
+    plan, ids, hidden, lin = make_case(seed=13, B=3, gaps=True)
+    rows = slice(2, 3)  # the row without any supervised slot
+    empty_plan = build_dflash_batch_plan(plan.loss_mask.new_zeros(1, ids.shape[1]), torch.tensor([102]),
+                                         anchors_per_sample=5, block_size=5, optimizer_step=3, seed=13)
+    out = dflash_loss(hidden[rows], empty_plan, ids[rows], OutputHead(lin, V),
+                      weighting=LossWeighting("dpace", 0.5, normalization))
+    assert float(out.weight_sum) == 0.0 and float(out.loss_sum) == 0.0
 
 
 def test_differs_from_the_static_decay():
