@@ -20,7 +20,6 @@ Either way the peak is one chunk of logits, whatever the number of slots M. Weig
 losses of other slots (D-PACE, ``row_weights``) are formed once every row's loss is known; being detached,
 they scale each row's gradient afterwards (fused: in backward; per chunk: as each chunk's incoming gradient).
 
-
 Vocab-parallel cross entropy (megatron's ``vocab_parallel_cross_entropy`` scheme, with an explicit group
 because megatron's reads ``parallel_state``): local max -> all-reduce MAX; sum of ``exp(z - max)`` and the
 target's shifted logit (taken on the shard that owns it) -> one all-reduce SUM; ``nll = log(sum_exp) -
