@@ -6,7 +6,9 @@ Conventions (docs/design.md §2 Conventions and §6 Objectives; they must never 
   ``1..gamma`` the MASK token, all embedded with the **target's** input embedding times
   ``input_embedding_scale``;
 * slot ``k`` predicts the token **at** ``p + k``; slot 0 is never supervised and never computed;
-* slot ``k`` has loss weight ``w_k = exp(-(k - 1) / decay_gamma)`` (uniform when ``decay_gamma`` is None);
+* slot ``k`` has loss weight ``w_k = exp(-(k - 1) / decay_gamma)`` (uniform when ``decay_gamma`` is None), or,
+  with a D-PACE `LossWeighting`, a detached weight formed from the cross entropies of its block's slots
+  (`dpace_weights`), known only once the kernel has computed every slot's loss;
 * the loss is ``sum(w * loss * mask) / sum(w * mask)`` over the **whole global batch**. The objective returns
   numerator and denominator separately (`DFlashLossOutput.loss_sum`, `.weight_sum`) and the training loop
   divides once by the global denominator, like megatron's ``calculate_per_token_loss=True``. Averaging per
@@ -44,6 +46,12 @@ __all__ = [
     "embed_blocks",
     "block_labels",
     "decay_weights",
+    "DPACE_SCHEMES",
+    "LOSS_WEIGHTINGS",
+    "DPACE_NORMALIZATIONS",
+    "dpace_weights",
+    "LossWeighting",
+    "check_weighting",
     "AdditiveMetrics",
     "all_reduce_together",
     "DFlashMetrics",
@@ -218,6 +226,120 @@ def decay_weights(
     else:
         weights = torch.exp(-distance.clamp(min=0) / float(decay_gamma))
     return torch.where(distance >= 0, weights, torch.zeros((), device=device))
+
+
+# D-PACE (docs/design.md §6 Objectives): the full weighting and the two ablations of its reference, by name.
+DPACE_SCHEMES = ("dpace", "dpace-cumulative-confidence-only", "dpace-continuation-value-only")
+LOSS_WEIGHTINGS = ("decay",) + DPACE_SCHEMES
+# The denominators of a D-PACE run: the weight sum (ModelOpt), the supervised slots (speculators), the rows
+# with a supervised slot (SpecForge's sequences); each summed over the whole global batch.
+DPACE_NORMALIZATIONS = ("weight_sum", "supervised", "sequences")
+
+
+@torch.no_grad()
+def dpace_weights(nll: torch.Tensor, supervised: torch.Tensor, *, alpha: float = 0.5,
+                  scheme: str = "dpace") -> torch.Tensor:
+    """``[..., P]`` fp32 detached D-PACE weights of the predicted slots of each block (0 where unsupervised).
+
+    Per block over its supervised slots: ``q_i = exp(-nll_i)``, ``q~_i = (1 - alpha) q_i + alpha`` (1 on an
+    unsupervised slot, which so leaves the product alone), ``C_j = prod_{i <= j} q~_i``, and
+
+    * "dpace": ``w_j = sum_{m >= j} mask_m C_m`` (the expected accepted length's weight of slot ``j``);
+    * "dpace-cumulative-confidence-only": ``w_j = C_j``;
+    * "dpace-continuation-value-only": ``w_j = sum_{m >= j} mask_m C_m / C_j``.
+
+    Args:
+        nll: ``[..., P]`` the per-slot cross entropy with the label (any value where unsupervised).
+        supervised: ``[..., P]`` bool.
+        alpha: smoothing in [0, 1] (1: uniform weights for "dpace-cumulative-confidence-only").
+        scheme: one of `DPACE_SCHEMES`.
+    """
+    if scheme not in DPACE_SCHEMES:
+        raise ValueError(f"scheme={scheme!r} must be one of {DPACE_SCHEMES}.")
+    if not (isinstance(alpha, (int, float)) and 0.0 <= alpha <= 1.0):
+        raise ValueError(f"alpha={alpha!r} must be in [0, 1].")
+    supervised = supervised.bool()
+    one = torch.ones((), dtype=torch.float32, device=nll.device)
+    smoothed = torch.where(supervised, (1.0 - alpha) * torch.exp(-nll.float()) + alpha, one)
+    cumulative = torch.cumprod(smoothed, dim=-1)
+    if scheme == "dpace-cumulative-confidence-only":
+        weights = cumulative
+    else:
+        counted = torch.where(supervised, cumulative, one.new_zeros(()))
+        suffix = counted.sum(dim=-1, keepdim=True) - counted.cumsum(dim=-1) + counted  # sum over m >= j
+        weights = suffix if scheme == "dpace" else suffix / cumulative.clamp(min=torch.finfo(torch.float32).tiny)
+    return torch.where(supervised, weights, one.new_zeros(()))
+
+
+@dataclass(frozen=True)
+class LossWeighting:
+    """How the slots of a block are weighted and the loss normalised (docs/design.md §6 Objectives).
+
+    Fields:
+        scheme: "decay" (the static ``exp(-(k - 1) / decay_gamma)``; ``decay_gamma`` is passed on its own)
+            or one of `DPACE_SCHEMES` (weights from the draft's own per-slot cross entropy, no decay).
+        dpace_alpha: D-PACE's smoothing ``alpha`` in [0, 1].
+        normalization: D-PACE's denominator, one of `DPACE_NORMALIZATIONS`; the static decay always divides
+            by its weight sum.
+    """
+
+    scheme: str = "decay"
+    dpace_alpha: float = 0.5
+    normalization: str = "weight_sum"
+
+    def __post_init__(self):
+        if self.scheme not in LOSS_WEIGHTINGS:
+            raise ValueError(f"loss weighting {self.scheme!r} must be one of {LOSS_WEIGHTINGS}.")
+        if not (isinstance(self.dpace_alpha, (int, float)) and 0.0 <= self.dpace_alpha <= 1.0):
+            raise ValueError(f"dpace_alpha={self.dpace_alpha!r} must be in [0, 1].")
+        if self.normalization not in DPACE_NORMALIZATIONS:
+            raise ValueError(f"normalization {self.normalization!r} must be one of {DPACE_NORMALIZATIONS}.")
+
+    @property
+    def dynamic(self) -> bool:
+        """The weights depend on the losses (a D-PACE scheme)."""
+        return self.scheme != "decay"
+
+    def describe(self, decay_gamma: Optional[float] = None) -> str:
+        """One phrase for the run's log, e.g. ``dpace (alpha 0.5, / weight_sum)``."""
+        if not self.dynamic:
+            return "decay (uniform)" if decay_gamma is None else f"decay (gamma {decay_gamma:g})"
+        return f"{self.scheme} (alpha {self.dpace_alpha:g}, / {self.normalization})"
+
+    def row_weights(self, targets: "SlotTargets"):
+        """For `objectives.head_loss.head_loss`: the per-row losses ``[M]`` -> D-PACE weights ``[M]`` of
+        ``targets``' blocks (None for the static decay, whose weights ``targets`` holds)."""
+        if not self.dynamic:
+            return None
+        supervised = targets.supervised
+        return lambda nll: dpace_weights(nll.view(supervised.shape), supervised, alpha=float(self.dpace_alpha),
+                                         scheme=self.scheme).reshape(-1)
+
+    def denominator(self, targets: "SlotTargets", used_weights: Optional[torch.Tensor]) -> torch.Tensor:
+        """fp32 scalar (no grad): this micro-batch's share of the global denominator. ``used_weights``: the
+        ``[M]`` weights the kernel applied (`HeadLossTerms.weights`; None for the static decay)."""
+        if not self.dynamic or self.normalization == "weight_sum":
+            return targets.weight_sum if used_weights is None else used_weights.detach().sum().to(torch.float32)
+        if self.normalization == "supervised":
+            return targets.supervised.sum().to(torch.float32)
+        # "sequences": the rows with a supervised slot. A row without one adds nothing to learn; counting it
+        # would turn a global batch with nothing to learn into an optimizer step (§9 skips a zero denominator).
+        return targets.supervised.flatten(1).any(dim=1).sum().to(torch.float32)
+
+
+def check_weighting(weighting: Optional[LossWeighting], decay_gamma, weights, soft_target: str = "none"):
+    """The run's `LossWeighting` (the static decay when None); D-PACE takes no decay, no given weights and no
+    soft targets (its confidences are the label's probability)."""
+    weighting = LossWeighting() if weighting is None else weighting
+    if not isinstance(weighting, LossWeighting):
+        raise ValueError(f"weighting must be a LossWeighting, got {type(weighting).__name__}.")
+    if weighting.dynamic:
+        if decay_gamma is not None or weights is not None:
+            raise ValueError(f"{weighting.scheme} forms its own slot weights: leave decay_gamma and weights None.")
+        if soft_target != "none":
+            raise ValueError(f"{weighting.scheme} weighs the cross entropy with the label; it does not apply to "
+                             f"soft_target={soft_target!r}.")
+    return weighting
 
 
 # --------------------------------------------------------------------------------------------------
@@ -558,6 +680,32 @@ class DFlashLossOutput:
     metrics: DFlashMetrics
 
 
+
+def _check_soft_target(soft_target: str, temperature, teacher_hidden, plan: DFlashBatchPlan) -> None:
+    """`dflash_loss`'s soft-target arguments: the kind, the temperature and the teacher's ``[B, S, H]`` states."""
+    B = plan.batch_size
+    if soft_target not in SOFT_TARGETS:
+        raise ValueError(f"soft_target={soft_target!r} must be one of {SOFT_TARGETS}.")
+    if not (isinstance(temperature, (int, float)) and temperature > 0 and math.isfinite(temperature)):
+        raise ValueError(f"temperature={temperature!r} must be a positive finite number.")
+    if soft_target == "none" and temperature != 1.0:
+        raise ValueError(
+            f"temperature={temperature} only applies to soft targets; set soft_target='ce' or 'kl', or leave "
+            "temperature at 1.0."
+        )
+    if soft_target != "none":
+        if teacher_hidden is None:
+            raise ValueError(
+                f"soft_target={soft_target!r} needs teacher_hidden [B, S, H]: the target's final normed hidden "
+                "states, from which the teacher logits are computed."
+            )
+        if teacher_hidden.dim() != 3 or tuple(teacher_hidden.shape[:2]) != (B, plan.seq_length):
+            raise ValueError(
+                f"teacher_hidden must be [batch, seq_length, hidden] = [{B}, {plan.seq_length}, H], got "
+                f"{tuple(teacher_hidden.shape)}."
+            )
+
+
 def dflash_loss(
     hidden: torch.Tensor,
     plan: DFlashBatchPlan,
@@ -573,8 +721,9 @@ def dflash_loss(
     chunk_slots: Optional[int] = 1024,
     prefix_lengths: Optional[torch.Tensor] = None,
     fused: Optional[bool] = None,
+    weighting: Optional[LossWeighting] = None,
 ) -> DFlashLossOutput:
-    """Decay-weighted DFlash loss of one micro-batch, chunked and vocab-parallel.
+    """Decay- or D-PACE-weighted DFlash loss of one micro-batch, chunked and vocab-parallel.
 
     Args:
         hidden: ``[B, N, W, H]`` draft body output (any float dtype; logits are computed in fp32).
@@ -603,6 +752,10 @@ def dflash_loss(
             recomputed in backward) whenever the head is frozen, else the recomputing per-chunk path
             (which also gives the head's weight its gradient). True requires a frozen head; False forces
             the per-chunk path.
+        weighting: the slot weighting and normalisation (`LossWeighting`; None: the static decay). A D-PACE
+            scheme weighs each supervised slot by `dpace_weights` of its block's cross entropies (detached,
+            formed by the kernel once every slot's loss is known) and sets ``weight_sum`` to its
+            normalisation's share; it takes neither ``decay_gamma``, ``weights`` nor soft targets.
 
     Returns:
         `DFlashLossOutput` with ``loss_sum``, ``weight_sum`` and the metrics. Metrics: a slot is *correct*
@@ -615,29 +768,11 @@ def dflash_loss(
     # ---- validation (shapes only: value checks would synchronise with the device) ----
     check_block_hidden(hidden, plan)
     check_loss_options(head, chunk_slots, fused)
+    weighting = check_weighting(weighting, decay_gamma, weights, soft_target)
     B = plan.batch_size
     _check_input_ids(input_ids, plan)
     _check_prefix_lengths(prefix_lengths, plan)
-    if soft_target not in SOFT_TARGETS:
-        raise ValueError(f"soft_target={soft_target!r} must be one of {SOFT_TARGETS}.")
-    if not (isinstance(temperature, (int, float)) and temperature > 0 and math.isfinite(temperature)):
-        raise ValueError(f"temperature={temperature!r} must be a positive finite number.")
-    if soft_target == "none" and temperature != 1.0:
-        raise ValueError(
-            f"temperature={temperature} only applies to soft targets; set soft_target='ce' or 'kl', or leave "
-            "temperature at 1.0."
-        )
-    if soft_target != "none":
-        if teacher_hidden is None:
-            raise ValueError(
-                f"soft_target={soft_target!r} needs teacher_hidden [B, S, H]: the target's final normed hidden "
-                "states, from which the teacher logits are computed."
-            )
-        if teacher_hidden.dim() != 3 or tuple(teacher_hidden.shape[:2]) != (B, plan.seq_length):
-            raise ValueError(
-                f"teacher_hidden must be [batch, seq_length, hidden] = [{B}, {plan.seq_length}, H], got "
-                f"{tuple(teacher_hidden.shape)}."
-            )
+    _check_soft_target(soft_target, temperature, teacher_hidden, plan)
 
     device = hidden.device
     plan = plan.to(device)
@@ -650,10 +785,11 @@ def dflash_loss(
     terms = head_loss(
         targets.flat_hidden(hidden), targets.flat_labels, targets.flat_weights, head, chunk_slots=chunk_slots,
         fused=fused, teacher=teacher_flat, teacher_index=teacher_index, soft_target=soft_target,
-        temperature=float(temperature),
+        temperature=float(temperature), row_weights=weighting.row_weights(targets),
     )
     metrics = dflash_metrics(targets, terms.base_correct, plan, prefix_lengths)
-    return DFlashLossOutput(loss_sum=terms.loss_sum, weight_sum=targets.weight_sum, metrics=metrics)
+    return DFlashLossOutput(loss_sum=terms.loss_sum, weight_sum=weighting.denominator(targets, terms.weights),
+                            metrics=metrics)
 
 
 @torch.no_grad()

@@ -16,7 +16,9 @@ Two paths, equal to fp32 rounding (tests compare them, and both against dense or
   activation recomputation, through the autograd of `OutputHead.local_logits` and
   `_VocabParallelCrossEntropy`; the head's weight gets its gradient.
 
-Either way the peak is one chunk of logits, whatever the number of slots M.
+Either way the peak is one chunk of logits, whatever the number of slots M. Weights that depend on the
+losses of other slots (D-PACE, ``row_weights``) are formed once every row's loss is known; being detached,
+they scale each row's gradient afterwards (fused: in backward; per chunk: as each chunk's incoming gradient).
 
 Vocab-parallel cross entropy (megatron's ``vocab_parallel_cross_entropy`` scheme, with an explicit group
 because megatron's reads ``parallel_state``): local max -> all-reduce MAX; sum of ``exp(z - max)`` and the
@@ -31,7 +33,7 @@ E Domino's ``emb_dim``, c rows per chunk.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -166,12 +168,21 @@ class _FusedHeadLoss(torch.autograd.Function):
     ``(1 - mix) * final_CE + mix * base_CE``; the gradients w.r.t. ``features [M, E]`` and ``shard
     [V_local, E]`` are formed in forward too (``shard``'s accumulated over the chunks).
 
+    Weights known only after the loss (D-PACE, docs/design.md §6 Objectives): ``row_weights`` maps the per-row
+    losses ``[M]`` (0 on unsupervised rows) to detached weights ``[M]``. Detached weights make the gradient
+    linear in each row's own weight, so the chunks form every row's gradient at its ``weights`` value (the
+    mask, 1 or 0), ``row_weights`` is evaluated once after the last chunk, and backward scales row ``r`` of
+    ``dH`` by its weight in the same pass that applies the incoming gradient: no second pass over the
+    vocabulary, nothing of size ``[M, V]``.
+
     Inputs: hidden ``[M, H]``, labels ``[M]`` int64 (any valid id on unsupervised rows), weights ``[M]``
     fp32 (0: unsupervised), teacher ``[M_t, H]`` and teacher_index ``[M]`` or None, features ``[M, E]`` and
-    shard ``[V_local, E]`` or None, mix (Domino's ``lambda_base``), top_k (K: candidates per row, 0 for none).
+    shard ``[V_local, E]`` or None, mix (Domino's ``lambda_base``), top_k (K: candidates per row, 0 for none),
+    row_weights (a function of the per-row losses, or None).
     Outputs: loss_sum (fp32 scalar), then, non-differentiable, the base loss sum, the final loss sum (0
     without Domino), correct ``[M]`` bool of the base logits and of the final ones (the base's without Domino);
-    then the global top-k of the base logits per row, values ``[M, K]`` (differentiable) and ids ``[M, K]``.
+    then the global top-k of the base logits per row, values ``[M, K]`` (differentiable) and ids ``[M, K]``;
+    last the weights ``row_weights`` gave ``[M]`` (empty without it).
 
     Candidates (DFlash 2's selector): the top-k is taken from the same logits buffer before it turns into
     the gradient, so the head runs once per chunk for the loss and the candidates together. The values'
@@ -181,13 +192,14 @@ class _FusedHeadLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, labels, weights, teacher, teacher_index, features, shard, head, soft_target,
-                temperature, mix, chunk, with_grad, top_k):
+                temperature, mix, chunk, with_grad, top_k, row_weights):
         local = _LocalHead.of(head, temperature, hidden.device)
         soft = soft_target != "none"
         domino = features is not None
         M = hidden.shape[0]
         rows_max = max(1, min(chunk, M))
         out = _FusedBuffers.allocate(local, hidden, features, shard, rows_max, soft, with_grad, top_k)
+        row_loss = torch.zeros(M if row_weights is not None else 0, dtype=torch.float32, device=hidden.device)
         scale = temperature * temperature if soft else 1.0
         # d loss_r / d logits after the transform = (softmax - q) * w * T^2 / T (soft: T^2 scales the loss,
         # 1/T comes from z / T). The transform's own factor (multiplier, tanh') follows; without Domino the
@@ -214,7 +226,10 @@ class _FusedHeadLoss(torch.autograd.Function):
             if soft_target == "kl":
                 loss = loss + neg_entropy
             # `where`, not a product: an unsupervised slot's loss may be inf and 0 * inf is NaN.
-            out.base_sum += torch.where(w != 0, loss * (w * scale), zero).sum()
+            if row_weights is not None:  # weighted below, once every row's loss is known
+                row_loss[lo:hi] = torch.where(w != 0, loss * (w * scale), zero)
+            else:
+                out.base_sum += torch.where(w != 0, loss * (w * scale), zero).sum()
             if domino:
                 loss, out.final_correct[lo:hi] = _cross_entropy_to_grad(
                     local, final, label, owned, None, w * final_factor, with_grad
@@ -222,6 +237,10 @@ class _FusedHeadLoss(torch.autograd.Function):
                 out.final_sum += torch.where(w != 0, loss * w, zero).sum()
             if with_grad:
                 _chunk_grads(local, out, z, final if domino else None, features, lo, hi)
+        ctx.row_scale = None
+        if row_weights is not None:  # each row's gradient so far has unit weight: the weights scale it in backward
+            ctx.row_scale = row_weights(row_loss)
+            out.base_sum = (ctx.row_scale * row_loss).sum()
         if domino:
             loss_sum = mix * out.base_sum + (1.0 - mix) * out.final_sum
             ctx.save_for_backward(out.grad_hidden, out.grad_features, out.grad_shard)
@@ -234,16 +253,19 @@ class _FusedHeadLoss(torch.autograd.Function):
         ctx.candidates = None
         if top_k and with_grad and local.real > 0:  # a shard of padding only owns no candidate
             ctx.candidates = _candidate_grad_inputs(local, out.candidate_values, out.candidate_ids)
-        ctx.mark_non_differentiable(out.base_sum, out.final_sum, out.base_correct, out.final_correct, out.candidate_ids)
+        used_weights = ctx.row_scale.clone() if row_weights is not None else row_loss
+        ctx.mark_non_differentiable(out.base_sum, out.final_sum, out.base_correct, out.final_correct, out.candidate_ids,
+                                    used_weights)
         return (loss_sum, out.base_sum, out.final_sum, out.base_correct, out.final_correct, out.candidate_values,
-                out.candidate_ids)
+                out.candidate_ids, used_weights)
 
     @staticmethod
     def backward(ctx, grad_loss_sum, grad_base, grad_final, grad_base_correct, grad_final_correct,
-                 grad_candidates, grad_candidate_ids):
+                 grad_candidates, grad_candidate_ids, grad_weights):
         grads = []
         for index, (saved, dtype) in enumerate(zip(ctx.saved_tensors, ctx.dtypes)):
-            grad = saved.mul_(grad_loss_sum.to(saved.dtype))  # saved once, used once
+            scale = grad_loss_sum if index or ctx.row_scale is None else (ctx.row_scale * grad_loss_sum)[:, None]
+            grad = saved.mul_(scale.to(saved.dtype))  # saved once, used once
             if index == 0 and ctx.candidates is not None:
                 _add_candidate_grad(grad, grad_candidates, *ctx.candidates)
             if index < 2:  # hidden states and features are replicated: each rank's part covers its shard
@@ -251,7 +273,7 @@ class _FusedHeadLoss(torch.autograd.Function):
             grads.append(grad.to(dtype))
         grad_hidden = grads[0]
         grad_features, grad_shard = grads[1:] if len(grads) == 3 else (None, None)
-        return (grad_hidden, None, None, None, None, grad_features, grad_shard) + (None,) * 7
+        return (grad_hidden, None, None, None, None, grad_features, grad_shard) + (None,) * 8
 
 
 def _row_amax(logits: torch.Tensor) -> torch.Tensor:
@@ -561,13 +583,14 @@ def _add_candidate_grad(grad_hidden, grad_values, rows, factor, weight, rows_per
 
 
 def _chunk_terms(head: OutputHead, soft_target: str, temperature: float, teacher: Optional[torch.Tensor],
-                 mix_features: bool, top_k: int):
+                 mix_features: bool, top_k: int, per_row: bool = False):
     """The per-chunk computation run under activation recomputation.
 
     ``(h [c, H], labels [c], weights [c], teacher_index [c] or empty, features [c, E] or empty, shard
     [V_local, E] or empty) -> (base weighted loss sum, final weighted loss sum, base argmax [c], final argmax
     [c], candidate values [c, K], candidate ids [c, K])``; the final terms are Domino's corrected logits
-    (the base ones without Domino), K may be 0.
+    (the base ones without Domino), K may be 0. ``per_row`` (no Domino): the base and final terms are the
+    weighted losses of the rows ``[c]``, not their sum (weights that depend on every row's loss follow).
     """
     start = head.vocab_range[0]
     group = head.tp_group
@@ -594,7 +617,8 @@ def _chunk_terms(head: OutputHead, soft_target: str, temperature: float, teacher
         if soft_target != "none" and temperature != 1.0:
             loss = loss * (temperature * temperature)
         # `where`, not a product: an unsupervised slot's loss may be inf and 0 * inf is NaN.
-        base = torch.where(weights != 0, loss * weights, zero).sum()
+        base = torch.where(weights != 0, loss * weights, zero)
+        base = base if per_row else base.sum()
         if not mix_features:
             return base, base, argmax, argmax, values, ids
         # Domino: the delta of this shard (each rank's gradient w.r.t. the features covers its shard).
@@ -607,11 +631,17 @@ def _chunk_terms(head: OutputHead, soft_target: str, temperature: float, teacher
 
 
 def _chunked_head_loss(hidden, labels, weights, teacher, teacher_index, features, shard, head, soft_target,
-                       temperature, mix, size, top_k, *, recompute):
-    """The per-chunk path of `head_loss`; returns its `HeadLossTerms`."""
+                       temperature, mix, size, top_k, *, recompute, row_weights=None):
+    """The per-chunk path of `head_loss`; returns its `HeadLossTerms`.
+
+    With ``row_weights`` each chunk returns its rows' losses (at their ``weights``, the mask); the weights
+    they give multiply them once all are known, and autograd hands each chunk's recomputation its rows'
+    weights as the incoming gradient: the same weighted sum and gradient as the fused path.
+    """
     M = hidden.shape[0]
     domino = features is not None
-    run = _chunk_terms(head, soft_target, temperature, teacher, domino, top_k)
+    per_row = row_weights is not None
+    run = _chunk_terms(head, soft_target, temperature, teacher, domino, top_k, per_row)
     empty = hidden.new_zeros(M, 0)
     pieces = zip(
         hidden.split(size), labels.split(size), weights.split(size),
@@ -620,21 +650,33 @@ def _chunked_head_loss(hidden, labels, weights, teacher, teacher_index, features
     )
     shard = shard if domino else empty
     base_sum = final_sum = hidden.new_zeros((), dtype=torch.float32)
+    rows = []
     parts = []
     for h, lab, w, t, f in pieces:
         if recompute:
             out = checkpoint(run, h, lab, w, t, f, shard, use_reentrant=False)
         else:
             out = run(h, lab, w, t, f, shard)
-        base_sum = base_sum + out[0]
-        final_sum = final_sum + out[1]
+        if per_row:
+            rows.append(out[0])
+        else:
+            base_sum = base_sum + out[0]
+            final_sum = final_sum + out[1]
         parts.append(out[2:])
+    if per_row:
+        base_sum = torch.cat(rows)
     base_arg, final_arg, values, ids = (torch.cat(p) for p in zip(*parts))
+    used_weights = None
+    if per_row:  # `base_sum` is the concatenation of the rows' losses here
+        row_loss = base_sum
+        with torch.no_grad():
+            used_weights = row_weights(row_loss.detach())
+        base_sum = final_sum = (used_weights * row_loss).sum()
     loss_sum = (1.0 - mix) * final_sum + mix * base_sum if domino else base_sum
     return HeadLossTerms(
         loss_sum=loss_sum, base_sum=base_sum.detach(), final_sum=final_sum.detach() if domino else final_sum.new_zeros(()),
         base_correct=base_arg == labels, final_correct=final_arg == labels,
-        candidate_values=values if top_k else None, candidate_ids=ids if top_k else None,
+        candidate_values=values if top_k else None, candidate_ids=ids if top_k else None, weights=used_weights,
     )
 
 
@@ -657,6 +699,7 @@ class HeadLossTerms:
         candidate_values: ``[M, K]`` fp32 global top-k of the base logits, differentiable w.r.t. the hidden
             states (None without ``top_k``).
         candidate_ids: ``[M, K]`` int64 their global token ids (None without ``top_k``).
+        weights: ``[M]`` fp32 (no grad) the weights ``row_weights`` gave each row (None without it).
     """
 
     loss_sum: torch.Tensor
@@ -666,6 +709,7 @@ class HeadLossTerms:
     final_correct: torch.Tensor
     candidate_values: Optional[torch.Tensor] = None
     candidate_ids: Optional[torch.Tensor] = None
+    weights: Optional[torch.Tensor] = None
 
 
 def check_loss_options(head, chunk_slots, fused) -> None:
@@ -699,6 +743,7 @@ def head_loss(
     shard: Optional[torch.Tensor] = None,
     mix: float = 0.0,
     top_k: int = 0,
+    row_weights: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
 ) -> HeadLossTerms:
     """Weighted CE / KL of ``M`` slots over the target's head, chunked and vocab-parallel.
 
@@ -719,8 +764,14 @@ def head_loss(
             logits plus ``features @ shard^T``.
         mix: Domino's ``lambda_base``, the base term's share of ``loss_sum``.
         top_k: candidates per slot to return (DFlash 2's selector), 0 for none.
+        row_weights: weights that depend on the losses (D-PACE): a function of the per-row losses ``[M]``
+            fp32 (0 where ``weights`` is 0) returning detached weights ``[M]``, called once, after every row's
+            loss is known. ``weights`` is then each row's unit weight (the mask) and ``loss_sum`` is
+            ``sum_r row_weights_r * loss_r``; `HeadLossTerms.weights` holds them. Not with Domino's features.
     """
     check_loss_options(head, chunk_slots, fused)
+    if row_weights is not None and features is not None:
+        raise ValueError("head_loss: row_weights (D-PACE) does not apply to Domino's mixed loss.")
     if soft_target not in SOFT_TARGETS:
         raise ValueError(f"soft_target={soft_target!r} must be one of {SOFT_TARGETS}.")
     if (soft_target != "none") != (teacher is not None):
@@ -737,13 +788,15 @@ def head_loss(
         )
         out = _FusedHeadLoss.apply(
             hidden, labels, weights, teacher, teacher_index, features, shard, head, soft_target,
-            float(temperature), float(mix), size, with_grad, int(top_k),
+            float(temperature), float(mix), size, with_grad, int(top_k), row_weights,
         )
-        loss_sum, base_sum, final_sum, base_correct, final_correct, values, ids = out
+        loss_sum, base_sum, final_sum, base_correct, final_correct, values, ids, used = out
         return HeadLossTerms(loss_sum, base_sum, final_sum, base_correct, final_correct,
-                             values if top_k else None, ids if top_k else None)
+                             values if top_k else None, ids if top_k else None,
+                             used if row_weights is not None else None)
     recompute = torch.is_grad_enabled() and (
         hidden.requires_grad or head.requires_grad() or (features is not None and features.requires_grad)
     )
     return _chunked_head_loss(hidden, labels, weights, teacher, teacher_index, features, shard, head, soft_target,
-                              float(temperature), float(mix), size, int(top_k), recompute=recompute)
+                              float(temperature), float(mix), size, int(top_k), recompute=recompute,
+                              row_weights=row_weights)

@@ -149,7 +149,8 @@ def variable_prefix_loss(
     (`objectives.dflash_loss.dflash_loss.embed_blocks`). Slots ``k >= l`` are supervised (and the plan's loss mask), with weight
     ``exp(-(k - l) / decay_gamma)``; the loss is normalised over the global batch like `dflash_loss`
     (``loss_sum`` / ``weight_sum``). Acceptance is counted from slot ``l``. Other keyword arguments
-    (``chunk_slots``, soft targets, ...) are passed to `dflash_loss`.
+    (``chunk_slots``, soft targets, a D-PACE ``weighting`` whose block products start at slot ``l``, ...) are
+    passed to `dflash_loss`.
     """
     if "loss_mask" in loss_kwargs or "weights" in loss_kwargs:
         raise ValueError(

@@ -604,6 +604,9 @@ class RunDefault:
     __repr__ = __str__
 
 
+LOSS_WEIGHTINGS = ("decay", "dpace", "dpace-cumulative-confidence-only", "dpace-continuation-value-only")
+DPACE_NORMALIZATIONS = ("weight_sum", "supervised", "sequences")
+
 # The published recipe's decay length per block size (16 is the shipped configuration).
 RECIPE_DECAY_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 DECAY_GAMMA_HELP = "the recipe's (7 for block 16, 5 for 10, 4 for 8, else (block_size - 1) / 2)"
@@ -668,6 +671,16 @@ def add_draft_recipe_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dflash-soft-target", choices=("none", "ce", "kl"), default="none",
                    help="DFlash: train against the target's distribution (soft cross entropy or forward KL at "
                    "--dflash-distill-temperature) instead of the data tokens.")
+    # The names of objectives.dflash_loss.dflash_loss.LOSS_WEIGHTINGS / DPACE_NORMALIZATIONS (torch-free here).
+    g.add_argument("--dflash-loss-weighting", choices=LOSS_WEIGHTINGS, default="decay",
+                   help="slot weights: decay (static, --dflash-decay-gamma) or D-PACE (dynamic, from the draft's "
+                   "own per-slot confidence) and its two ablations; DFlash, DFlash 2 (backbone), variable prefix.")
+    g.add_argument("--dflash-dpace-alpha", type=float, default=RunDefault(0.5, same=True),
+                   help="D-PACE: confidence smoothing alpha in [0, 1] (1: uniform weights).")
+    g.add_argument("--dflash-dpace-normalization", choices=DPACE_NORMALIZATIONS,
+                   default=RunDefault("weight_sum", same=True),
+                   help="D-PACE: the global denominator: weight_sum (ModelOpt), supervised slots (speculators) or "
+                   "sequences, the rows of the global batch with a supervised slot (SpecForge).")
     for _, flag in variant_flags():  # each variant's own settings, declared by the variant
         _add_variant_flag(g, flag)
 
@@ -731,6 +744,31 @@ def validate_draft_recipe_args(args: argparse.Namespace) -> None:
             f"--dflash-soft-target applies to --dflash-variant {_names_with('supports_soft_targets')} ({variant} has "
             "its own objective)."
         )
+    _check_loss_weighting(args)
+
+
+def _check_loss_weighting(args: argparse.Namespace) -> None:
+    """--dflash-loss-weighting and the D-PACE settings (docs/design.md §6 Objectives)."""
+    scheme, alpha = args.dflash_loss_weighting, args.dflash_dpace_alpha
+    if not (math.isfinite(alpha) and 0.0 <= alpha <= 1.0):
+        raise ArgumentError(f"--dflash-dpace-alpha={alpha} must be in [0, 1].")
+    if scheme == "decay":
+        for name in ("dflash_dpace_alpha", "dflash_dpace_normalization"):
+            if name not in args.dflash_defaulted:
+                raise ArgumentError(f"--{name.replace('_', '-')} only applies with --dflash-loss-weighting dpace "
+                                    "(or one of its ablations).")
+        return
+    if not run_variant(args).supports_dpace:
+        raise ArgumentError(
+            f"--dflash-loss-weighting {scheme} applies to --dflash-variant {_names_with('supports_dpace')} "
+            f"({args.dflash_variant} mixes other losses than the cross entropy with the label)."
+        )
+    if args.dflash_decay_gamma is not None:
+        raise ArgumentError(f"--dflash-decay-gamma does not apply to --dflash-loss-weighting {scheme}: its weights "
+                            "come from the draft's own confidence, without decay.")
+    if args.dflash_soft_target != "none":
+        raise ArgumentError(f"--dflash-loss-weighting {scheme} weighs the cross entropy with the data token; it does "
+                            "not apply with --dflash-soft-target.")
 
 
 def draft_config_overrides(args: argparse.Namespace, num_layers: Optional[int]) -> dict:
@@ -774,13 +812,16 @@ def _names_with(capability: str) -> str:
 def resolve_decay_gamma(args: argparse.Namespace, block_size: int) -> Optional[float]:
     """The loss weights' decay length for this run (None: uniform weights).
 
-    Given explicitly: that (0 is uniform). Otherwise a variant with `uniform_loss_weights` (JetSpec, its
+    Given explicitly: that (0 is uniform). A D-PACE weighting has none. Otherwise a variant with
+    `uniform_loss_weights` (JetSpec, its
     published setting) is uniform, a run
     with --target uses the recipe's value for its block size (`RECIPE_DECAY_GAMMA`, (W - 1) / 2 for the
     other sizes), and the embedded job keeps block_size - 1.
     """
     if args.dflash_decay_gamma is not None:
         return None if args.dflash_decay_gamma == 0 else float(args.dflash_decay_gamma)
+    if args.dflash_loss_weighting != "decay":  # D-PACE: no decay
+        return None
     if run_variant(args).uniform_loss_weights:
         return None
     if args.target is None:

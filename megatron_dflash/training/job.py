@@ -24,6 +24,7 @@ from ..embedded_job.tiny_target import (
     embedded_target_dir,
     matches_recipe,
 )
+from ..objectives.dflash_loss import LossWeighting
 from ..target.families import TargetFamily, TargetFamilyError, resolve_target_family, resolve_text_config
 from ..variants.registry import Variant, variant_for_draft_family
 from .arguments import (
@@ -59,6 +60,7 @@ class Job:
     variant_options: Any  # the run's record of `variant.options.options_cls`, handed to its loss adapter
     export_dir: str
     decay_gamma: Optional[float]
+    loss_weighting: LossWeighting = field(default_factory=LossWeighting)  # decay or D-PACE (docs/design.md §6)
     eval_prompts: Optional[list] = None  # token-id lists
     eval_skip_reason: Optional[str] = None
     stop_token_ids: list = field(default_factory=list)
@@ -286,6 +288,8 @@ def prepare_job(
         variant_options=options,
         export_dir=export_dir,
         decay_gamma=resolve_decay_gamma(args, config.block_size),
+        loss_weighting=LossWeighting(args.dflash_loss_weighting, float(args.dflash_dpace_alpha),
+                                     args.dflash_dpace_normalization),
         eval_prompts=eval_prompts,
         eval_skip_reason=skip,
         stop_token_ids=stop,

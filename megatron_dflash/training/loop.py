@@ -388,6 +388,7 @@ class _StepRunner:
             hidden = self.model(taps, blocks, plan)
             out = self.job.variant.loss(
                 self.body, hidden, plan, batch["tokens"], self.target.head, decay_gamma=self.job.decay_gamma,
+                weighting=self.job.loss_weighting,
                 chunk_slots=args.dflash_loss_chunk, prefix_lengths=prefix, final_hidden=final_hidden,
                 options=self.job.variant_options, step=step, total_steps=args.train_iters,
                 embedding=self.target.embedding, input_mask=batch["loss_mask"],
@@ -700,7 +701,7 @@ class _Training:
                   f"{cfg.num_target_layers}, MASK {cfg.mask_token_id}; target {job.target_dir} ({args.target_backend}); "
                   f"world {ctx.world_size} = TP {job.tp} x PP {job.pp} x DP {job.dp}; global batch "
                   f"{args.global_batch_size} = micro {args.micro_batch_size} x {args.num_micro_batches} x DP {job.dp}; "
-                  f"device {ctx.device.type}")
+                  f"device {ctx.device.type}; loss weights {job.loss_weighting.describe(job.decay_gamma)}")
 
     def _build_models(self) -> None:
         """The target (every rank) and, on the draft's stage (PP > 1: one stage only), the body and its engine."""

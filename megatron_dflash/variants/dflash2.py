@@ -40,7 +40,14 @@ from torch import nn
 from ..draft.body import DFlashBody
 from ..draft.config import DFLASH_ARCHITECTURE, DFlashConfig, resolve_causal
 from ..draft.layers import DFlashLayerSubmodules
-from ..objectives.dflash_loss import EmittedPathMetrics, check_block_hidden, dflash_metrics, slot_targets
+from ..objectives.dflash_loss import (
+    EmittedPathMetrics,
+    LossWeighting,
+    check_block_hidden,
+    check_weighting,
+    dflash_metrics,
+    slot_targets,
+)
 from ..objectives.head_loss import check_loss_options, head_loss, topk_vocab_parallel
 from ..plan.batch_plan import DFlashBatchPlan
 
@@ -553,7 +560,7 @@ class DFlash2Metrics(EmittedPathMetrics):
         teacher_forced_correct: supervised slots where the selector, given the true predecessor,
             ranks the label first (a training diagnostic, not a decode metric).
         base_loss_sum, selector_loss_sum: the two weighted loss numerators (no grad).
-        loss_weight_sum: the backbone term's denominator `sum(w * mask)`.
+        loss_weight_sum: the backbone term's denominator `sum(w * mask)` (a D-PACE run: its normalisation's).
         selector_weight_sum: the selector term's, `sum(w * mask)` over the slots whose label is
             among the candidates.
     """
@@ -698,6 +705,7 @@ def dflash2_loss(
     chunk_slots: Optional[int] = 1024,
     selector_backbone_grad: bool = True,
     fused: Optional[bool] = None,
+    weighting: Optional[LossWeighting] = None,
 ) -> DFlash2LossOutput:
     """DFlash 2 objective of one micro-batch: backbone block CE + candidate-selection CE.
 
@@ -707,6 +715,10 @@ def dflash2_loss(
       which is what the walk would have committed had every earlier slot been accepted; the CE
       targets the candidate equal to the label. Slots whose label is not among the candidates
       are left out of this term (`metrics.candidate_recall` says how many are in).
+    * With a D-PACE `weighting` the backbone CE takes its dynamic weights and the run's normalisation
+      (`objectives.dflash_loss.dflash_loss.LossWeighting`); the selector keeps the plain mask weights (D-PACE
+      weighs the cross entropy of the drafted tokens, and the selector's is another one) and is still
+      scaled so that `loss_sum / weight_sum` is `base + selector_weight * selector`.
     * Both terms use the per-slot weights `w * mask`, and each is a weighted mean over the slots
       it trains on, as in the reference: the selector term over the slots with the label among
       the candidates, not over all supervised slots (that would scale its signal by the recall).
@@ -720,7 +732,7 @@ def dflash2_loss(
 
     Args:
         hidden: `[B, N, W, H]` draft body output.
-        plan, input_ids, head, decay_gamma, loss_mask, weights, chunk_slots, fused: as `dflash_loss`.
+        plan, input_ids, head, decay_gamma, loss_mask, weights, chunk_slots, fused, weighting: as `dflash_loss`.
         selector: the body's `CandidateSelector`.
         selector_weight: multiplier of the selector term.
         selector_backbone_grad: whether the selector term also trains the backbone (through the
@@ -732,6 +744,7 @@ def dflash2_loss(
     gradients in the same forward pass, chunk by chunk (`_SelectorLoss`), and recomputes nothing.
     """
     _check_dflash2_loss_inputs(hidden, plan, head, selector, selector_weight, chunk_slots, fused)
+    weighting = check_weighting(weighting, decay_gamma, weights)
     device = hidden.device
     plan = plan.to(device)
     B, N, W = plan.batch_size, plan.num_blocks, plan.block_size
@@ -740,7 +753,7 @@ def dflash2_loss(
     targets = slot_targets(input_ids.to(device), plan, decay_gamma=decay_gamma, loss_mask=loss_mask, weights=weights)
     flat_h = targets.flat_hidden(hidden)
     terms = head_loss(flat_h, targets.flat_labels, targets.flat_weights, head, chunk_slots=chunk_slots, fused=fused,
-                      top_k=K)
+                      top_k=K, row_weights=weighting.row_weights(targets))
     unary_all, ids_all = terms.candidate_values, terms.candidate_ids  # [M, K]
     if not selector_backbone_grad:
         flat_h, unary_all = flat_h.detach(), unary_all.detach()
@@ -755,7 +768,7 @@ def dflash2_loss(
         flat_predecessor, flat_label, flat_weight, size,
     )
 
-    weight_sum = targets.weight_sum
+    weight_sum = weighting.denominator(targets, terms.weights)
     with torch.no_grad():
         supervised = targets.supervised
         hits = hit.view(B, N, T) & supervised
@@ -765,7 +778,8 @@ def dflash2_loss(
     loss_sum = terms.loss_sum + selector_weight * scale * selector_sum
 
     metrics = _dflash2_metrics(hidden, targets, terms, plan, selector, hits=hits, top1=top1.view(B, N, T) & supervised,
-                               selector_sum=selector_sum, selector_weight_sum=selector_weight_sum)
+                               selector_sum=selector_sum, selector_weight_sum=selector_weight_sum,
+                               loss_weight_sum=weight_sum)
     return DFlash2LossOutput(loss_sum=loss_sum, weight_sum=weight_sum, metrics=metrics)
 
 
@@ -786,7 +800,7 @@ def _check_dflash2_loss_inputs(hidden, plan, head, selector, selector_weight, ch
 
 @torch.no_grad()
 def _dflash2_metrics(hidden, targets, terms, plan: DFlashBatchPlan, selector: CandidateSelector, *, hits, top1,
-                     selector_sum, selector_weight_sum) -> "DFlash2Metrics":
+                     selector_sum, selector_weight_sum, loss_weight_sum) -> "DFlash2Metrics":
     """The additive metrics: the greedy walk (as decoding runs it) next to the backbone argmax, candidate recall.
 
     Args:
@@ -795,6 +809,7 @@ def _dflash2_metrics(hidden, targets, terms, plan: DFlashBatchPlan, selector: Ca
         hits: ``[B, N, W - 1]`` supervised slots whose label is among the candidates.
         top1: ``[B, N, W - 1]`` supervised slots where the teacher-forced selector picks the label.
         selector_sum, selector_weight_sum: the selector term's loss and weight sums.
+        loss_weight_sum: the backbone term's denominator (the loss's ``weight_sum``).
     """
     B, N, W = plan.batch_size, plan.num_blocks, plan.block_size
     T, K = W - 1, selector.top_k
@@ -818,6 +833,6 @@ def _dflash2_metrics(hidden, targets, terms, plan: DFlashBatchPlan, selector: Ca
         teacher_forced_correct=top1.sum().to(f64),
         base_loss_sum=terms.base_sum.detach().to(f64),
         selector_loss_sum=selector_sum.detach().to(f64),
-        loss_weight_sum=targets.weight_sum.to(f64),
+        loss_weight_sum=loss_weight_sum.to(f64),
         selector_weight_sum=selector_weight_sum.to(f64),
     )

@@ -115,9 +115,10 @@ class Variant:
             read its files, `to_hf_dict` writes them.
         body_cls: `body_cls(config, parallel_config=, tp_group=, attention_backend=)` builds the body.
         architecture: `architectures[0]` of the config.json it writes.
-        loss: `loss(body, hidden, plan, input_ids, head, *, decay_gamma, chunk_slots, prefix_lengths,
+        loss: `loss(body, hidden, plan, input_ids, head, *, decay_gamma, weighting, chunk_slots, prefix_lengths,
             final_hidden, options, step, total_steps, embedding, input_mask) -> VariantLoss`; `options` is
-            the run's record of `options.options_cls`, `total_steps` the schedule's iterations.
+            the run's record of `options.options_cls`, `total_steps` the schedule's iterations, `weighting` the
+            run's `objectives.dflash_loss.dflash_loss.LossWeighting` (a D-PACE one only with `supports_dpace`).
         options: its settings and command-line flags, as data (`variants.options.VariantOptions`).
         hf_aliases: other `architectures[0]` names of the same draft (other trainers' class names).
         hf_match: a predicate on a config.json dict, for variants whose files cannot be told by name
@@ -129,6 +130,8 @@ class Variant:
             Kimi K3 MLA draft trains as "dflash"); such a variant is not asked for by name.
         supports_variable_prefix: trains with `--dflash-variable-prefix` (D2SD).
         supports_soft_targets: trains with `--dflash-soft-target` (the target's distribution).
+        supports_dpace: trains with `--dflash-loss-weighting dpace` (its loss is the cross entropy with the
+            label, weighted per slot).
         needs_final_hidden: its loss reads the target's final hidden state (distillation), so it takes
             `--dflash-distill-temperature`.
         dtypes: the weight dtypes it trains, converts and serves in.
@@ -151,6 +154,7 @@ class Variant:
     trains_as: Optional[str] = None
     supports_variable_prefix: bool = False
     supports_soft_targets: bool = False
+    supports_dpace: bool = False
     needs_final_hidden: bool = False
     dtypes: tuple[torch.dtype, ...] = ALL_DTYPES
     dtype_reason: str = ""
@@ -351,28 +355,35 @@ def _no_prefix(title: str, prefix_lengths) -> None:
         raise ValueError(f"{title} does not train with variable prefixes.")
 
 
+def _static_weights(title: str, weighting) -> None:
+    if weighting is not None and weighting.dynamic:
+        raise ValueError(f"{title} does not train with --dflash-loss-weighting {weighting.scheme}.")
+
+
 def _dflash_loss(body, hidden, plan, input_ids, head, *, decay_gamma, chunk_slots, prefix_lengths=None,
-                 final_hidden=None, options=None, **ctx) -> VariantLoss:
+                 final_hidden=None, options=None, weighting=None, **ctx) -> VariantLoss:
     options = options or DFLASH_OPTIONS.options_cls()
     soft = options.soft_target != "none"
     out = dflash_loss(hidden, plan, input_ids, head, decay_gamma=decay_gamma, chunk_slots=chunk_slots,
                       prefix_lengths=prefix_lengths, teacher_hidden=final_hidden if soft else None,
-                      soft_target=options.soft_target, temperature=float(options.temperature))
+                      soft_target=options.soft_target, temperature=float(options.temperature), weighting=weighting)
     return VariantLoss(out.loss_sum, out.weight_sum, out.metrics)
 
 
 def _dflash2_loss(body, hidden, plan, input_ids, head, *, decay_gamma, chunk_slots, prefix_lengths=None,
-                  options=None, **ctx) -> VariantLoss:
+                  options=None, weighting=None, **ctx) -> VariantLoss:
     _no_prefix("DFlash 2", prefix_lengths)
     options = options or DFLASH2_OPTIONS.options_cls()
     out = dflash2_loss(hidden, plan, input_ids, head, body.candidate_selector, decay_gamma=decay_gamma,
-                       chunk_slots=chunk_slots, selector_weight=float(options.selector_loss_weight))
+                       chunk_slots=chunk_slots, selector_weight=float(options.selector_loss_weight),
+                       weighting=weighting)
     return VariantLoss(out.loss_sum, out.weight_sum, out.metrics)
 
 
 def _jetspec_loss(body, hidden, plan, input_ids, head, *, decay_gamma, chunk_slots, prefix_lengths=None,
-                  final_hidden=None, options=None, **ctx) -> VariantLoss:
+                  final_hidden=None, options=None, weighting=None, **ctx) -> VariantLoss:
     _no_prefix("JetSpec", prefix_lengths)
+    _static_weights("JetSpec", weighting)
     options = options or JETSPEC_OPTIONS.options_cls()
     out = jetspec_loss(hidden, plan, input_ids, head, final_hidden, decay_gamma=decay_gamma,
                        chunk_slots=chunk_slots, temperature=float(options.temperature))
@@ -380,9 +391,11 @@ def _jetspec_loss(body, hidden, plan, input_ids, head, *, decay_gamma, chunk_slo
 
 
 def _domino_loss(body, hidden, plan, input_ids, head, *, decay_gamma, chunk_slots, prefix_lengths=None,
-                 options=None, step=0, total_steps, embedding=None, input_mask=None, **ctx) -> VariantLoss:
+                 options=None, step=0, total_steps, embedding=None, input_mask=None, weighting=None,
+                 **ctx) -> VariantLoss:
     """`total_steps`: the schedule's iterations (`--train-iters`), over which the curriculum decays."""
     _no_prefix("Domino", prefix_lengths)
+    _static_weights("Domino", weighting)
     options = options or DOMINO_OPTIONS.options_cls()
     lam = domino_lambda(int(step), int(total_steps), lambda_start=options.lambda_start,
                         decay_ratio=options.decay_ratio)
@@ -416,12 +429,12 @@ for _variant in (
     Variant(
         name="dflash", title="DFlash", config_cls=DFlashConfig, body_cls=DFlashBody,
         architecture=DFLASH_ARCHITECTURE, hf_aliases=(_NEMO_DFLASH_ARCHITECTURE,), loss=_dflash_loss,
-        options=DFLASH_OPTIONS, supports_variable_prefix=True, supports_soft_targets=True,
+        options=DFLASH_OPTIONS, supports_variable_prefix=True, supports_soft_targets=True, supports_dpace=True,
     ),
     Variant(
         name="dflash2", title="DFlash 2", config_cls=DFlash2Config, body_cls=DFlash2Body,
         architecture=DFLASH2_ARCHITECTURE, hf_aliases=(NEMO_DFLASH2_ARCHITECTURE,),
-        loss=_dflash2_loss, options=DFLASH2_OPTIONS, proposer=_propose_block, dtypes=DFLASH2_DTYPES,
+        loss=_dflash2_loss, options=DFLASH2_OPTIONS, proposer=_propose_block, dtypes=DFLASH2_DTYPES, supports_dpace=True,
         dtype_reason="DFlash 2 overflows in float16: its acceptance drops to 0",
     ),
     Variant(
@@ -439,7 +452,7 @@ for _variant in (
     Variant(
         name="kimi_k3", title="DFlash (Kimi K3 MLA draft)", config_cls=KimiK3DraftConfig, body_cls=KimiK3Body,
         architecture=KIMI_K3_DRAFT_ARCHITECTURE, loss=_dflash_loss, options=DFLASH_OPTIONS,
-        draft_family=KIMI_K3_DRAFT_FAMILY, trains_as="dflash",
+        draft_family=KIMI_K3_DRAFT_FAMILY, trains_as="dflash", supports_dpace=True,
     ),
 ):
     register_variant(_variant)

@@ -505,3 +505,13 @@ def test_soft_targets_for_plain_dflash(tiny_target, tmp_path):
                       "--global-batch-size", "4", "--dflash-eval-prompts", "0", "--dflash-soft-target", "kl",
                       "--dflash-distill-temperature", "2"))
     assert soft.iterations == 2 and all(math.isfinite(x) and x >= 0.0 for x in soft.losses)
+
+
+def test_dpace_loss_weighting(tiny_target, tmp_path, capsys):
+    """--dflash-loss-weighting dpace trains a few steps: the run says which weighting it runs, and the loss
+    (normalised by the supervised slots here) stays finite."""
+    run = _run(_base(tiny_target, tmp_path / "dpace", "--train-iters", "2", "--micro-batch-size", "2",
+                     "--global-batch-size", "4", "--dflash-eval-prompts", "0", "--dflash-loss-weighting", "dpace",
+                     "--dflash-dpace-alpha", "0.4", "--dflash-dpace-normalization", "supervised"))
+    assert run.iterations == 2 and all(math.isfinite(x) and x > 0.0 for x in run.losses)
+    assert "loss weights dpace (alpha 0.4, / supervised)" in capsys.readouterr().out

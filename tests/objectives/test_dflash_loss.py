@@ -14,7 +14,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_dflash.objectives.dflash_loss import (
     DFlashMetrics,
@@ -32,6 +31,7 @@ from megatron_dflash.objectives.variable_prefix import (
     sample_prefix_lengths,
     variable_prefix_loss,
 )
+from largest_tensor import LargestNewTensor
 
 V, H = 97, 32
 MASK_ID = 3
@@ -342,30 +342,6 @@ def test_fused_requires_a_frozen_head():
 # --------------------------------------------------------------------------------------------------------
 # Memory honesty
 # --------------------------------------------------------------------------------------------------------
-
-
-class LargestNewTensor(TorchDispatchMode):
-    """Records the largest number of elements of any tensor an op allocates (views and in-place ops excluded)."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-        self.op = None
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = []
-        torch.utils._pytree.tree_map(lambda x: inputs.append(x) if isinstance(x, torch.Tensor) else None, (args, kwargs))
-        input_storages = {x.untyped_storage().data_ptr() for x in inputs}
-
-        def visit(x):
-            if isinstance(x, torch.Tensor) and x.untyped_storage().data_ptr() not in input_storages:
-                numel = x.untyped_storage().nbytes() // x.element_size()
-                if numel > self.largest:
-                    self.largest, self.op = numel, str(func)
-
-        torch.utils._pytree.tree_map(visit, out)
-        return out
 
 
 def test_never_materialises_more_than_one_chunk_of_logits():

@@ -47,6 +47,9 @@ HELP_DEFAULTS = {
     "--dflash-final-logit-softcapping": "none",
     "--dflash-soft-target": "none",
     "--dflash-distill-temperature": "1.0",
+    "--dflash-loss-weighting": "decay",
+    "--dflash-dpace-alpha": "0.5",
+    "--dflash-dpace-normalization": "weight_sum",
     "--dflash-variable-prefix": "0.9",
     "--dflash-selector-rank": "256",
     "--dflash-selector-top-k": "16",
@@ -193,11 +196,42 @@ def test_every_setting_reaches_the_draft_config(target_dir):
     (["--dflash-layer-types", "full,sliding"], "expected comma-separated full_attention / sliding_attention"),
     (["--dflash-variant", "jetspec", "--dflash-soft-target", "kl"], "--dflash-soft-target applies to"),
     (["--dflash-distill-temperature", "2"], "only applies to --dflash-variant jetspec or with --dflash-soft-target"),
+    (["--dflash-loss-weighting", "dpace", "--dflash-dpace-alpha", "1.5"], "--dflash-dpace-alpha=1.5 must be in [0, 1]."),
+    (["--dflash-loss-weighting", "dpace", "--dflash-dpace-alpha", "-0.5"], "--dflash-dpace-alpha=-0.5 must be in [0, 1]."),
+    (["--dflash-loss-weighting", "dpace", "--dflash-dpace-alpha", "nan"], "--dflash-dpace-alpha=nan must be in [0, 1]."),
+    (["--dflash-dpace-alpha", "0.3"], "--dflash-dpace-alpha only applies with --dflash-loss-weighting dpace"),
+    (["--dflash-dpace-normalization", "supervised"], "--dflash-dpace-normalization only applies with"),
+    (["--dflash-loss-weighting", "dpace", "--dflash-decay-gamma", "4"],
+     "--dflash-decay-gamma does not apply to --dflash-loss-weighting dpace"),
+    (["--dflash-loss-weighting", "dpace", "--dflash-soft-target", "kl"], "it does not apply with --dflash-soft-target"),
+    (["--dflash-variant", "domino", "--dflash-loss-weighting", "dpace"],
+     "--dflash-loss-weighting dpace applies to --dflash-variant dflash / dflash2 / kimi_k3 (domino"),
+    (["--dflash-variant", "jetspec", "--dflash-loss-weighting", "dpace-cumulative-confidence-only"],
+     "applies to --dflash-variant dflash / dflash2 / kimi_k3 (jetspec"),
 ])
 def test_draft_setting_errors(argv, message):
     with pytest.raises(ArgumentError) as info:
         args_for(*argv)
     assert message in str(info.value)
+    assert "\n" not in str(info.value)  # one line
+
+
+@pytest.mark.parametrize("variant", ["dflash", "dflash2"])
+def test_dpace_settings(target_dir, variant):
+    """D-PACE has no decay; its settings reach the run's `LossWeighting`; the choices are the objective's."""
+    from megatron_dflash.objectives.dflash_loss import DPACE_NORMALIZATIONS, LOSS_WEIGHTINGS, LossWeighting
+    from megatron_dflash.training import arguments
+
+    assert arguments.LOSS_WEIGHTINGS == LOSS_WEIGHTINGS and arguments.DPACE_NORMALIZATIONS == DPACE_NORMALIZATIONS
+    args = args_for("--dflash-variant", variant, "--dflash-loss-weighting", "dpace", "--dflash-dpace-alpha", "0",
+                    "--dflash-dpace-normalization", "sequences", target=target_dir)
+    assert resolve_decay_gamma(args, 16) is None
+    assert LossWeighting(args.dflash_loss_weighting, args.dflash_dpace_alpha, args.dflash_dpace_normalization) == \
+        LossWeighting("dpace", 0.0, "sequences")
+    plain = args_for("--dflash-variant", variant, target=target_dir)
+    assert (plain.dflash_loss_weighting, plain.dflash_dpace_alpha, plain.dflash_dpace_normalization) == \
+        ("decay", 0.5, "weight_sum")
+    assert resolve_decay_gamma(plain, 16) == 7.0
 
 
 def test_variable_prefix_base_defaults_to_the_recipe():
@@ -239,3 +273,16 @@ def test_selector_loss_weight_reaches_the_dflash2_loss():
     selector_part = one.loss_sum - none.loss_sum
     assert selector_part > 0
     torch.testing.assert_close(two.loss_sum - none.loss_sum, 2 * selector_part)
+
+    # The run's loss weighting reaches the DFlash 2 loss through its adapter.
+    from megatron_dflash.objectives.dflash_loss import LossWeighting
+    from megatron_dflash.variants.dflash2 import dflash2_loss
+
+    options = spec.options.build(vars(args_for("--dflash-variant", "dflash2")))
+    weighting = LossWeighting("dpace", 0.3, "supervised")
+    with torch.no_grad():
+        adapted = spec.loss(body, hidden, plan, ids, head, decay_gamma=None, chunk_slots=None, options=options,
+                            weighting=weighting)
+        direct = dflash2_loss(hidden, plan, ids, head, body.candidate_selector, chunk_slots=None, weighting=weighting)
+    assert torch.equal(adapted.loss_sum, direct.loss_sum) and torch.equal(adapted.weight_sum, direct.weight_sum)
+    assert not torch.allclose(adapted.metrics.base_loss_sum, one.metrics.base_loss_sum)

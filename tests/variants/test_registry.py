@@ -21,7 +21,7 @@ from megatron_dflash.draft.body import DFlashBody
 from megatron_dflash.checkpoint.hf import load_hf_checkpoint
 from megatron_dflash.draft.config import DFlashConfig
 from megatron_dflash.draft.layers import DFlashLayerSubmodules
-from megatron_dflash.objectives.dflash_loss import dflash_loss
+from megatron_dflash.objectives.dflash_loss import LossWeighting, dflash_loss
 from megatron_dflash.variants import (
     Variant,
     VariantLoss,
@@ -100,6 +100,14 @@ def test_built_in_variants_and_duplicates():
     # The capabilities the training arguments and the converter ask for.
     assert get_variant("dflash").supports_variable_prefix and not get_variant("domino").supports_variable_prefix
     assert get_variant("jetspec").needs_final_hidden and get_variant("jetspec").causal is True
+    # D-PACE weighs the cross entropy with the label: DFlash (and its K3 form) and DFlash 2, not Domino / JetSpec,
+    # whose loss adapters refuse it even when called past the argument checks.
+    assert [name for name in ("dflash", "dflash2", "kimi_k3", "domino", "jetspec") if get_variant(name).supports_dpace] \
+        == ["dflash", "dflash2", "kimi_k3"]
+    for name in ("domino", "jetspec"):
+        with pytest.raises(ValueError, match="does not train with --dflash-loss-weighting dpace"):
+            get_variant(name).loss(None, None, None, None, None, decay_gamma=None, chunk_slots=None, total_steps=1,
+                                   weighting=LossWeighting("dpace"))
     with pytest.raises(ValueError, match="float16.*bfloat16"):
         get_variant("dflash2").check_dtype(torch.float16)
     # NeMo AutoModel's class names read as ours.
