@@ -292,7 +292,7 @@ def _chunk_distributions(local: LocalHead, buf: _DSparkBuffers, h, g, f, label, 
     sums = all_reduce_in_group(torch.stack([z.sum(dim=-1), t.sum(dim=-1), label_shifted]), dist.ReduceOp.SUM, group)
     ce = torch.log(sums[0]) - sums[2]
     p = z.div_(sums[0][:, None])
-    d = t.div_(sums[1][:, None]).neg_().add_(p)  # p - q
+    d = t.mul_((-1.0 / sums[1])[:, None]).add_(p)  # p - q
     l1_local = torch.linalg.vector_norm(d, ord=1, dim=-1)
     s = d.sign_()
     stats = all_reduce_in_group(torch.stack([l1_local, row_dot(p, s)]), dist.ReduceOp.SUM, group)
@@ -303,7 +303,8 @@ def _chunk_grads(local: LocalHead, buf: _DSparkBuffers, lo: int, hi: int, p, s, 
                  ce_weight: float, l1_weight: float) -> None:
     """Pass 3: rows ``lo:hi`` of the gradients from ``G = row (ce_weight (p - onehot) + l1_weight p (s - S))``
     (``row [n]``: the slots' weights), formed in ``s``'s buffer."""
-    G = s.sub_(S[:, None]).mul_(l1_weight).add_(ce_weight).mul_(p).mul_(row[:, None])
+    # p (l1_weight row s + row (ce_weight - l1_weight S)): three passes over the buffer.
+    G = s.mul_((l1_weight * row)[:, None]).add_((row * (ce_weight - l1_weight * S))[:, None]).mul_(p)
     if local.real:
         G.scatter_add_(1, label, -(owned * row * ce_weight).to(G.dtype)[:, None])
     if f is not None:  # the Markov bias enters z untransformed

@@ -5,7 +5,8 @@ reference with a plain `nn.Linear` holding the whole vocabulary, then the TP=2 l
 `ColumnParallelLinear` holding its half of the same weight (the padded vocabulary puts padding columns on
 rank 1) and its half of the Markov projection ``W2``. Loss, weight sum, metrics and the gradients w.r.t. the
 hidden states, the Markov features, the confidence logits and each rank's rows of ``W2`` must match, with
-and without the output transform, unchunked and in chunks that do not divide the slots.
+and without the output transform, unchunked and in chunks that do not divide the slots. The metrics record,
+per-position vectors included, sums over the ranks in one all-reduce.
 """
 
 from __future__ import annotations
@@ -77,12 +78,19 @@ def _tp_vs_single(rank: int, world_size: int) -> dict:
                 "grads": [float((g - r).abs().max() / r.abs().max()) for g, r in zip(grads, ref_grads)],
                 "grad_scales": [float(r.abs().max()) for r in ref_grads],
             }
+    # The data-parallel reduction sums the records over ranks, vector fields included, in one collective.
+    import torch.distributed as dist
+
+    summed = out.metrics.all_reduce(dist.group.WORLD)
+    diffs["all_reduce"] = float((summed._stack() - 2 * out.metrics._stack()).abs().max())
+    diffs["all_reduce_shape"] = tuple(summed.accept_rate_sums.shape)
     return diffs
 
 
 def test_tensor_parallel_dspark_loss_equals_single_rank(tp_pool):
     per_rank = tp_pool(2).run(_tp_vs_single)
     for rank, diffs in enumerate(per_rank):
+        assert diffs.pop("all_reduce") == 0.0 and diffs.pop("all_reduce_shape") == (32,)
         assert len(diffs) == 4
         for case, d in diffs.items():
             where = f"rank {rank}, case {case}: {d}"
