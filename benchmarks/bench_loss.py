@@ -3,6 +3,7 @@
 Examples:
     python benchmarks/bench_loss.py                                   # DFlash, vocab 32000 and 151936
     python benchmarks/bench_loss.py --loss dflash2                    # DFlash 2: CE + the selector term
+    python benchmarks/bench_loss.py --loss dspark --block-size 7 --rank 256   # DSpark: CE + L1 + BCE, Markov head
     python benchmarks/bench_loss.py --slots 1024 4096 --vocab 32000   # peak memory against the slot count
     python benchmarks/bench_loss.py --device cuda --dtype bfloat16
 
@@ -13,14 +14,18 @@ states, and for DFlash 2 the selector's parameters):
               formed in forward, nothing recomputed; DFlash 2's candidates taken from the same logits.
     unfused   ``fused=False``: each chunk's logits, vocab-parallel CE and argmax (and top-k) under activation
               recomputation, the path a trainable head takes and the only path before the fused kernel.
-    full      (DFlash only) the textbook formulation: ``logits = hidden @ W^T`` for every slot at once
-              (materialised, fp32), ``F.cross_entropy(reduction="none")``, the same weights.
+    full      (DFlash, DSpark) the textbook formulation: ``logits = hidden @ W^T`` for every slot at once
+              (materialised, fp32), ``F.cross_entropy(reduction="none")``, the same weights; DSpark adds the
+              Markov bias, the target's logits, both softmaxes, the L1 distance and the confidence BCE, all
+              dense, through autograd.
     baseline  with ``--baseline-ref REF``: the production call (frozen head, default arguments) of the
               package as it was at git commit REF (extracted with ``git archive``), e.g. the DFlash 2 loss
               before its selector term shared the kernel's logits pass.
 
 The slots are laid out as ``slots / gamma`` blocks of ``W = --block-size`` in one row (slot 0 of each block is
-the anchor and is not predicted), so ``--slots`` is the number of predicted slots.
+the anchor and is not predicted), so ``--slots`` is the number of predicted slots. DSpark predicts every slot
+(``slots / W`` blocks), with a Markov head of rank ``--rank`` (its features and ``W2`` get gradients) and a
+confidence logit per slot.
 
 Every measurement runs in its own process (a fresh allocator, nothing cached from the other side), in
 alternating order over ``--rounds`` rounds; each process does ``--warmup`` untimed passes, then one timed
@@ -73,7 +78,7 @@ IMPLS = ("fused", "unfused", "full", "baseline")
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--loss", default="dflash", choices=["dflash", "dflash2"])
+    parser.add_argument("--loss", default="dflash", choices=["dflash", "dflash2", "dspark"])
     parser.add_argument("--slots", type=int, nargs="+", default=[4096], help="predicted slots (B * N * gamma)")
     parser.add_argument("--vocab", type=int, nargs="+", default=[32000, 151936], help="vocabulary sizes")
     parser.add_argument("--hidden", type=int, default=256)
@@ -81,9 +86,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--block-size", type=int, default=17, help="W = gamma + 1; gamma must divide --slots")
     parser.add_argument("--decay-gamma", type=float, default=7.0)
     parser.add_argument("--top-k", type=int, default=16, help="DFlash 2: selector_top_k")
-    parser.add_argument("--rank", type=int, default=256, help="DFlash 2: selector_rank")
+    parser.add_argument("--rank", type=int, default=256, help="DFlash 2: selector_rank; DSpark: markov_rank")
     parser.add_argument("--impls", nargs="+", default=None, choices=IMPLS,
-                        help="default: fused unfused full (DFlash), fused unfused (DFlash 2)")
+                        help="default: fused unfused full (DFlash), fused unfused (DFlash 2), fused full (DSpark)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds, one process per measurement")
@@ -100,6 +105,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def make_inputs(args, vocab: int, slots: int):
+    if args.loss == "dspark":
+        return make_dspark_inputs(args, vocab, slots)
     gamma = args.block_size - 1
     if slots % gamma:
         raise SystemExit(f"--slots={slots} must be a multiple of gamma = --block-size - 1 = {gamma}")
@@ -127,7 +134,73 @@ def make_inputs(args, vocab: int, slots: int):
     return plan, input_ids, hidden, head, selector
 
 
+def make_dspark_inputs(args, vocab: int, slots: int):
+    """DSpark's inputs: every slot predicts, so ``slots / W`` blocks; the Markov features ``[1, N, W, r]``,
+    ``W2 [V, r]`` and the confidence logits train; the target's final hidden states ``[1, S, H]``."""
+    W = args.block_size
+    if slots % W:
+        raise SystemExit(f"--slots={slots} must be a multiple of --block-size={W} for DSpark")
+    num_blocks = slots // W
+    seq = num_blocks * W + 1
+    dtype = getattr(torch, args.dtype)
+    gen = torch.Generator().manual_seed(0)
+    anchors = (torch.arange(num_blocks) * W)[None]
+    plan = DFlashBatchPlan.from_anchors(anchors, block_size=W, seq_length=seq).to(args.device)
+    input_ids = torch.randint(0, vocab, (1, seq), generator=gen).to(args.device)
+    hidden = torch.randn(1, num_blocks, W, args.hidden, generator=gen).to(args.device, dtype).requires_grad_()
+    head = torch.nn.Linear(args.hidden, vocab, bias=False, device=args.device, dtype=dtype)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(vocab, args.hidden, generator=gen) * args.hidden**-0.5)
+    head.weight.requires_grad_(False)
+    extra = {
+        "teacher": torch.randn(1, seq, args.hidden, generator=gen).to(args.device, dtype),
+        "features": torch.randn(1, num_blocks, W, args.rank, generator=gen).to(args.device, dtype).requires_grad_(),
+        "w2": (torch.randn(vocab, args.rank, generator=gen) * 0.02).to(args.device).requires_grad_(),
+        "confidence": torch.randn(1, num_blocks, W, generator=gen).to(args.device).requires_grad_(),
+    }
+    return plan, input_ids, hidden, head, extra
+
+
+def make_dspark_step(impl, args, plan, input_ids, hidden, head, extra, vocab):
+    """The DSpark loss (fused) or its dense formulation (full), forward and backward."""
+    from megatron_dflash.objectives.dspark_loss import dspark_loss, dspark_slot_targets
+
+    teacher, features, w2, confidence = extra["teacher"], extra["features"], extra["w2"], extra["confidence"]
+    if impl == "fused":
+        output_head = OutputHead(head, vocab)
+
+        def step():
+            out = dspark_loss(hidden, plan, input_ids, output_head, teacher_hidden=teacher, markov_features=features,
+                              markov_w2=w2, confidence_logits=confidence, decay_gamma=args.decay_gamma,
+                              chunk_slots=args.chunk)
+            out.loss_sum.backward()
+            return out.loss_sum.detach()
+
+        return step
+    if impl != "full":
+        raise SystemExit("DSpark measures fused and full only")
+    targets = dspark_slot_targets(input_ids, plan, decay_gamma=args.decay_gamma)
+    weights, labels = targets.flat_weights, targets.flat_labels
+    positions = (plan.anchor_positions[:, :, None] + torch.arange(plan.block_size, device=args.device)).reshape(-1)
+
+    def step():
+        z = F.linear(hidden.reshape(-1, hidden.shape[-1]), head.weight).float()  # [slots, V] materialised
+        z = z + features.reshape(-1, features.shape[-1]).float() @ w2.t()
+        t = F.linear(teacher[0, positions], head.weight).float()
+        l1 = (z.softmax(-1) - t.softmax(-1)).abs().sum(-1)
+        accept = (1.0 - l1 / 2).clamp(0.0, 1.0).detach()
+        bce = F.binary_cross_entropy_with_logits(confidence.reshape(-1), accept, reduction="none")
+        per_slot = 0.1 * F.cross_entropy(z, labels, reduction="none") + 0.9 * l1 + bce
+        loss = (per_slot * weights).sum()
+        loss.backward()
+        return loss.detach()
+
+    return step
+
+
 def make_step(impl, args, plan, input_ids, hidden, head, selector, vocab):
+    if args.loss == "dspark":
+        return make_dspark_step(impl, args, plan, input_ids, hidden, head, selector, vocab)
     if impl in ("fused", "unfused", "baseline"):
         output_head = OutputHead(head, vocab)
         # The baseline is called as production calls it (no `fused`: older commits lack the argument).
@@ -219,7 +292,7 @@ def worker(args) -> dict:
             step()
         synchronize(args.device)
         hidden.grad = None
-        if selector is not None:
+        if isinstance(selector, torch.nn.Module):
             selector.zero_grad(set_to_none=True)
         gc.collect()
         if cuda:
@@ -237,7 +310,7 @@ def worker(args) -> dict:
         grad = hidden.grad.detach().double()
         result = {"wall": wall, "cpu": cpu, "loss": float(loss), "grad_norm": float(grad.norm()),
                   "grad_sum": float(grad.sum())}
-        if selector is not None:
+        if isinstance(selector, torch.nn.Module):
             result["selector_grad_norm"] = float(
                 torch.stack([p.grad.double().norm() for p in selector.parameters() if p.grad is not None]).norm())
         if cuda:
@@ -290,7 +363,8 @@ def main(argv=None) -> None:
     if args.worker is not None:
         print(json.dumps(worker(args)))
         return
-    impls = args.impls or (["fused", "unfused", "full"] if args.loss == "dflash" else ["fused", "unfused"])
+    impls = args.impls or {"dflash": ["fused", "unfused", "full"], "dflash2": ["fused", "unfused"],
+                           "dspark": ["fused", "full"]}[args.loss]
     if args.baseline_ref and "baseline" not in impls:
         impls = impls + ["baseline"]
     if "fused" not in impls:
@@ -310,6 +384,7 @@ def compare(args, argv, impls, package_root) -> None:
     print(f"# loss={args.loss} device={args.device} dtype={args.dtype} hidden={args.hidden} chunk={args.chunk} "
           f"block_size={args.block_size} threads={args.threads or torch.get_num_threads()} rounds={args.rounds} "
           f"warmup={args.warmup}" + (f" top_k={args.top_k} rank={args.rank}" if args.loss == "dflash2" else "")
+          + (f" markov_rank={args.rank}" if args.loss == "dspark" else "")
           + (f" baseline={args.baseline_ref}" if args.baseline_ref else ""))
     mem_keys = ["alloc"] if args.device.startswith("cuda") else ["alloc", "rss"]
     print(f"{'vocab':>7} {'slots':>6} {'impl':>8} {'wall s':>8} {'cpu s':>8} "

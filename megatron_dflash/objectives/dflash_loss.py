@@ -60,6 +60,7 @@ __all__ = [
     "counted_blocks",
     "SlotTargets",
     "slot_targets",
+    "shifted_supervision",
     "teacher_rows",
     "DFlashLossOutput",
     "dflash_loss",
@@ -361,26 +362,47 @@ class AdditiveMetrics:
 
     ``logged`` names the ratios a training log shows: ``(logged name, property)`` pairs, in order
     (`log_values`).
+
+    ``field_widths`` names the fields that are fixed-length vectors of sums (``{name: length}``, e.g. one
+    sum per block position); every other field is a scalar. The length is the class's, not the data's, so
+    `zeros` can build a record without seeing one.
     """
 
     logged: tuple = ()
+    field_widths: dict = {}
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in dataclasses.fields(cls))
 
     @classmethod
+    def _shapes(cls) -> tuple[tuple, ...]:
+        return tuple((cls.field_widths[n],) if n in cls.field_widths else () for n in cls.field_names())
+
+    @classmethod
+    def size(cls) -> int:
+        """Number of fp64 values in a record (a vector field counts its length)."""
+        return sum(math.prod(shape) for shape in cls._shapes())
+
+    @classmethod
     def zeros(cls, device=None):
-        return cls(*(torch.zeros((), dtype=torch.float64, device=device) for _ in cls.field_names()))
+        return cls(*(torch.zeros(shape, dtype=torch.float64, device=device) for shape in cls._shapes()))
+
+    @classmethod
+    def _unstack(cls, flat: torch.Tensor):
+        """The record of ``flat [size]`` (`_stack`'s inverse)."""
+        shapes = cls._shapes()
+        parts = flat.split([math.prod(shape) for shape in shapes])
+        return cls(*(part.reshape(shape) for part, shape in zip(parts, shapes)))
 
     def _stack(self) -> torch.Tensor:
-        return torch.stack([_f64(getattr(self, name)) for name in self.field_names()])
+        return torch.cat([_f64(getattr(self, name)).reshape(-1) for name in self.field_names()])
 
     def __add__(self, other):
         if type(other) is not type(self):
             return NotImplemented
         mine = self._stack()
-        return type(self)(*(mine + other._stack().to(mine.device)).unbind())
+        return self._unstack(mine + other._stack().to(mine.device))
 
     def all_reduce(self, group=None):
         """Sum over the ranks of ``group`` (torch.distributed's default group when None) in one all-reduce."""
@@ -388,7 +410,7 @@ class AdditiveMetrics:
 
     def to(self, device) -> "AdditiveMetrics":
         """The same sums on ``device`` (one copy of all fields: e.g. to the host once before logging)."""
-        return type(self)(*self._stack().to(device).unbind())
+        return self._unstack(self._stack().to(device))
 
     def log_values(self) -> dict:
         """``{logged name: float}`` of the ratios in ``logged`` (synchronises with the device)."""
@@ -410,8 +432,8 @@ def all_reduce_together(records, group=None) -> list:
     dist.all_reduce(stacked, op=dist.ReduceOp.SUM, group=group)
     out, at = [], 0
     for r in records:
-        n = len(r.field_names())
-        out.append(type(r)(*stacked[at : at + n].unbind()))
+        n = r.size()
+        out.append(r._unstack(stacked[at : at + n]))
         at += n
     return out
 
@@ -602,8 +624,15 @@ def slot_targets(
     loss_mask: Optional[torch.Tensor] = None,
     weights: Optional[torch.Tensor] = None,
     prefix_lengths: Optional[torch.Tensor] = None,
+    shift_label: bool = False,
+    input_mask: Optional[torch.Tensor] = None,
 ) -> SlotTargets:
     """The DFlash supervision of slots ``1..W-1``: slot ``k`` of a block at ``p`` is labelled ``x_{p+k}``.
+
+    With ``shift_label`` every slot ``k = 0..W-1`` predicts: it is labelled ``x_{p+k+1}`` (Domino's
+    ``shift_label``, DSpark), supervised as `shifted_supervision` says (or ``loss_mask``, index ``k`` = slot
+    ``k``), with weight ``exp(-k / decay_gamma)``; ``first_slot`` is 0 and ``tokens`` are then each slot's
+    previous token (slot 0: the anchor).
 
     Args:
         input_ids: ``[B, S]`` the context tokens.
@@ -612,12 +641,18 @@ def slot_targets(
         loss_mask: ``[B, N, W]`` bool, default ``plan.loss_mask`` (and, with ``prefix_lengths``, only slots
             ``k >= l``). Slot 0 is never supervised, whatever the mask says.
         weights: ``[B, N, W]`` per-slot weights, default `decay_weights` (restarted at ``prefix_lengths``).
-        prefix_lengths: ``[B, N]`` variable-prefix lengths ``l``.
+        prefix_lengths: ``[B, N]`` variable-prefix lengths ``l`` (not with ``shift_label``).
+        shift_label: the shifted layout above.
+        input_mask: ``[B, S]`` bool, read by the shifted layout only (the plan's ``loss_mask`` holds it for the
+            positions inside the blocks): whether the token at ``p + W`` (the last slot's
+            label, past the block) is supervised; None: it is, when it exists (see `shifted_supervision`).
     """
     B, N, W = plan.batch_size, plan.num_blocks, plan.block_size
     for name, tensor in (("loss_mask", loss_mask), ("weights", weights)):
         if tensor is not None and tuple(tensor.shape) != (B, N, W):
             raise ValueError(f"{name} must have shape [batch, blocks, block_size] = {(B, N, W)}, got {tuple(tensor.shape)}.")
+    if shift_label:
+        return _shifted_slot_targets(input_ids, plan, decay_gamma, loss_mask, weights, prefix_lengths, input_mask)
     device = input_ids.device
     slots = _slot_index(W, device)
     if loss_mask is None:
@@ -633,13 +668,57 @@ def slot_targets(
     return SlotTargets.from_mask(tokens[:, :, 1:], mask[:, :, 1:], weights[:, :, 1:], first_slot=1, tokens=tokens)
 
 
-def teacher_rows(plan: DFlashBatchPlan) -> torch.Tensor:
-    """``[B * N * (W-1)]`` rows of the flattened ``[B * S, H]`` target states that distil slots ``1..W-1``:
-    slot ``k`` of a block at ``p`` is distilled from position ``p + k - 1`` (whose next token is ``p + k``)."""
+def shifted_supervision(plan: DFlashBatchPlan, input_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``[B, N, W]`` bool: which slots of the shifted layout (slot ``k`` labelled ``x_{p+k+1}``) have a label.
+
+    Slot ``k < W-1`` labels position ``p + k + 1`` inside the block: the plan's ``loss_mask[k + 1]`` (valid
+    block, the mask at that position). The last slot's label ``p + W`` lies past the block: supervised when
+    ``p + W < S``, the position continues the anchor's document (``context_position_ids`` keeps counting; a
+    packed document boundary restarts them) and, when ``input_mask [B, S]`` is given, ``input_mask[p + W]``.
+    """
     B, S, W = plan.batch_size, plan.seq_length, plan.block_size
     device = plan.anchor_positions.device
-    slots = _slot_index(W, device)
-    positions = (plan.anchor_positions[:, :, None] + slots[None, None, 1:] - 1).clamp(0, S - 1)
+    if input_mask is not None and tuple(input_mask.shape) != (B, S):
+        raise ValueError(f"input_mask must be [batch, seq_length] = {(B, S)}, got {tuple(input_mask.shape)}.")
+    last = plan.anchor_positions + W  # p + W, one past the block
+    ctx_pos = plan.context_position_ids
+    anchor_pos = torch.gather(ctx_pos, 1, plan.anchor_positions)
+    last_pos = torch.gather(ctx_pos, 1, last.clamp(max=S - 1))
+    ok = plan.block_valid & (last < S) & (last_pos == anchor_pos + W)
+    if input_mask is not None:
+        ok = ok & torch.gather(input_mask.to(device).bool(), 1, last.clamp(max=S - 1))
+    return torch.cat([plan.loss_mask[:, :, 1:], ok[:, :, None]], dim=2).bool()
+
+
+def _shifted_slot_targets(input_ids, plan, decay_gamma, loss_mask, weights, prefix_lengths, input_mask) -> SlotTargets:
+    """`slot_targets` with ``shift_label``: slots ``0..W-1`` labelled ``x_{p+1..p+W}``."""
+    if prefix_lengths is not None:
+        raise ValueError("slot_targets: shift_label and prefix_lengths do not combine (every slot already predicts).")
+    B, N, W, S = plan.batch_size, plan.num_blocks, plan.block_size, plan.seq_length
+    device = input_ids.device
+    label_pos = plan.anchor_positions[:, :, None] + 1 + _slot_index(W, device)
+    labels = torch.gather(input_ids.long(), 1, label_pos.clamp(max=S - 1).reshape(B, N * W)).view(B, N, W)
+    if loss_mask is None:
+        supervised = shifted_supervision(plan, input_mask)
+    else:
+        supervised = loss_mask.to(device).bool() & plan.block_valid[:, :, None]
+    if weights is None:
+        first = torch.zeros(B, N, dtype=torch.int64, device=device)  # the decay starts at slot 0
+        weights = decay_weights(plan, decay_gamma=decay_gamma, prefix_lengths=first, device=device)
+    return SlotTargets.from_mask(labels, supervised, weights, first_slot=0, tokens=block_labels(input_ids, plan))
+
+
+def teacher_rows(plan: DFlashBatchPlan, predicted: Optional[int] = None) -> torch.Tensor:
+    """``[B * N * P]`` rows of the flattened ``[B * S, H]`` target states that distil the predicted slots:
+    predicted index ``j`` (label at ``p + j + 1``) is distilled from position ``p + j``, whose next token it is.
+
+    ``P = predicted``, default ``W - 1`` (DFlash: slot ``k = j + 1``, position ``p + k - 1``); the shifted
+    layout (`slot_targets` with ``shift_label``) has ``P = W`` (slot ``k = j``, position ``p + k``).
+    """
+    B, S, W = plan.batch_size, plan.seq_length, plan.block_size
+    P = W - 1 if predicted is None else int(predicted)
+    device = plan.anchor_positions.device
+    positions = (plan.anchor_positions[:, :, None] + _slot_index(P, device)[None, None, :]).clamp(0, S - 1)
     rows = torch.arange(B, device=device)[:, None, None] * S
     return (rows + positions).reshape(-1)
 

@@ -43,7 +43,11 @@ from torch.utils.checkpoint import checkpoint
 from ..common.parallel import gather_last_dim, is_distributed_group, reduce_grad_over_group, tensor_parallel_group
 from ..target.head import OutputHead
 
-__all__ = ["SOFT_TARGETS", "HeadLossTerms", "head_loss", "topk_vocab_parallel"]
+__all__ = [
+    "SOFT_TARGETS", "HeadLossTerms", "head_loss", "topk_vocab_parallel",
+    # The fused kernel's steps, shared by the objectives that fuse their own loss (DSpark's L1 objective).
+    "LocalHead", "all_reduce_in_group", "row_amax", "row_dot", "transformed_logits",
+]
 
 SOFT_TARGETS = ("none", "ce", "kl")
 # Sentinel above any vocabulary index, for the MIN all-reduce that picks the global argmax.
@@ -55,7 +59,8 @@ _NO_INDEX = torch.iinfo(torch.int64).max
 # --------------------------------------------------------------------------------------------------
 
 
-def _all_reduce(tensor: torch.Tensor, op, group) -> torch.Tensor:
+def all_reduce_in_group(tensor: torch.Tensor, op, group) -> torch.Tensor:
+    """``dist.all_reduce`` in place over ``group``; the tensor as it is on a single rank."""
     if is_distributed_group(group):
         dist.all_reduce(tensor, op=op, group=group)
     return tensor
@@ -74,7 +79,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # logits: [c, Vl] fp32; target: [c] int64 or None; target_probs: [c, Vl] or None.
         rows = torch.arange(logits.shape[0], device=logits.device)
         local_max, local_arg = logits.max(dim=-1)
-        global_max = _all_reduce(local_max.clone(), dist.ReduceOp.MAX, group)
+        global_max = all_reduce_in_group(local_max.clone(), dist.ReduceOp.MAX, group)
         # One [c, Vl] buffer: exp(z - max) computed in place (it becomes the saved softmax).
         exp = torch.sub(logits, global_max[:, None]).exp_()
         zero = torch.zeros((), device=logits.device)
@@ -87,7 +92,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             # sum_v q_v (z_v - max); 0 * -inf (padding columns) must count as 0.
             picked = torch.where(target_probs > 0, target_probs * logits, zero).sum(-1)
             picked = picked - global_max * target_probs.sum(-1)
-        sums = _all_reduce(torch.stack([exp.sum(dim=-1), picked]), dist.ReduceOp.SUM, group)
+        sums = all_reduce_in_group(torch.stack([exp.sum(dim=-1), picked]), dist.ReduceOp.SUM, group)
         sum_exp, target_logit = sums[0], sums[1]
         loss = torch.log(sum_exp) - target_logit
         # Global argmax: only a shard whose max equals the global max offers its first maximal index.
@@ -96,7 +101,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             local_arg + vocab_start,
             torch.full((), _NO_INDEX, dtype=torch.int64, device=logits.device),
         )
-        argmax = _all_reduce(candidate, dist.ReduceOp.MIN, group)
+        argmax = all_reduce_in_group(candidate, dist.ReduceOp.MIN, group)
         softmax = exp.div_(sum_exp[:, None])
         if target_probs is None:
             ctx.save_for_backward(softmax, local_target, owned)
@@ -123,14 +128,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 def _vocab_parallel_softmax(logits: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
     """Local shard of ``softmax(logits)`` over the split vocabulary and ``sum_v q_v log q_v`` per row."""
-    global_max = _all_reduce(logits.max(dim=-1).values.clone(), dist.ReduceOp.MAX, group)
+    global_max = all_reduce_in_group(logits.max(dim=-1).values.clone(), dist.ReduceOp.MAX, group)
     shifted = logits - global_max[:, None]
     exp = shifted.exp()
-    sum_exp = _all_reduce(exp.sum(dim=-1), dist.ReduceOp.SUM, group)
+    sum_exp = all_reduce_in_group(exp.sum(dim=-1), dist.ReduceOp.SUM, group)
     probs = exp / sum_exp[:, None]
     # sum q log q = sum q * shifted - log(sum_exp); padding columns have q = 0 and shifted = -inf.
     q_shifted = torch.where(probs > 0, probs * shifted, torch.zeros((), device=logits.device)).sum(-1)
-    q_shifted = _all_reduce(q_shifted, dist.ReduceOp.SUM, group)
+    q_shifted = all_reduce_in_group(q_shifted, dist.ReduceOp.SUM, group)
     return probs, q_shifted - torch.log(sum_exp)
 
 
@@ -139,7 +144,7 @@ def _vocab_parallel_softmax(logits: torch.Tensor, group) -> tuple[torch.Tensor, 
 # --------------------------------------------------------------------------------------------------
 
 
-def _row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``[c, V] x [c, V] -> [c]`` row-wise dot product without a ``[c, V]`` temporary."""
     return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
 
@@ -193,7 +198,7 @@ class _FusedHeadLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, labels, weights, teacher, teacher_index, features, shard, head, soft_target,
                 temperature, mix, chunk, with_grad, top_k, row_weights):
-        local = _LocalHead.of(head, temperature, hidden.device)
+        local = LocalHead.of(head, temperature, hidden.device)
         soft = soft_target != "none"
         domino = features is not None
         M = hidden.shape[0]
@@ -217,7 +222,7 @@ class _FusedHeadLoss(torch.autograd.Function):
                 q, neg_entropy = _teacher_distribution(
                     local, teacher.index_select(0, teacher_index[lo:hi]), out.second, out.logits[:n]
                 )
-            z = _transformed_logits(local, hidden[lo:hi], out.logits, out.tanh)
+            z = transformed_logits(local, hidden[lo:hi], out.logits, out.tanh)
             if top_k:  # before `z` turns into the gradient
                 out.candidate_values[lo:hi], out.candidate_ids[lo:hi] = _global_topk(z, top_k, local.start, local.group)
             if domino:
@@ -269,14 +274,14 @@ class _FusedHeadLoss(torch.autograd.Function):
             if index == 0 and ctx.candidates is not None:
                 _add_candidate_grad(grad, grad_candidates, *ctx.candidates)
             if index < 2:  # hidden states and features are replicated: each rank's part covers its shard
-                grad = _all_reduce(grad, dist.ReduceOp.SUM, ctx.group)
+                grad = all_reduce_in_group(grad, dist.ReduceOp.SUM, ctx.group)
             grads.append(grad.to(dtype))
         grad_hidden = grads[0]
         grad_features, grad_shard = grads[1:] if len(grads) == 3 else (None, None)
         return (grad_hidden, None, None, None, None, grad_features, grad_shard) + (None,) * 8
 
 
-def _row_amax(logits: torch.Tensor) -> torch.Tensor:
+def row_amax(logits: torch.Tensor) -> torch.Tensor:
     """Row maximum (``amax``: no indices, several times cheaper than ``max``); -inf for a shard without
     real columns."""
     if logits.shape[-1] == 0:
@@ -289,7 +294,7 @@ def _row_amax(logits: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class _LocalHead:
+class LocalHead:
     """This rank's shard of a frozen head as the fused loss reads it.
 
     ``weight [V_real, H]`` and ``bias [V_real]`` fp32 (or None): the rows of this shard's ``V_real`` real
@@ -309,7 +314,7 @@ class _LocalHead:
     zero: torch.Tensor
 
     @classmethod
-    def of(cls, head: OutputHead, temperature: float, device) -> "_LocalHead":
+    def of(cls, head: OutputHead, temperature: float, device) -> "LocalHead":
         weight = head.weight if head.weight is not None else head.layer.weight
         bias = getattr(head.layer, "bias", None)
         start = head.vocab_range[0]
@@ -354,7 +359,7 @@ class _FusedBuffers:
     candidate_ids: torch.Tensor
 
     @classmethod
-    def allocate(cls, local: _LocalHead, hidden, features, shard, rows_max: int, soft: bool, with_grad: bool,
+    def allocate(cls, local: LocalHead, hidden, features, shard, rows_max: int, soft: bool, with_grad: bool,
                  top_k: int) -> "_FusedBuffers":
         domino = features is not None
         M = hidden.shape[0]
@@ -380,7 +385,7 @@ class _FusedBuffers:
         )
 
 
-def _transformed_logits(local: _LocalHead, h: torch.Tensor, out: torch.Tensor, tanh_out) -> torch.Tensor:
+def transformed_logits(local: LocalHead, h: torch.Tensor, out: torch.Tensor, tanh_out) -> torch.Tensor:
     """``out <- transform(h @ W_real^T + b) / T`` in place; returns the view of ``n`` rows.
 
     ``h [n, H]``, ``out [c >= n, V_real]`` fp32; ``tanh_out`` like ``out`` (keeps the soft cap's tanh) or None.
@@ -406,7 +411,7 @@ def _transformed_logits(local: _LocalHead, h: torch.Tensor, out: torch.Tensor, t
 
 
 def _teacher_distribution(
-    local: _LocalHead, teacher_hidden: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor
+    local: LocalHead, teacher_hidden: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The soft target of ``n`` rows: ``(q [n, V_real] = softmax(teacher logits), sum_v q_v log q_v [n])``.
 
@@ -414,28 +419,28 @@ def _teacher_distribution(
     holds ``exp(t - tmax)`` until the draft's logits are formed there.
     """
     # q = softmax(t), and sum_v q_v log q_v = sum_v q_v (t_v - tmax) - log(sum exp).
-    t = _transformed_logits(local, teacher_hidden, out, None)
-    t_max = _all_reduce(_row_amax(t), dist.ReduceOp.MAX, local.group)
+    t = transformed_logits(local, teacher_hidden, out, None)
+    t_max = all_reduce_in_group(row_amax(t), dist.ReduceOp.MAX, local.group)
     t.sub_(t_max[:, None])
     torch.exp(t, out=scratch)
-    t_stats = _all_reduce(torch.stack([scratch.sum(dim=-1), _row_dot(scratch, t)]), dist.ReduceOp.SUM, local.group)
+    t_stats = all_reduce_in_group(torch.stack([scratch.sum(dim=-1), row_dot(scratch, t)]), dist.ReduceOp.SUM, local.group)
     neg_entropy = t_stats[1] / t_stats[0] - torch.log(t_stats[0])
     return t.copy_(scratch).div_(t_stats[0][:, None]), neg_entropy
 
 
-def _cross_entropy_to_grad(local: _LocalHead, z, label, owned, q, row, with_grad: bool):
+def _cross_entropy_to_grad(local: LocalHead, z, label, owned, q, row, with_grad: bool):
     """Per-row loss ``[n]`` and correctness ``[n]`` bool of logits ``z [n, V_real]``; with ``with_grad`` ``z``
     becomes ``(softmax - q) * row`` in place (``q [n, V_real]``: the soft target, or the one-hot of ``label
     [n, 1]`` when None; ``owned [n]``: the label is this shard's; ``row [n]``: each row's factor)."""
     group, real, zero = local.group, local.real, local.zero
     n = z.shape[0]
-    z_max = _all_reduce(_row_amax(z), dist.ReduceOp.MAX, group)
+    z_max = all_reduce_in_group(row_amax(z), dist.ReduceOp.MAX, group)
     label_shifted = torch.where(owned, z.gather(1, label)[:, 0] - z_max, zero) if real else zero.expand(n)
     if q is not None:
-        picked = _row_dot(q, z) - z_max * q.sum(dim=-1)
+        picked = row_dot(q, z) - z_max * q.sum(dim=-1)
     z.sub_(z_max[:, None]).exp_()
     stats = [z.sum(dim=-1), label_shifted] + ([picked] if q is not None else [])
-    stats = _all_reduce(torch.stack(stats), dist.ReduceOp.SUM, group)
+    stats = all_reduce_in_group(torch.stack(stats), dist.ReduceOp.SUM, group)
     sum_exp = stats[0]
     loss = torch.log(sum_exp) - (stats[2] if q is not None else stats[1])
     if with_grad:
@@ -448,7 +453,7 @@ def _cross_entropy_to_grad(local: _LocalHead, z, label, owned, q, row, with_grad
     return loss, stats[1] == 0
 
 
-def _chunk_grads(local: _LocalHead, out: _FusedBuffers, z, final, features, lo: int, hi: int) -> None:
+def _chunk_grads(local: LocalHead, out: _FusedBuffers, z, final, features, lo: int, hi: int) -> None:
     """Rows ``lo:hi`` of ``grad_hidden`` (and Domino's ``grad_features``, ``grad_shard``) from the chunk's
     ``d loss / d z`` in ``z [n, V_real]`` (and ``d loss / d final`` in ``final``, Domino), through the output
     transform's derivative; ``z`` is overwritten."""
@@ -469,7 +474,7 @@ def _chunk_grads(local: _LocalHead, out: _FusedBuffers, z, final, features, lo: 
         out.grad_hidden[lo:hi] = z.to(weight.dtype) @ weight
 
 
-def _candidate_grad_inputs(local: _LocalHead, candidate_values: torch.Tensor, candidate_ids: torch.Tensor):
+def _candidate_grad_inputs(local: LocalHead, candidate_values: torch.Tensor, candidate_ids: torch.Tensor):
     """``(rows [M, K] of W_real, factor [M, K], W_real)`` for `_add_candidate_grad`: ``d z / d hidden`` of a
     candidate is its factor times its row of ``W_real`` (this shard's candidates only, factor 0 elsewhere)."""
     real, temperature, cap = local.real, local.temperature, local.cap

@@ -88,6 +88,7 @@ from ..objectives.dflash_loss import (
     check_block_hidden,
     counted_blocks,
     decay_weights,
+    shifted_supervision,
 )
 from ..objectives.head_loss import check_loss_options, head_loss
 from ..plan.batch_plan import DFlashBatchPlan
@@ -525,16 +526,7 @@ def domino_block_targets(
     gather = lambda pos: torch.gather(ids, 1, pos.clamp(0, S - 1).reshape(B, N * P)).view(B, N, P)  # noqa: E731
     labels, prev_ids = gather(label_pos), gather(label_pos - 1)
     # loss_mask[k] is input_mask[p + k] & valid for slots k >= 1: the labels at p + 1 .. p + W - 1.
-    supervised = plan.loss_mask[:, :, 1:]
-    if shift_label:
-        last = label_pos[:, :, -1]  # p + W, one past the block
-        ctx_pos = plan.context_position_ids
-        anchor_pos = torch.gather(ctx_pos, 1, plan.anchor_positions)
-        last_pos = torch.gather(ctx_pos, 1, last.clamp(max=S - 1))
-        ok = plan.block_valid & (last < S) & (last_pos == anchor_pos + W)
-        if input_mask is not None:
-            ok = ok & torch.gather(input_mask.to(device).bool(), 1, last.clamp(max=S - 1))
-        supervised = torch.cat([supervised, ok[:, :, None]], dim=2)
+    supervised = shifted_supervision(plan, input_mask) if shift_label else plan.loss_mask[:, :, 1:]
     return labels, supervised.bool(), prev_ids
 
 
