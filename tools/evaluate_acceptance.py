@@ -41,8 +41,7 @@ if _ROOT not in sys.path:
 
 from megatron_dflash.common.cli import ArgumentParser, UsageError, quiet_dependency_warnings, report_failure, require_dir, require_file, usage_error  # noqa: E402,E501
 from megatron_dflash.decoding.metric import (  # noqa: E402  (no torch: the headline metric, shared with training)
-    decode_metric,
-    no_verify_cycle_reason,
+    decode_summary,
     row_tokens_per_target_forward,
 )
 from megatron_dflash.checkpoint.torch_dist import looks_like_save_dir  # noqa: E402  (no torch: layout names only)
@@ -488,9 +487,13 @@ def _baseline(run: _Run, per_prompt: list) -> dict:
 
 
 def _summary(run: _Run, per_prompt: list, spec_time: float, totals: dict, baseline: Optional[dict]) -> dict:
-    """The report's summary: the headline metric (`decode_metric`, as training evaluation computes it), the
+    """The report's summary: the headline metric (`decode_summary`, as training evaluation computes it), the
     batched forward counts and the throughput, with the speedup over the baseline when it ran."""
-    metric = decode_metric([p["acceptance_lengths"] for p in per_prompt], [p["generated_tokens"] for p in per_prompt])
+    metric = decode_summary(
+        [p["acceptance_lengths"] for p in per_prompt], [p["generated_tokens"] for p in per_prompt],
+        why="; ".join(sorted({p["no_cycle_reason"] for p in per_prompt if "no_cycle_reason" in p})),
+        remedy="use prompts the target continues (for the embedded tiny target: examples/prompts_tiny_target.jsonl), "
+               "or --ignore-eos")
     spec_tokens = metric["generated_tokens"]
     spec_tps = spec_tokens / spec_time if spec_time > 0 else math.nan
     summary = {
@@ -500,6 +503,7 @@ def _summary(run: _Run, per_prompt: list, spec_time: float, totals: dict, baseli
         "mean_of_prompt_acceptance_lengths": _mean(
             [p["mean_acceptance_length"] for p in per_prompt if p["mean_acceptance_length"] is not None]
         ),
+        "verify_cycles": metric["cycles"],
         "tokens_per_target_forward": metric["tokens_per_target_forward"],
         "batched_target_forwards": totals["target_forwards"],
         "batched_prefill_forwards": totals["prefill_forwards"],
@@ -507,11 +511,8 @@ def _summary(run: _Run, per_prompt: list, spec_time: float, totals: dict, baseli
         "spec_seconds": spec_time,
         "spec_tokens_per_second": spec_tps,
     }
-    if not metric["cycles"]:
-        summary["no_cycle_reason"] = no_verify_cycle_reason(
-            "; ".join(sorted({p["no_cycle_reason"] for p in per_prompt})),
-            "use prompts the target continues (for the embedded tiny target: examples/prompts_tiny_target.jsonl), "
-            "or --ignore-eos")
+    if "no_cycle_reason" in metric:
+        summary["no_cycle_reason"] = metric["no_cycle_reason"]
     if baseline is not None:
         ar_time, ar_tokens = baseline["seconds"], baseline["tokens"]
         ar_tps = ar_tokens / ar_time if ar_time > 0 else math.nan
@@ -600,10 +601,12 @@ def print_report(report: dict) -> None:
             line += f" (no cycle: {p['no_cycle_reason']})"
         print(line)
     s = report["summary"]
-    print(f"decode acceptance length (speculative decoding): {_fmt(s['mean_acceptance_length'])}")
-    if s.get("no_cycle_reason"):
-        print(f"  {s['no_cycle_reason']}")
-    print(f"tokens per target forward:   {_fmt(s['tokens_per_target_forward'])}")
+    # the headline line of training's evaluation (after torch has loaded: the training stage imports it)
+    from megatron_dflash.training.evaluation import acceptance_line
+
+    print(acceptance_line({"acceptance_length": s["mean_acceptance_length"], "cycles": s["verify_cycles"],
+                           "prompts": s["prompts"], "tokens_per_target_forward": s["tokens_per_target_forward"],
+                           "no_cycle_reason": s.get("no_cycle_reason")}))
     print(f"spec decoding:               {s['generated_tokens']} tokens in {s['spec_seconds']:.2f} s "
           f"({_fmt(s['spec_tokens_per_second'], '.1f')} tok/s)")
     if "speedup" in s:

@@ -2,7 +2,7 @@
 
 `ProcessGroups` is the job's collection of process groups (world, TP, PP, DP, EP, ...) with the ranks
 and sizes the code asks for. The training job builds it once when it sets up distribution
-(`training.loop.initialize_distributed`) and hands it down; library functions that must also run
+(`training.distributed.initialize_distributed`) and hands it down; library functions that must also run
 without a job (tests, tools, a notebook) take it as an argument whose default, `current_process_groups()`,
 is the one place that reads megatron's global `parallel_state`: its groups when initialised, else the
 single-process form, so a body built in a plain Python process (a notebook, a HF export) is the TP=1

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-__all__ = ["decode_metric", "row_tokens_per_target_forward", "no_verify_cycle_reason"]
+__all__ = ["decode_metric", "decode_summary", "row_tokens_per_target_forward", "no_verify_cycle_reason"]
 
 
 def row_tokens_per_target_forward(generated_tokens: int, cycles: int) -> float:
@@ -51,3 +51,13 @@ def no_verify_cycle_reason(why: str, remedy: str) -> str:
     ended with; `remedy`: what the user can change (the caller's flags)."""
     return f"no verify cycle ran: every prompt ended at the target's first generated token ({why}); {remedy}"
 
+
+def decode_summary(acceptance_lengths: Sequence[Sequence[int]], generated_tokens: Sequence[int], *, why: str,
+                   remedy: str) -> dict:
+    """`decode_metric` of a decoding run with its number of ``prompts``, and, when no verify cycle ran, its
+    ``no_cycle_reason`` (`no_verify_cycle_reason(why, remedy)`). What training evaluation and
+    `tools/evaluate_acceptance.py` both report."""
+    summary = {**decode_metric(acceptance_lengths, generated_tokens), "prompts": len(acceptance_lengths)}
+    if not summary["cycles"]:
+        summary["no_cycle_reason"] = no_verify_cycle_reason(why, remedy)
+    return summary

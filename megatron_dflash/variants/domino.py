@@ -839,7 +839,7 @@ def domino_propose(
 
     Returns:
         ``(tokens [B, W-1], draft_probs [B, W-1, V_head] or None)``; ``draft_probs`` (sampling only) is
-        the per-step proposal distribution over the head's columns, for `decoding.generate.rejection_verify`.
+        the per-step proposal distribution over the head's columns, for `decoding.sampling.rejection_verify`.
     """
     B, W, _ = hidden.shape
     slots = list(domino.decode_slots(W))

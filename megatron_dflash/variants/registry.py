@@ -21,8 +21,8 @@ A `Variant` says everything the rest of the package asks of a draft variant (doc
 * **its capabilities**: variable prefixes (D2SD), soft targets, the target's final hidden state,
   the weight dtypes it runs in, a forced in-block direction, uniform loss weights by default.
 
-Who asks: `training.arguments` (choices and checks), `training.job` (config, options record, draft family), `training.loop` (body,
-loss), `checkpoint` (HF save / load), `convert` (which variant a file is), `generate` (proposer) and
+Who asks: `training.arguments` (choices and checks), `training.job` (config, options record, draft family), `training.loop` (body),
+`training.step` (loss), `checkpoint` (HF save / load), `convert` (which variant a file is), `generate` (proposer) and
 `tools/evaluate_acceptance.py` (dtype).
 
 Adding a variant is one module (its config, body, loss) and one `register_variant(Variant(...))`; a

@@ -271,7 +271,7 @@ def test_one_prompt_format_for_both_tools(tmp_path):
 
 
 def test_no_cycle_and_slow_speedup_are_explained():
-    from megatron_dflash.training.loop import _acceptance_line
+    from megatron_dflash.training.evaluation import acceptance_line
 
     tool = _evaluate_module()
     assert "first token is the stop token 5" in tool.no_cycle_reason([5], [5], 64)
@@ -280,38 +280,9 @@ def test_no_cycle_and_slow_speedup_are_explained():
     assert note.startswith("speedup < 1: on CPU a small target costs about as much per forward as the draft")
     assert "3.00 tokens per target forward" in note
     assert tool.speedup_note(1.4, 3.0, "cuda") is None
-    line = _acceptance_line({"acceptance_length": float("nan"), "cycles": 0, "prompts": 2, "generated_tokens": 2,
+    line = acceptance_line({"acceptance_length": float("nan"), "cycles": 0, "prompts": 2, "generated_tokens": 2,
                              "tokens_per_target_forward": 1.0, "no_cycle_reason": "no verify cycle ran: because"})
     assert "nan" not in line and "n/a over 2 held-out prompts: no verify cycle ran: because" in line
-
-
-def test_training_evaluation_and_the_tool_share_one_decode_metric(monkeypatch):
-    """The headline decode numbers of training evaluation and of tools/evaluate_acceptance.py come from one
-    definition: acceptance length = mean committed tokens per verify cycle; tokens per target forward =
-    generated tokens over (each prompt's prefill + one forward per cycle), the README's definition."""
-    import types
-
-    import torch
-
-    from megatron_dflash.training import loop
-
-    cycles, generated = [[3, 2], [], [4]], [6, 0, 5]  # the second prompt's decoding ended at once
-
-    def fake_spec_generate(target, draft, prompts, **kwargs):
-        return types.SimpleNamespace(acceptance_lengths=cycles, num_generated=torch.tensor(generated))
-
-    monkeypatch.setattr(loop, "spec_generate", fake_spec_generate)
-    job = types.SimpleNamespace(args=types.SimpleNamespace(dflash_eval_max_new_tokens=8, dflash_eval_ignore_eos=True),
-                                stop_token_ids=None, pad_token_id=0)
-    trained = loop.acceptance_length(None, torch.nn.Linear(1, 1), [[1], [2], [3]], job)
-    assert trained["tokens_per_target_forward"] == 11 / 6  # 3 prefills + 3 verify cycles
-    tool = _evaluate_module()
-    rows = [{"acceptance_lengths": c, "generated_tokens": g, "mean_acceptance_length": None}
-            for c, g in zip(cycles, generated)]
-    summary = tool._summary(types.SimpleNamespace(), rows, 1.0, {"target_forwards": 0, "prefill_forwards": 0,
-                                                                 "draft_forwards": 0}, None)
-    assert trained["acceptance_length"] == summary["mean_acceptance_length"] == 3.0
-    assert trained["tokens_per_target_forward"] == summary["tokens_per_target_forward"] == 11 / 6  # 3 prefills + 3
 
 
 # ------------------------------------------------------------------------------------------ shipped assets

@@ -22,17 +22,9 @@ from torch import nn
 from megatron_dflash.decoding import generate
 from megatron_dflash.draft.attention import BlockVisibility, block_attention
 from megatron_dflash.draft.body import DFlashBody
-from megatron_dflash.decoding.generate import (
-    _cache_argument,
-    _compact_target_cache,
-    _make_target_cache,
-    _propose,
-    _Rows,
-    _sample,
-    greedy_verify,
-    rejection_verify,
-    sampling_probs,
-)
+from megatron_dflash.decoding.generate import _propose, _Rows
+from megatron_dflash.decoding.sampling import greedy_verify, rejection_verify, sample, sampling_probs
+from megatron_dflash.decoding.target_side import _cache_argument, _compact_target_cache, _make_target_cache
 from megatron_dflash.objectives.dflash_loss import OutputHead
 from megatron_dflash.draft.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from megatron_dflash.target.taps import taps_from_hidden_states
@@ -247,7 +239,7 @@ def _decode(
     )
     stats["prefill"] += 1
     last_logits = out.logits[:, -1].float()
-    first = _sample(target_dist(last_logits), generator) if sampling else last_logits.argmax(dim=-1)
+    first = sample(target_dist(last_logits), generator) if sampling else last_logits.argmax(dim=-1)
 
     # Draft context of the prompt, written at index = position (undo the left padding).
     # sized for the first cycles only; `write` grows it (doubling) as tokens are committed
@@ -319,7 +311,7 @@ def _decode(
                         draft_probs.scatter_(-1, candidates, candidate_probs.to(draft_probs.dtype))
             elif sampling:
                 draft_probs = torch.softmax(draft_logits / temperature, dim=-1)
-                block[:, 1:] = _sample(draft_probs, generator)
+                block[:, 1:] = sample(draft_probs, generator)
             else:
                 block[:, 1:] = draft_logits.argmax(dim=-1)
 

@@ -196,7 +196,7 @@ def test_unknown_architectures_are_refused_with_the_supported_ones(tmp_path):
 
 
 def _load(directory: str):
-    from megatron_dflash.training.loop import _load_hf_model
+    from megatron_dflash.training.frozen_target import load_hf_model
 
     class _Job:  # what the loader reads of a Job
         target_dir = directory
@@ -204,7 +204,7 @@ def _load(directory: str):
         with open(os.path.join(directory, "config.json")) as f:
             target_config = json.load(f)
 
-    return _load_hf_model(_Job, torch.float32)
+    return load_hf_model(_Job, torch.float32)
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_vl"])
