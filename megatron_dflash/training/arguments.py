@@ -691,6 +691,12 @@ def resolve_run_defaults(args: argparse.Namespace) -> None:
                  "dflash_decay_gamma"):
         if name in defaulted:
             setattr(args, name, None)
+    # The training variant's own recipe where it differs from the general one (its block size, decay, ...).
+    own = declared_options().get(getattr(args, "dflash_variant", None))
+    for name, values in (own.recipe_defaults.items() if own is not None else ()):
+        value = values[0] if with_target else values[1]
+        if name in defaulted and value is not None:
+            setattr(args, name, value)
     if args.dflash_init_from is not None:
         config_flags = [flag.dest for _, flag in variant_flags() if flag.config_field is not None]
         for name in ("dflash_block_size", "dflash_num_layers", *DRAFT_CONFIG_FLAGS, *config_flags):

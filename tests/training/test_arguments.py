@@ -129,6 +129,23 @@ def test_recipe_defaults_with_a_target_and_the_embedded_job_without(target_dir):
     assert draft_config_overrides(init, 5) == {}
 
 
+def test_a_variants_own_recipe_replaces_the_general_defaults(target_dir):
+    """DSpark's recipe (block 7, decay 4; 5 layers and 512 anchors as the general recipe) when its flags are left
+    alone, the general defaults for the other variants, and a value given wins."""
+    args = args_for("--dflash-variant", "dspark", target=target_dir)
+    assert (args.dflash_block_size, args.dflash_num_layers, args.dflash_anchors_per_sample) == (7, 5, 512)
+    assert resolve_decay_gamma(args, 7) == 4.0
+    assert (args.dflash_markov_rank, args.dflash_markov_head_type, args.dflash_confidence_threshold) == (
+        256, "vanilla", None)
+    embedded = args_for("--dflash-variant", "dspark")
+    assert (embedded.dflash_block_size, embedded.dflash_num_layers, embedded.dflash_anchors_per_sample) == (7, 2, 8)
+    assert resolve_decay_gamma(embedded, 7) == 4.0
+    given = args_for("--dflash-variant", "dspark", "--dflash-block-size", "5", "--dflash-decay-gamma", "2",
+                     target=target_dir)
+    assert (given.dflash_block_size, resolve_decay_gamma(given, 5)) == (5, 2.0)
+    assert args_for(target=target_dir).dflash_block_size == 16
+
+
 @pytest.mark.parametrize("block, variant, expected", [
     (16, "dflash", 7.0), (10, "dflash", 5.0), (8, "dflash", 4.0), (12, "dflash", 5.5), (16, "dflash2", 7.0),
     (16, "domino", 7.0), (16, "jetspec", None),
