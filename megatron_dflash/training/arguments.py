@@ -770,11 +770,13 @@ def run_variant(args: argparse.Namespace):
 
 
 def _names_with(capability: str) -> str:
-    """The registered variants that have `capability` (a `Variant` flag), for messages."""
+    """The registered variants asked for by name (not a family's form) that have `capability` (a `Variant` flag), for
+    messages."""
     # here, not at the top: the arguments are parsed and checked before torch loads (--help, usage errors)
     from ..variants.registry import get_variant, variant_names
 
-    return " / ".join(name for name in variant_names() if getattr(get_variant(name), capability))
+    return " / ".join(name for name in variant_names()
+                      if getattr(get_variant(name), capability) and get_variant(name).trains_as is None)
 
 
 def resolve_decay_gamma(args: argparse.Namespace, block_size: int) -> Optional[float]:

@@ -63,6 +63,7 @@ from ..draft.sharding import mark_uneven_split, uneven_split_rows
 from ..objectives.dspark_loss import dspark_loss
 from ..plan.batch_plan import DFlashBatchPlan
 from ..target.model import padded_vocab_size
+from .dflash2 import GREEDY_TEMPERATURE_EPS
 from .options import DSPARK_OPTIONS
 
 __all__ = [
@@ -82,6 +83,7 @@ __all__ = [
     "DSparkBody",
     "KimiK3DSparkBody",
     "dspark_prev_tokens",
+    "dspark_walk",
     "read_dspark_tensors",
     "dspark_variant_loss",
 ]
@@ -452,6 +454,17 @@ class DSparkHeads:
             features = torch.cat([hidden.to(e.dtype), e], dim=-1)
         return self.confidence_head(features)
 
+    @torch.no_grad()
+    def propose_block(self, hidden: torch.Tensor, anchor_ids: torch.Tensor, head, embedding: nn.Module,
+                      temperature: float = 0.0, generator: Optional[torch.Generator] = None):
+        """The ``W - 1`` draft tokens of one block per row (this variant's decode proposer, TP=1): `dspark_walk`
+        over slots ``0..W-2`` from the anchor (slot ``k`` proposes the token at ``n + k + 1``). `embedding` is
+        not used: the Markov head embeds the previous tokens itself. Returns ``(tokens [B, W-1], probs or
+        None)``."""
+        tokens, probs, _ = dspark_walk(self, hidden[:, :-1], anchor_ids, head, temperature=temperature,
+                                       generator=generator)
+        return tokens, probs
+
     def markov_logits(self, hidden: torch.Tensor, prev_ids: torch.Tensor, head) -> torch.Tensor:
         """fp32 ``[B, N, W, V_local]``: the head's logits of this rank's vocabulary shard plus the Markov bias
         (teacher-forced with `prev_ids`; the uncorrected logits without a Markov head)."""
@@ -491,6 +504,47 @@ class KimiK3DSparkBody(DSparkHeads, KimiK3Body):
         KimiK3Body.__init__(self, config, parallel_config=parallel_config, tp_group=tp_group,
                             attention_backend=attention_backend)
         self.build_dspark_heads(seed)
+
+
+def dspark_walk(body, hidden: torch.Tensor, anchor_ids: torch.Tensor, head, *, temperature: float = 0.0,
+                generator: Optional[torch.Generator] = None, forced_tokens: Optional[torch.Tensor] = None):
+    """Left-to-right walk through one block at decoding: slot ``k``'s logits are the head's plus the Markov bias
+    of the token picked for slot ``k - 1`` (the anchor for slot 0; the rnn state carried along), then its
+    argmax (below `GREEDY_TEMPERATURE_EPS`) or a sample of ``softmax(logits / temperature)``.
+
+    Args:
+        body: a DSpark body (`DSparkHeads`); hidden: ``[B, T, H]`` the proposing slots' hidden states;
+        anchor_ids: ``[B]`` the last committed token; head: the target's `OutputHead` (TP=1).
+        forced_tokens: ``[B, T]`` feed these as the previous tokens instead of the picks (teacher forcing, for
+            tests); the returned tokens are still the picks.
+
+    Returns:
+        ``(tokens [B, T], probs [B, T, V] or None (greedy), logits [B, T, V] fp32)``.
+    """
+    if head.tp_group.size() != 1:
+        raise ValueError("DSpark decoding runs at TP=1 (the walk picks over the whole vocabulary); gather the "
+                         "draft onto one rank (load its HF export) to decode.")
+    if temperature < 0:
+        raise ValueError(f"temperature={temperature} must be >= 0.")
+    greedy = temperature < GREEDY_TEMPERATURE_EPS
+    rows = body.markov_w2_rows(head)
+    previous, state = anchor_ids, None
+    tokens, probs, logits_out = [], [], []
+    for k in range(hidden.shape[1]):
+        logits = head.local_logits(hidden[:, k])
+        if body.markov_head is not None:
+            features, state = body.markov_head.step(previous, hidden[:, k], state)
+            logits = logits + F.linear(features.to(rows.dtype), rows).float()
+        logits_out.append(logits)
+        if greedy:
+            token = logits.argmax(dim=-1)
+        else:
+            q = torch.softmax(logits / temperature, dim=-1)
+            token = torch.multinomial(q, 1, generator=generator)[:, 0]
+            probs.append(q)
+        tokens.append(token)
+        previous = token if forced_tokens is None else forced_tokens[:, k]
+    return torch.stack(tokens, dim=1), (torch.stack(probs, dim=1) if probs else None), torch.stack(logits_out, dim=1)
 
 
 # ================================================================================== the objective

@@ -209,7 +209,7 @@ def test_every_setting_reaches_the_draft_config(target_dir):
     (["--dflash-output-multiplier", "-1"], "--dflash-output-multiplier=-1.0 must be a finite number > 0"),
     (["--dflash-layer-types", "full,sliding"], "expected comma-separated full_attention / sliding_attention"),
     (["--dflash-variant", "jetspec", "--dflash-soft-target", "kl"], "--dflash-soft-target applies to"),
-    (["--dflash-distill-temperature", "2"], "only applies to --dflash-variant jetspec or with --dflash-soft-target"),
+    (["--dflash-distill-temperature", "2"], "only applies to --dflash-variant jetspec / dspark or with --dflash-soft-target"),
 ])
 def test_draft_setting_errors(argv, message):
     with pytest.raises(ArgumentError) as info:

@@ -29,6 +29,7 @@ from megatron_dflash.variants.dspark import (
     KimiK3DSparkBody,
     KimiK3DSparkConfig,
     dspark_prev_tokens,
+    dspark_walk,
 )
 from megatron_dflash.variants.registry import get_variant, read_hf_config, variant_for_draft_family
 
@@ -296,6 +297,28 @@ def test_a_head_of_another_vocabulary_split_is_refused():
     body = our_body("vanilla")
     with pytest.raises(ValueError, match="not this rank's markov_w2 rows"):
         body.markov_w2_rows(OutputHead(nn.Linear(64, 90, bias=False), 90))
+
+
+@pytest.mark.parametrize("form", ["gated", "rnn"])
+def test_the_decode_walk_fed_the_true_tokens_gives_the_training_logits(form):
+    """The walk over slots 0..W-2 from the anchor, fed the true tokens, computes the teacher-forced corrected
+    logits of training, row by row and block by block (the rnn state carried the same way)."""
+    body = our_body(form)
+    taps, blocks, plan = random_body_inputs(body.config, ANCHORS, SEQ, 3)
+    ids, head = input_ids(body.config), OutputHead(target_head(body.config), body.config.vocab_size)
+    with torch.no_grad():
+        hidden = body(taps, blocks, plan)
+        prev = dspark_prev_tokens(ids, plan)
+        expected = body.markov_logits(hidden, prev, head)
+        B, N, W, H = hidden.shape
+        flat = hidden.reshape(B * N, W, H)[:, :-1]
+        tokens, probs, logits = dspark_walk(body, flat, prev[:, :, 0].reshape(-1), head,
+                                            forced_tokens=prev[:, :, 1:].reshape(B * N, W - 1))
+    assert probs is None and torch.equal(tokens, logits.argmax(-1))
+    error = (logits.view(B, N, W - 1, -1) - expected[:, :, :-1]).abs().max().item()
+    assert error <= TOL, error
+    free = dspark_walk(body, flat, prev[:, :, 0].reshape(-1), head)[2]
+    assert not torch.allclose(free[:, 1:], logits[:, 1:])  # its own picks, not the true tokens, when free
 
 
 # ------------------------------------------------------------------------------ registry and recipe
