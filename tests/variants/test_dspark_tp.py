@@ -1,4 +1,4 @@
-"""DSpark under tensor parallelism, on simulated gloo ranks (TP = world size = 2).
+"""DSpark (the Qwen3-style and the Kimi K3 draft) under tensor parallelism, on simulated gloo ranks (TP = world size = 2).
 
 The vocabulary (300) pads to 512 at TP=2, so the target head's shards are rows [0, 256) and [256, 512)
 and ``markov_w2`` is split unevenly (256 real rows, then 44): TP=2 equals TP=1 with the same full weights
@@ -15,17 +15,33 @@ import torch
 
 from megatron_dflash.common.parallel import SingleRankGroup
 from megatron_dflash.draft.body import default_parallel_config
-from megatron_dflash.variants.dspark import DSparkBody, DSparkConfig, dspark_prev_tokens
+from megatron_dflash.variants.dspark import (
+    DSparkBody,
+    DSparkConfig,
+    KimiK3DSparkBody,
+    KimiK3DSparkConfig,
+    dspark_prev_tokens,
+)
 
 from builders import tiny_draft_kwargs
 from test_body_tp import RTOL, _plan, _relative_error
+from test_kimi_k3 import DRAFT as K3_DRAFT, target_dict as k3_target_dict
 
 VOCAB, PADDED = 300, 512
 
 
-def config(form: str) -> DSparkConfig:
+def config(form: str):
+    """A Qwen3-style DSpark config of Markov head `form`, or (``k3_<form>``) a Kimi K3 one."""
+    if form.startswith("k3_"):
+        target = {**k3_target_dict("lora_gated"), "model_type": "kimi_linear", "vocab_size": VOCAB}
+        return KimiK3DSparkConfig.from_target_config(target, **K3_DRAFT, markov_rank=8, markov_head_type=form[3:],
+                                                     enable_confidence_head=True, confidence_head_with_markov=True)
     return DSparkConfig(**tiny_draft_kwargs(vocab_size=VOCAB, markov_rank=8, markov_head_type=form,
                                             confidence_head_with_markov=form != "vanilla"))
+
+
+def body_class(form: str):
+    return KimiK3DSparkBody if form.startswith("k3_") else DSparkBody
 
 
 def _full_index(param, rank: int, world_size: int):
@@ -68,9 +84,10 @@ def _on_ranks_parity(rank: int, world_size: int, forms) -> dict:
     for form in forms:
         cfg = config(form)
         torch.manual_seed(11)
-        reference = DSparkBody(cfg, default_parallel_config(), tp_group=SingleRankGroup(), attention_backend="dense")
+        cls = body_class(form)
+        reference = cls(cfg, default_parallel_config(), tp_group=SingleRankGroup(), attention_backend="dense")
         torch.manual_seed(11)
-        body = DSparkBody(cfg, default_parallel_config(), attention_backend="dense")
+        body = cls(cfg, default_parallel_config(), attention_backend="dense")
         full = dict(reference.named_parameters())
         init_same = [n for n, p in body.named_parameters()
                      if not torch.equal(p, _piece(full[n], _full_index(p, rank, world_size)))]
@@ -120,7 +137,7 @@ def _on_ranks_checkpoints(rank: int, world_size: int, hf_tp1: str, megatron_tp1:
 
 @pytest.mark.parametrize("world_size", [2])
 def test_tp_matches_tp1_outputs_and_every_gradient(tp_pool, world_size):
-    reports = tp_pool(world_size).run(_on_ranks_parity, ["vanilla", "gated", "rnn"], timeout=300)
+    reports = tp_pool(world_size).run(_on_ranks_parity, ["vanilla", "gated", "rnn", "k3_rnn"], timeout=300)
     failures = []
     for rank, report in enumerate(reports):
         for form, result in report.items():
