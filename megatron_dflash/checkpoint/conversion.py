@@ -274,7 +274,7 @@ def convert_hf_to_megatron(
     if target_tensor_parallel_size is not None:
         config.validate_tensor_parallel(int(target_tensor_parallel_size))
     dtype = _parse_dtype(dtype)
-    tensors = read_safetensors(load)
+    tensors = architecture.read_hf_tensors(read_safetensors(load))
     out_dtype = dtype or common_dtype(t.dtype for t in tensors.values())
     _check_dtype_allowed(architecture, out_dtype)
     with single_process_group():

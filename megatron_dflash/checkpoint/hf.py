@@ -203,5 +203,5 @@ def load_hf_checkpoint(
         config, parallel_config=parallel_config or default_parallel_config(), tp_group=tp_group,
         attention_backend=attention_backend,
     )
-    load_hf_state_dict_into(body, read_safetensors(directory))
+    load_hf_state_dict_into(body, variant.read_hf_tensors(read_safetensors(directory)))
     return body

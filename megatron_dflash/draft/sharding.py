@@ -12,7 +12,11 @@ format). Nothing here knows which variants exist or reads a file.
 
 Which parameters are split, and along which dimension, is read from the attributes megatron
 puts on its parallel weights (`tensor_model_parallel`, `partition_dim`); every other parameter
-is replicated over the TP group.
+is replicated over the TP group. A split tensor may also be split **unevenly** (`mark_uneven_split`):
+rank `k` holds indices `[k * chunk, min(full, (k + 1) * chunk))` of its split dimension, so the last
+ranks hold fewer (the partition of megatron's padded vocabulary, without the padding: DSpark's
+`markov_w2`, docs/design.md §18 DSpark). Its full tensor has `full` rows in every format, and the
+megatron layout describes it as an uneven grid, so it reshards at load like the even splits.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from ..common.parallel import current_process_groups, is_distributed_group
 
 __all__ = [
     "local_tensors",
+    "mark_uneven_split",
+    "uneven_split_rows",
     "data_parallel_rank",
     "hf_state_dict",
     "check_tensor_shapes",
@@ -47,6 +53,21 @@ def local_tensors(body: nn.Module) -> dict[str, torch.Tensor]:
             continue
         out[name] = value
     return out
+
+
+def mark_uneven_split(param: torch.Tensor, dim: int, full: int, chunk: int) -> None:
+    """Mark `param` as this rank's part of a tensor split unevenly along `dim` over the TP group: `full`
+    indices in all, rank `k` holding `[k * chunk, min(full, (k + 1) * chunk))` (see the module docstring)."""
+    param.tensor_model_parallel = True
+    param.partition_dim = int(dim)
+    param.partition_stride = 1
+    param.uneven_split = (int(full), int(chunk))
+
+
+def uneven_split_rows(full: int, chunk: int, rank: int) -> tuple[int, int]:
+    """`(start, end)` of the indices rank `rank` holds of an uneven split (`mark_uneven_split`)."""
+    start = min(full, rank * chunk)
+    return start, min(full, start + chunk)
 
 
 def _partition_dims(body: nn.Module) -> dict[str, Optional[int]]:
@@ -91,10 +112,17 @@ def _tp_size_rank(body: nn.Module) -> tuple[int, int]:
 
 
 def _gather(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
-    """Concatenate the shards of `tensor` held by every rank of `group` along `dim`."""
-    local = tensor.detach().contiguous()
+    """Concatenate the shards of `tensor` held by every rank of `group` along `dim` (an uneven split's
+    shards are padded to `chunk` for the all-gather and trimmed again)."""
+    local = tensor.detach()
+    uneven = getattr(tensor, "uneven_split", None)
+    if uneven is not None:
+        local = nn.functional.pad(local.movedim(dim, -1), (0, uneven[1] - local.shape[dim])).movedim(-1, dim)
+    local = local.contiguous()
     parts = [torch.empty_like(local) for _ in range(group.size())]
     dist.all_gather(parts, local, group=group)
+    if uneven is not None:
+        parts = [p.narrow(dim, 0, b - a) for k, p in enumerate(parts) for a, b in [uneven_split_rows(*uneven, k)]]
     return torch.cat(parts, dim=dim)
 
 
@@ -111,8 +139,9 @@ def _full_shapes(body: nn.Module) -> dict[str, tuple[tuple[int, ...], Optional[i
     for name, tensor in local_tensors(body).items():
         dim = dims[name]
         shape = list(tensor.shape)
+        uneven = getattr(tensor, "uneven_split", None)
         if dim is not None:
-            shape[dim] *= tp
+            shape[dim] = uneven[0] if uneven is not None else shape[dim] * tp
         out[name] = (tuple(shape), dim)
     return out
 
@@ -238,7 +267,11 @@ def load_hf_state_dict_into(body: nn.Module, state_dict: Mapping[str, torch.Tens
         for name, param in local.items():
             full = given[name]
             dim = expected[name][1]
-            if dim is not None and tp > 1:
+            uneven = getattr(param, "uneven_split", None)
+            if dim is not None and uneven is not None:
+                start, end = uneven_split_rows(*uneven, rank)
+                full = full.narrow(dim, start, end - start)
+            elif dim is not None and tp > 1:
                 full = full.chunk(tp, dim=dim)[rank]
             param.copy_(full.to(device=param.device, dtype=param.dtype))
 
@@ -266,7 +299,16 @@ def sharded_state_dict(body: nn.Module, prefix: str = "") -> dict:
     for name, tensor in local_tensors(body).items():
         key = prefix + name
         dim = dims[name]
-        if dim is not None:
+        uneven = getattr(tensor, "uneven_split", None)
+        if dim is not None and uneven is not None:  # an irregular grid: offsets stated, not a fragment count
+            start, _ = uneven_split_rows(*uneven, tp_rank)
+            global_shape = list(tensor.shape)
+            global_shape[dim] = uneven[0]
+            offset = [0] * tensor.dim()
+            offset[dim] = start
+            sharded = ShardedTensor(key, tensor, tensor.dtype, tuple(tensor.shape), tuple(global_shape),
+                                    tuple(offset), None, replica_id=(0, 0, dp_rank))
+        elif dim is not None:
             sharded = ShardedTensor.from_rank_offsets(
                 key, tensor, (dim, tp_rank, tp), replica_id=(0, 0, dp_rank)
             )

@@ -704,6 +704,12 @@ def resolve_run_defaults(args: argparse.Namespace) -> None:
                  "dflash_decay_gamma"):
         if name in defaulted:
             setattr(args, name, None)
+    # The training variant's own recipe where it differs from the general one (its block size, decay, ...).
+    own = declared_options().get(getattr(args, "dflash_variant", None))
+    for name, values in (own.recipe_defaults.items() if own is not None else ()):
+        value = values[0] if with_target else values[1]
+        if name in defaulted and value is not None:
+            setattr(args, name, value)
     if args.dflash_init_from is not None:
         config_flags = [flag.dest for _, flag in variant_flags() if flag.config_field is not None]
         for name in ("dflash_block_size", "dflash_num_layers", *DRAFT_CONFIG_FLAGS, *config_flags):
@@ -802,11 +808,13 @@ def run_variant(args: argparse.Namespace):
 
 
 def _names_with(capability: str) -> str:
-    """The registered variants that have `capability` (a `Variant` flag), for messages."""
+    """The registered variants asked for by name (not a family's form) that have `capability` (a `Variant` flag), for
+    messages."""
     # here, not at the top: the arguments are parsed and checked before torch loads (--help, usage errors)
     from ..variants.registry import get_variant, variant_names
 
-    return " / ".join(name for name in variant_names() if getattr(get_variant(name), capability))
+    return " / ".join(name for name in variant_names()
+                      if getattr(get_variant(name), capability) and get_variant(name).trains_as is None)
 
 
 def resolve_decay_gamma(args: argparse.Namespace, block_size: int) -> Optional[float]:

@@ -238,7 +238,7 @@ class _Training:
             body = job.variant.build_body(cfg, parallel_config, attention_backend=args.dflash_attention_backend)
             if job.init_from is not None:
                 try:
-                    load_hf_state_dict_into(body, read_safetensors(job.init_from))
+                    load_hf_state_dict_into(body, job.variant.read_hf_tensors(read_safetensors(job.init_from)))
                 except ValueError as err:  # damaged weights: the same on every rank (each reads the file)
                     raise ArgumentError(f"--dflash-init-from={job.init_from}: {err}") from err
                 self.log0(f"[dflash] initialised the draft from {job.init_from}")

@@ -27,6 +27,7 @@ __all__ = [
     "DFlash2Options",
     "JetSpecOptions",
     "DominoOptions",
+    "DSparkOptions",
     "VALUE_CHECKS",
     "BUILT_IN_OPTIONS",
     "declare_options",
@@ -96,11 +97,15 @@ class VariantOptions:
         options_cls: a dataclass; one instance per run (`build`) reaches the variant's loss adapter.
         flags: the variant's own flags (refused for the other variants when given).
         shared: options field -> the parsed-arguments attribute of a general flag (declared by `training.arguments`).
+    recipe_defaults: the parsed-arguments attribute of a general flag -> `(with --target, embedded job)`: the
+        variant's published recipe where it differs from the general default (e.g. its block size); a value
+        None keeps the general default. Applies only to flags left at their default.
     """
 
     options_cls: type
     flags: tuple[Flag, ...] = ()
     shared: Mapping[str, str] = field(default_factory=dict)
+    recipe_defaults: Mapping[str, tuple] = field(default_factory=dict)
 
     def build(self, values: Mapping[str, Any]):
         """The options record of one run from the parsed (and resolved) arguments, `vars(args)`."""
@@ -166,6 +171,22 @@ class DominoOptions:
     pure_draft_prefix_len: Optional[int] = 1
 
 
+@dataclass(frozen=True)
+class DSparkOptions:
+    """DSpark: the Markov head's and confidence head's architecture (None: the drafter's), the three loss
+    weights (CE on the data, L1 to the target's distribution, BCE of the confidence head) and the decoding
+    confidence threshold (None: every drafted token is proposed)."""
+
+    markov_rank: Optional[int] = 256
+    markov_head_type: Optional[str] = "vanilla"
+    confidence_head: Optional[bool] = True
+    confidence_head_with_markov: Optional[bool] = True
+    ce_loss_weight: float = 0.1
+    l1_loss_weight: float = 0.9
+    bce_loss_weight: float = 1.0
+    confidence_threshold: Optional[float] = None
+
+
 DFLASH_OPTIONS = VariantOptions(
     DFlashOptions, shared={"soft_target": "dflash_soft_target", "temperature": "dflash_distill_temperature"},
 )
@@ -202,12 +223,41 @@ DOMINO_OPTIONS = VariantOptions(DominoOptions, flags=(
          config_field="pure_draft_prefix_len", help="Domino: leading predicted slots left uncorrected."),
 ))
 
+DSPARK_OPTIONS = VariantOptions(DSparkOptions, flags=(
+    Flag("--dflash-markov-rank", "markov_rank", int, 256, check="non_negative_int", config_field="markov_rank",
+         help="DSpark: width r of the Markov head (W1 [V, r], W2 [V, r]); 0: no Markov head."),
+    Flag("--dflash-markov-head-type", "markov_head_type", str, "vanilla", choices=("vanilla", "gated", "rnn"),
+         config_field="markov_head_type",
+         help="DSpark: the Markov head's form: W1[prev] (vanilla), gated by the hidden state, or a recurrence (rnn)."),
+    Flag("--dflash-confidence-head", "confidence_head", bool, True, config_field="enable_confidence_head",
+         help="DSpark: train the confidence head (the per-slot acceptance predictor)."),
+    Flag("--dflash-confidence-head-with-markov", "confidence_head_with_markov", bool, True,
+         config_field="confidence_head_with_markov",
+         help="DSpark: the confidence head also reads W1[prev] (input H + r instead of H)."),
+    Flag("--dflash-ce-loss-weight", "ce_loss_weight", float, 0.1, check="finite_non_negative",
+         help="DSpark: weight of the cross entropy on the data tokens."),
+    Flag("--dflash-l1-loss-weight", "l1_loss_weight", float, 0.9, check="finite_non_negative",
+         help="DSpark: weight of the L1 distance to the target's distribution."),
+    Flag("--dflash-bce-loss-weight", "bce_loss_weight", float, 1.0, check="finite_non_negative",
+         help="DSpark: weight of the confidence head's binary cross entropy."),
+    Flag("--dflash-confidence-threshold", "confidence_threshold", float, None, check="unit_interval",
+         help="DSpark decoding: stop a drafted block at the first slot whose predicted acceptance is below this "
+         "(off by default)."),
+), recipe_defaults={
+    # The published DSpark recipe: 7 predicted slots per block (slot 0 predicts too), 5 layers, decay 4.
+    "dflash_block_size": (7, 7),
+    "dflash_num_layers": (5, None),
+    "dflash_decay_gamma": (4.0, 4.0),
+    "dflash_anchors_per_sample": (512, None),
+})
+
 # The built-in variants a user asks for by `--dflash-variant`, in the order `--help` lists them.
 BUILT_IN_OPTIONS: dict[str, VariantOptions] = {
     "dflash": DFLASH_OPTIONS,
     "dflash2": DFLASH2_OPTIONS,
     "domino": DOMINO_OPTIONS,
     "jetspec": JETSPEC_OPTIONS,
+    "dspark": DSPARK_OPTIONS,
 }
 
 

@@ -53,12 +53,24 @@ from .dflash2 import (
     DFlash2Config,
     dflash2_loss,
 )
+from .dspark import (
+    DSPARK_ARCHITECTURE,
+    KIMI_K3_DSPARK_ARCHITECTURE,
+    DSparkBody,
+    DSparkConfig,
+    KimiK3DSparkBody,
+    KimiK3DSparkConfig,
+    dspark_variant_loss,
+    is_dspark_hf_config,
+    read_dspark_tensors,
+)
 from .domino import DOMINO_ARCHITECTURE, DominoBody, DominoConfig, domino_lambda, domino_loss, is_domino_hf_config
 from .jetspec import JetSpecConfig, jetspec_loss
 from .options import (
     DFLASH2_OPTIONS,
     DFLASH_OPTIONS,
     DOMINO_OPTIONS,
+    DSPARK_OPTIONS,
     JETSPEC_OPTIONS,
     NoOptions,
     VariantOptions,
@@ -138,6 +150,8 @@ class Variant:
         dtype_reason: why other dtypes are refused (for the message).
         causal: the in-block direction it forces on every layer (None: the config's).
         uniform_loss_weights: its published recipe weights every slot alike (no decay by default).
+        hf_tensors: how it reads a HF file's tensors before loading them (drop what other trainers add beside the
+            draft, refuse a foreign layout with its own message); None: as they are.
     """
 
     name: str
@@ -160,6 +174,7 @@ class Variant:
     dtype_reason: str = ""
     causal: Optional[bool] = None
     uniform_loss_weights: bool = False
+    hf_tensors: Optional[Callable[[Mapping[str, torch.Tensor]], dict]] = None
 
     # ------------------------------------------------------------------ HF files
     @property
@@ -174,6 +189,10 @@ class Variant:
             except (AttributeError, TypeError, ValueError):  # malformed: the config parser says what is wrong
                 return False
         return _first_architecture(data) in self.hf_names
+
+    def read_hf_tensors(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A HF file's tensors as this variant's body loads them (`hf_tensors`)."""
+        return dict(tensors) if self.hf_tensors is None else self.hf_tensors(tensors)
 
     def config_from_pretrained(self, directory: str) -> DFlashConfig:
         """The config of a HF draft directory, read as this variant."""
@@ -236,7 +255,8 @@ def register_variant(variant: Variant) -> Variant:
             f"a draft variant named {variant.name!r} is registered already ({_VARIANTS[variant.name].title}); "
             "choose another name, or unregister_variant() the old one first."
         )
-    declare_options(variant.name, variant.options)  # its flags reach the parser built from now on
+    if variant.trains_as is None:  # a family's form of another variant's objective takes that variant's flags
+        declare_options(variant.name, variant.options)  # its flags reach the parser built from now on
     _VARIANTS[variant.name] = variant
     return variant
 
@@ -405,6 +425,11 @@ def _domino_loss(body, hidden, plan, input_ids, head, *, decay_gamma, chunk_slot
     return VariantLoss(out.loss_sum, out.weight_sum, out.metrics)
 
 
+def _dspark_loss(*args, **kwargs) -> VariantLoss:
+    out = dspark_variant_loss(*args, **kwargs)
+    return VariantLoss(out.loss_sum, out.weight_sum, out.metrics)
+
+
 # ================================================================================== the built-in variants
 
 # NeMo AutoModel names its drafters after its Qwen3 classes; they are the same drafts.
@@ -453,6 +478,19 @@ for _variant in (
         name="kimi_k3", title="DFlash (Kimi K3 MLA draft)", config_cls=KimiK3DraftConfig, body_cls=KimiK3Body,
         architecture=KIMI_K3_DRAFT_ARCHITECTURE, loss=_dflash_loss, options=DFLASH_OPTIONS,
         draft_family=KIMI_K3_DRAFT_FAMILY, trains_as="dflash", supports_dpace=True,
+    ),
+    # DSpark (docs/design.md §18 DSpark): the Markov and confidence heads on the Qwen3-style body, and the same
+    # heads on the Kimi K3 MLA body (its family's form of the objective).
+    Variant(
+        name="dspark", title="DSpark", config_cls=DSparkConfig, body_cls=DSparkBody,
+        architecture=DSPARK_ARCHITECTURE, hf_match=is_dspark_hf_config, loss=_dspark_loss, options=DSPARK_OPTIONS,
+        proposer=_propose_block, needs_final_hidden=True, hf_tensors=read_dspark_tensors,
+    ),
+    Variant(
+        name="kimi_k3_dspark", title="DSpark (Kimi K3 MLA draft)", config_cls=KimiK3DSparkConfig,
+        body_cls=KimiK3DSparkBody, architecture=KIMI_K3_DSPARK_ARCHITECTURE, loss=_dspark_loss,
+        options=DSPARK_OPTIONS, draft_family=KIMI_K3_DRAFT_FAMILY, trains_as="dspark", needs_final_hidden=True,
+        proposer=_propose_block, hf_tensors=read_dspark_tensors,
     ),
 ):
     register_variant(_variant)

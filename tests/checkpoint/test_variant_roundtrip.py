@@ -1,6 +1,6 @@
 """Every variant survives the HF round trip unchanged, and decodes the same after it.
 
-For each of DFlash, DFlash 2, JetSpec and Domino (weights made non-trivial where they start as the
+For each of DFlash, DFlash 2, JetSpec, Domino and DSpark (weights made non-trivial where they start as the
 identity): write the body as a HF draft, load the directory back through the one generic loader
 (`checkpoint.hf.load_hf_checkpoint`, which picks the variant from config.json), and check that the
 reloaded body is the same variant with bit-identical weights and that `spec_generate` gives the same
@@ -21,6 +21,7 @@ from megatron_dflash.draft.config import DFlashConfig
 from megatron_dflash.decoding.generate import spec_generate
 from megatron_dflash.variants.dflash2 import DFlash2Body, DFlash2Config
 from megatron_dflash.variants.domino import DominoBody, DominoConfig
+from megatron_dflash.variants.dspark import DSparkBody, DSparkConfig
 from megatron_dflash.variants.jetspec import JetSpecConfig
 
 transformers = pytest.importorskip("transformers")
@@ -65,6 +66,12 @@ def _draft(variant: str):
                 for conv in (layer.attention_conv, layer.mlp_conv):
                     conv.base_kernel[:, 0] += 1.0
         return body, DFlash2Body, DFlash2Config
+    if variant == "dspark":
+        config = DSparkConfig(**_common(), markov_rank=8, markov_head_type="rnn")
+        body = DSparkBody(config, attention_backend="chunked")
+        with torch.no_grad():  # a Markov bias that changes the picks
+            body.markov_head.markov_w2.weight.normal_(0.0, 1.0)
+        return body, DSparkBody, DSparkConfig
     config = DominoConfig(**_common(), emb_dim=16, gru_hidden_dim=24, shift_label=True, pure_draft_prefix_len=1)
     body = DominoBody(config, attention_backend="chunked")
     with torch.no_grad():  # the correction starts at zero
@@ -72,7 +79,7 @@ def _draft(variant: str):
     return body, DominoBody, DominoConfig
 
 
-@pytest.mark.parametrize("variant", ["dflash", "dflash2", "jetspec", "domino"])
+@pytest.mark.parametrize("variant", ["dflash", "dflash2", "jetspec", "domino", "dspark"])
 def test_hf_round_trip_keeps_weights_and_decoding(variant, tmp_path):
     target = _target()
     body, body_cls, config_cls = _draft(variant)

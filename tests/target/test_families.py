@@ -157,8 +157,8 @@ def test_kimi_k3_targets_resolve_to_the_k3_draft_family(tmp_path, architecture):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--dflash-variant", "dflash2"], r"the kimi_k3 draft family has no dflash2 draft; it supports \['dflash'\]"),
-    (["--dflash-variant", "domino"], r"the kimi_k3 draft family has no domino draft; it supports \['dflash'\]"),
+    (["--dflash-variant", "dflash2"], r"the kimi_k3 draft family has no dflash2 draft; it supports \['dflash', 'dspark'\]"),
+    (["--dflash-variant", "domino"], r"the kimi_k3 draft family has no domino draft; it supports \['dflash', 'dspark'\]"),
     (["--target-backend", "megatron"], r"kimi_k3 targets run with \['hf'\] only"),
     (["--pack-sequences"], "drop --pack-sequences"),
 ])

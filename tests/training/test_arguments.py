@@ -132,6 +132,23 @@ def test_recipe_defaults_with_a_target_and_the_embedded_job_without(target_dir):
     assert draft_config_overrides(init, 5) == {}
 
 
+def test_a_variants_own_recipe_replaces_the_general_defaults(target_dir):
+    """DSpark's recipe (block 7, decay 4; 5 layers and 512 anchors as the general recipe) when its flags are left
+    alone, the general defaults for the other variants, and a value given wins."""
+    args = args_for("--dflash-variant", "dspark", target=target_dir)
+    assert (args.dflash_block_size, args.dflash_num_layers, args.dflash_anchors_per_sample) == (7, 5, 512)
+    assert resolve_decay_gamma(args, 7) == 4.0
+    assert (args.dflash_markov_rank, args.dflash_markov_head_type, args.dflash_confidence_threshold) == (
+        256, "vanilla", None)
+    embedded = args_for("--dflash-variant", "dspark")
+    assert (embedded.dflash_block_size, embedded.dflash_num_layers, embedded.dflash_anchors_per_sample) == (7, 2, 8)
+    assert resolve_decay_gamma(embedded, 7) == 4.0
+    given = args_for("--dflash-variant", "dspark", "--dflash-block-size", "5", "--dflash-decay-gamma", "2",
+                     target=target_dir)
+    assert (given.dflash_block_size, resolve_decay_gamma(given, 5)) == (5, 2.0)
+    assert args_for(target=target_dir).dflash_block_size == 16
+
+
 @pytest.mark.parametrize("block, variant, expected", [
     (16, "dflash", 7.0), (10, "dflash", 5.0), (8, "dflash", 4.0), (12, "dflash", 5.5), (16, "dflash2", 7.0),
     (16, "domino", 7.0), (16, "jetspec", None),
@@ -195,7 +212,7 @@ def test_every_setting_reaches_the_draft_config(target_dir):
     (["--dflash-output-multiplier", "-1"], "--dflash-output-multiplier=-1.0 must be a finite number > 0"),
     (["--dflash-layer-types", "full,sliding"], "expected comma-separated full_attention / sliding_attention"),
     (["--dflash-variant", "jetspec", "--dflash-soft-target", "kl"], "--dflash-soft-target applies to"),
-    (["--dflash-distill-temperature", "2"], "only applies to --dflash-variant jetspec or with --dflash-soft-target"),
+    (["--dflash-distill-temperature", "2"], "only applies to --dflash-variant jetspec / dspark or with --dflash-soft-target"),
     (["--dflash-loss-weighting", "dpace", "--dflash-dpace-alpha", "1.5"], "--dflash-dpace-alpha=1.5 must be in [0, 1]."),
     (["--dflash-loss-weighting", "dpace", "--dflash-dpace-alpha", "-0.5"], "--dflash-dpace-alpha=-0.5 must be in [0, 1]."),
     (["--dflash-loss-weighting", "dpace", "--dflash-dpace-alpha", "nan"], "--dflash-dpace-alpha=nan must be in [0, 1]."),
