@@ -62,7 +62,7 @@ from ..draft.kimi_k3.config import KimiK3DraftConfig
 from ..draft.sharding import mark_uneven_split, uneven_split_rows
 from ..objectives.dspark_loss import dspark_loss
 from ..plan.batch_plan import DFlashBatchPlan
-from ..target.model import padded_vocab_size
+from ..target.megatron.config import padded_vocab_size
 from .dflash2 import GREEDY_TEMPERATURE_EPS
 from .options import DSPARK_OPTIONS
 

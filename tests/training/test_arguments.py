@@ -222,9 +222,9 @@ def test_every_setting_reaches_the_draft_config(target_dir):
      "--dflash-decay-gamma does not apply to --dflash-loss-weighting dpace"),
     (["--dflash-loss-weighting", "dpace", "--dflash-soft-target", "kl"], "it does not apply with --dflash-soft-target"),
     (["--dflash-variant", "domino", "--dflash-loss-weighting", "dpace"],
-     "--dflash-loss-weighting dpace applies to --dflash-variant dflash / dflash2 / kimi_k3 (domino"),
+     "--dflash-loss-weighting dpace applies to --dflash-variant dflash / dflash2 (domino"),
     (["--dflash-variant", "jetspec", "--dflash-loss-weighting", "dpace-cumulative-confidence-only"],
-     "applies to --dflash-variant dflash / dflash2 / kimi_k3 (jetspec"),
+     "applies to --dflash-variant dflash / dflash2 (jetspec"),
 ])
 def test_draft_setting_errors(argv, message):
     with pytest.raises(ArgumentError) as info:
