@@ -1,4 +1,20 @@
-"""Shared pytest fixtures."""
+"""Shared pytest fixtures, and where the tests' shared code lives.
+
+* `tests/<stage>/test_<module>.py` mirrors the package; `tests/e2e/` holds the end-to-end suites. A test
+  module never imports another one (tests/test_test_layout.py checks it).
+* `tests/helpers/`: what several test modules use, each module named for what it holds:
+  `tp_harness.py` (the gloo rank pool), `tp_checks.py` (TP-vs-TP=1 comparisons and bad-rank inputs),
+  `builders.py` (tiny draft sizes and body inputs), `tiny_targets.py` (tiny HF targets for the target
+  tests), `tiny_decoding.py` (targets, drafts, prompts and statistics checks for decoding),
+  `reference_sampling.py` (the exact sampling distribution), `reference_decode.py` / `reference_engine.py`
+  (oracles of the old decode path and of the training engine), `nemo_reference.py` (NeMo AutoModel's
+  drafters as references), `kimi_k3_configs.py` (tiny Kimi K3 targets and drafts), `data_records.py`
+  (a chat, a `Sample`), `largest_tensor.py` (the memory bound of the loss kernels), `training_runs.py`
+  (short runs of the training entry point), `entry_points.py` (the tools' modules, a child process's
+  environment), `repo_paths.py` (where the repository is).
+* Fixtures: here for every folder (`tp_pool`, `one_thread`, `tiny_target`); in a folder's `conftest.py`
+  for that folder (`data/`: the tokenizers `tok`, `tok_plain`; `e2e/`: the short run `trained`).
+"""
 
 from __future__ import annotations
 
@@ -8,10 +24,9 @@ import sys
 import pytest
 import torch
 
-# The tests import the package from the checkout, the modules of tests/helpers/ (the rank pool, builders,
-# reference implementations) and the shared fixtures of other test modules by module name: the folders of
-# tests/ mirror the package, and a test module's base name is unique across them. The rank processes
-# spawned by the harness inherit sys.path.
+# The tests import the package from the checkout and the modules of tests/helpers/ by module name. The
+# test folders are on sys.path too (a test module's base name is unique across them): the rank processes
+# spawned by the harness inherit sys.path and import the functions they run from their test module by name.
 _TESTS = os.path.dirname(os.path.abspath(__file__))
 _FOLDERS = sorted(dirpath for dirpath, _, names in os.walk(_TESTS)
                   if any(name.startswith("test_") and name.endswith(".py") for name in names))

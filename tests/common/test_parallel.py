@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from tp_harness import THREAD_BOUND, RankError, RankPool, rank_thread_count, thread_count
+from tp_harness import THREAD_BOUND, RankError, RankPool, live_process_groups, rank_thread_count, thread_count
 
 # Threads a rank may gain over a set-up / teardown cycle: teardown joins every group's threads,
 # but a library may start a small worker pool once on first use. One leaked set-up is ~60.
@@ -25,12 +25,6 @@ LAYOUTS = [
 ]
 
 
-def _live_groups() -> int:
-    from torch.distributed.distributed_c10d import _world
-
-    return len(_world.pg_map)
-
-
 def _set_up_and_tear_down(rank: int, world_size: int, layouts: list) -> dict:
     """Each layout set up and torn down in turn, next to a group of the caller's own."""
     import torch
@@ -39,13 +33,13 @@ def _set_up_and_tear_down(rank: int, world_size: int, layouts: list) -> dict:
     from megatron_dflash.common.parallel import destroy_model_parallel, initialize_model_parallel
 
     mine = dist.new_group(list(range(world_size)))
-    start = {"groups": _live_groups(), "threads": thread_count()}
+    start = {"groups": len(live_process_groups()), "threads": thread_count()}
     cycles = []
     for sizes in layouts:
         initialize_model_parallel(**sizes)
-        during = _live_groups()
+        during = len(live_process_groups())
         destroy_model_parallel()
-        cycles.append({"during": during, "groups": _live_groups(), "threads": thread_count()})
+        cycles.append({"during": during, "groups": len(live_process_groups()), "threads": thread_count()})
     value = torch.ones(1)
     dist.all_reduce(value, group=mine)  # the caller's group survived every teardown
     dist.destroy_process_group(mine)
@@ -76,12 +70,12 @@ def _training_setup_cycles(rank: int, world_size: int, target: str, tp: int, cyc
             "--dflash-eval-prompts", "0"]
     with megatron_target_on_cpu():  # the megatron target backend on CPU ranks
         job = prepare_job(parse_args(argv), world_size, log=lambda *a: None)
-    start = {"groups": _live_groups(), "threads": thread_count()}
+    start = {"groups": len(live_process_groups()), "threads": thread_count()}
     after = []
     for _ in range(cycles):
         ctx = initialize_distributed(job)
         ctx.close()
-        after.append({"groups": _live_groups(), "threads": thread_count()})
+        after.append({"groups": len(live_process_groups()), "threads": thread_count()})
     return {"start": start, "after": after}
 
 

@@ -21,14 +21,8 @@ from megatron_dflash.data.batching import (
     pack_samples,
 )
 from megatron_dflash.data.datasets import SyntheticChatDataset
-from megatron_dflash.data.samples import Sample, stable_sample_id
-from test_chat import tok  # noqa: F401 - a fixture
-
-
-def _sample(ids, mask=None, sid=0):
-    ids = torch.as_tensor(ids, dtype=torch.int64)
-    mask = torch.ones_like(ids, dtype=torch.bool) if mask is None else torch.as_tensor(mask, dtype=torch.bool)
-    return Sample(ids, mask, sid)
+from megatron_dflash.data.samples import stable_sample_id
+from data_records import make_sample
 
 
 # --------------------------------------------------------------------------------------------------
@@ -38,7 +32,7 @@ def _sample(ids, mask=None, sid=0):
 
 def test_pack_first_fit_example():
     lengths = [6, 5, 3, 4, 2]
-    samples = [_sample(list(range(10 * i, 10 * i + n)), sid=100 + i) for i, n in enumerate(lengths)]
+    samples = [make_sample(list(range(10 * i, 10 * i + n)), sid=100 + i) for i, n in enumerate(lengths)]
     rows = pack_samples(samples, 8)
     assert [r.sample_ids for r in rows] == [(100, 104), (101, 102), (103,)]
     assert rows[2].sample_id == 103  # a single document keeps its own ID
@@ -54,8 +48,8 @@ def test_pack_invariants():
         samples = []
         for i in range(rng.randint(1, 25)):
             n = rng.randint(1, seq_length + 5)  # some longer than seq_length: truncated
-            samples.append(_sample([rng.randrange(1000) for _ in range(n)], [rng.random() < 0.7 for _ in range(n)],
-                                   sid=rng.randrange(2**63)))
+            samples.append(make_sample([rng.randrange(1000) for _ in range(n)], [rng.random() < 0.7 for _ in range(n)],
+                                       sid=rng.randrange(2**63)))
         rows = pack_samples(samples, seq_length)
         again = pack_samples(samples, seq_length)
         assert [(r.sample_ids, r.input_ids.tolist(), r.sample_id) for r in rows] == \
@@ -93,7 +87,7 @@ def test_pack_invariants():
 
 
 def test_collate_unpacked_and_packed():
-    samples = [_sample([11, 12, 13], [0, 1, 1], sid=7), _sample([21, 22], sid=8), _sample(list(range(30, 40)), sid=9)]
+    samples = [make_sample([11, 12, 13], [0, 1, 1], sid=7), make_sample([21, 22], sid=8), make_sample(list(range(30, 40)), sid=9)]
     b = collate(samples, pad_id=0, seq_length=6)
     assert set(b) == {"tokens", "loss_mask", "position_ids", "document_ids", "sample_ids"}
     assert b["tokens"].dtype == torch.int64 and b["loss_mask"].dtype == torch.bool
@@ -110,7 +104,7 @@ def test_collate_unpacked_and_packed():
     assert p["loss_mask"].tolist()[0] == [False, True, True, True, True, False]
     assert p["sample_ids"].tolist() == [stable_sample_id("packed", 7, 8), 9]
     with pytest.raises(ValueError, match="no tokens"):
-        collate([_sample([], sid=1)], 0, 4)
+        collate([make_sample([], sid=1)], 0, 4)
 
 
 # --------------------------------------------------------------------------------------------------

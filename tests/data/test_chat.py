@@ -10,26 +10,7 @@ import pytest
 from megatron_dflash.data.chat import chat_roles, template_has_generation_markers, tokenize_chat
 from megatron_dflash.embedded_job import synthetic_corpus as sc
 
-
-MULTI_TURN = [
-    {"role": "user", "content": "count from 3 to 7"},
-    {"role": "assistant", "content": "3 4 5 6 7"},
-    {"role": "user", "content": "spell the word cat"},
-    {"role": "assistant", "content": "c a t"},
-]
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return sc.build_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def tok_plain():
-    """The same tokenizer with a template that has no {% generation %} markers."""
-    t = sc.build_tokenizer()
-    t.chat_template = sc.CHAT_TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")
-    return t
+from data_records import MULTI_TURN
 
 
 def _expected_assistant_mask(tokens: list[str]) -> list[int]:

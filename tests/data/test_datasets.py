@@ -24,7 +24,7 @@ from megatron_dflash.data.datasets import (
 )
 from megatron_dflash.data.samples import stable_sample_id
 from megatron_dflash.embedded_job import synthetic_corpus as sc
-from test_chat import MULTI_TURN, tok, tok_plain  # noqa: F401 - tok, tok_plain are fixtures
+from data_records import MULTI_TURN
 
 
 def _write_jsonl(path, records) -> str:

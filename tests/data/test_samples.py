@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from megatron_dflash.data.datasets import SyntheticChatDataset
 from megatron_dflash.data.samples import stable_sample_id
-from test_chat import tok  # noqa: F401 - a fixture
 
 
 def test_sample_ids_are_stable_golden_values(tok):

@@ -23,7 +23,7 @@ from megatron_dflash.objectives.dflash_loss import OutputHead
 pytest.importorskip("transformers")
 
 from reference_decode import reference_decode  # noqa: E402
-from test_generate import HIDDEN, TAPS, TARGET_LAYERS, make_draft, qwen3_target  # noqa: E402
+from tiny_decoding import HIDDEN, TAPS, TARGET_LAYERS, make_draft, qwen3_target  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -14,14 +14,13 @@ The checks that matter:
   to end on HF directories written to a temporary path.
 
 Tiny random targets accept almost nothing from a random draft, so some targets are shaped
-(`_shape_target`) so that the draft's proposals are accepted fully ("absorbing") or partly
+(`tiny_decoding.shape_target`) so that the draft's proposals are accepted fully ("absorbing") or partly
 ("alternating"); the greedy tests assert that those acceptance patterns really occur.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -31,167 +30,30 @@ import pytest
 import torch
 
 from megatron_dflash.decoding import generate, target_side
-from megatron_dflash.draft.body import DFlashBody
-from megatron_dflash.draft.config import DFlashConfig
 from megatron_dflash.decoding.generate import spec_generate
 from megatron_dflash.draft.kv_cache import DraftKVCache
 from megatron_dflash.plan.batch_plan import DFlashBatchPlan
-from megatron_dflash.variants.dflash2 import DFlash2Body, DFlash2Config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 transformers = pytest.importorskip("transformers")
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
-from repo_paths import REPO_ROOT
+from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
+from reference_sampling import chi_square_pvalue, exact_joint, marginal  # noqa: E402
+from repo_paths import REPO_ROOT  # noqa: E402
+from tiny_decoding import (  # noqa: E402
+    HIDDEN,
+    PROMPTS,
+    PROMPTS_SMALL,
+    TAPS,
+    check_statistics,
+    hf_greedy,
+    llama_target,
+    make_draft,
+    qwen3_target,
+    write_models,
+)
 
 ROOT = REPO_ROOT
-HIDDEN = 64
-TARGET_LAYERS = 4
-TAPS = [0, 2]
-
-
-# ================================================================================== tiny models
-
-
-def _shape_target(model, mode: str, favourite: int = 7) -> None:
-    """Make the target's greedy continuation predictable for a random draft.
-
-    Every embedding gets a large constant first coordinate and the LM head reads that
-    coordinate almost only for `favourite`: whatever the draft's hidden state, its argmax is
-    `favourite`, and the target's mostly is too. "absorbing": after `favourite` the target
-    keeps emitting it (whole blocks accepted). "alternating": the head row of `favourite`
-    points away from its own embedding, so the target alternates `favourite, x, favourite,
-    ...` (one draft token accepted per block). "mixed": stronger attention/MLP outputs make
-    the target's choice depend on the context, so rows of a batch accept different lengths
-    (none, partial, whole blocks).
-    """
-    with torch.no_grad():
-        embedding = model.get_input_embeddings().weight
-        embedding.normal_(0.0, 1.0)
-        embedding[:, 0] = 3.0
-        head = model.get_output_embeddings().weight
-        head.normal_(0.0, 1.0)
-        head[:, 0] = 0.0
-        if mode == "alternating":
-            head[favourite] -= 0.5 * embedding[favourite]
-        head[favourite, 0] = 10.0
-        if mode == "mixed":
-            for name, param in model.model.layers.named_parameters():
-                if name.endswith(("o_proj.weight", "down_proj.weight", "v_proj.weight")):
-                    param.normal_(0.0, 0.5)
-            head[favourite, 0] = 11.0
-
-
-def qwen3_target(vocab: int = 96, seed: int = 0, mode: str = "random", head_std: float | None = None):
-    torch.manual_seed(seed)
-    config = Qwen3Config(
-        vocab_size=vocab,
-        hidden_size=HIDDEN,
-        intermediate_size=128,
-        num_hidden_layers=TARGET_LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        rope_theta=10000.0,
-    )
-    model = Qwen3ForCausalLM(config).eval()
-    if mode != "random":
-        _shape_target(model, mode)
-    if head_std is not None:
-        with torch.no_grad():
-            model.lm_head.weight.normal_(0.0, head_std)
-    return model
-
-
-def llama_target(vocab: int = 96, seed: int = 0, mode: str = "random"):
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=HIDDEN,
-        intermediate_size=128,
-        num_hidden_layers=TARGET_LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-    )
-    model = LlamaForCausalLM(config).eval()
-    if mode != "random":
-        _shape_target(model, mode)
-    return model
-
-
-def draft_config(vocab: int, *, dflash2: bool = False, block_size: int = 4, **overrides):
-    kwargs = dict(
-        hidden_size=HIDDEN,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=vocab,
-        block_size=block_size,
-        mask_token_id=vocab - 1,
-        num_target_layers=TARGET_LAYERS,
-        target_layer_ids=TAPS,
-        max_position_embeddings=512,
-        rope_theta=10000.0,
-    )
-    kwargs.update(overrides)
-    if dflash2:
-        kwargs.update(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=min(4, vocab))
-        return DFlash2Config(**kwargs)
-    return DFlashConfig(**kwargs)
-
-
-def make_draft(vocab: int, *, dflash2: bool = False, block_size: int = 4, seed: int = 1, backend="dense", **overrides):
-    torch.manual_seed(seed)
-    config = draft_config(vocab, dflash2=dflash2, block_size=block_size, **overrides)
-    body = (DFlash2Body if dflash2 else DFlashBody)(config, attention_backend=backend).eval()
-    if dflash2:
-        # Random convolutions and selector (they start as the identity).
-        with torch.no_grad():
-            for name, param in body.named_parameters():
-                if "conv" in name or "candidate_selector" in name:
-                    param.normal_(0.0, 0.2)
-            for layer in body.layers:
-                for conv in (layer.attention_conv, layer.mlp_conv):
-                    conv.base_kernel[:, 0] += 1.0
-    return body
-
-
-def hf_greedy(target, prompt: list[int], max_new_tokens: int) -> list[int]:
-    with torch.no_grad():
-        out = target.generate(
-            torch.tensor([prompt]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False
-        )
-    return out[0].tolist()
-
-
-PROMPTS = [[5, 17, 3, 40, 22], [9, 1, 33, 60, 2, 71, 8, 50, 11], [44, 3, 19]]
-PROMPTS_SMALL = [[1, 2, 3], [4, 5, 6, 7, 1], [2]]  # for vocabulary 8
-
-
-def check_statistics(out, block_size: int, max_new_tokens: int) -> None:
-    """Statistics that must add up whatever the tokens are."""
-    B = out.batch_size
-    assert out.num_prefill_forwards == 1
-    assert out.num_draft_forwards == out.num_target_forwards == max(out.num_cycles)
-    for b in range(B):
-        generated = int(out.num_generated[b])
-        assert generated == len(out.generated(b)) <= max_new_tokens
-        cycles = out.acceptance_lengths[b]
-        assert all(1 <= a <= block_size for a in cycles)
-        # The first token comes from the prefill, every other from a verify cycle.
-        assert generated == 1 + sum(cycles)
-        if not bool(out.stopped[b]):
-            assert generated == max_new_tokens
-        assert out.tokens[b, int(out.lengths[b]) :].eq(out.pad_token_id).all()
-    flat = [a for row in out.acceptance_lengths for a in row]
-    if flat:
-        assert out.mean_acceptance_length == pytest.approx(sum(flat) / len(flat))
 
 
 # ================================================================================== cached decode path
@@ -457,75 +319,6 @@ def test_first_token_stop_ends_the_row_without_cycles():
 # ================================================================================== sampling
 
 
-def _filtered(logits: list[float], temperature: float, top_p: float, top_k: int) -> list[float]:
-    """Reference sampling distribution, written plainly: top-k, softmax, top-p, renormalise."""
-    order = sorted(range(len(logits)), key=lambda i: -logits[i])
-    if 0 < top_k < len(logits):
-        order = order[:top_k]
-    scaled = [logits[i] / temperature for i in order]
-    top = max(scaled)
-    weights = [math.exp(s - top) for s in scaled]
-    total = sum(weights)
-    probs = [w / total for w in weights]
-    kept, mass = [], 0.0
-    for i, pr in zip(order, probs):
-        if mass >= top_p:
-            break
-        kept.append((i, pr))
-        mass += pr
-    norm = sum(pr for _, pr in kept)
-    out = [0.0] * len(logits)
-    for i, pr in kept:
-        out[i] = pr / norm
-    return out
-
-
-def _exact_joint(target, prompt: list[int], steps: int, temperature, top_p, top_k) -> dict[tuple, float]:
-    """P(first `steps` generated tokens) by enumerating every prefix."""
-    vocab = target.config.vocab_size
-    joint = {(): 1.0}
-    for _ in range(steps):
-        prefixes = list(joint)
-        ids = torch.tensor([prompt + list(prefix) for prefix in prefixes])
-        with torch.no_grad():
-            logits = target(ids).logits[:, -1].double().tolist()
-        nxt = {}
-        for prefix, row in zip(prefixes, logits):
-            probs = _filtered(row, temperature, top_p, top_k)
-            for token in range(vocab):
-                if probs[token] > 0:
-                    nxt[prefix + (token,)] = joint[prefix] * probs[token]
-        joint = nxt
-    return joint
-
-
-def _chi_square_pvalue(counts: Counter, expected: dict, n: int) -> float:
-    """Pearson chi-square p-value; cells with expected count < 5 are pooled."""
-    from scipy.stats import chi2
-
-    assert set(counts) <= {k for k, v in expected.items() if v > 0}, "a token of probability 0 was emitted"
-    stat, dof, pool_e, pool_o = 0.0, -1, 0.0, 0
-    for key, prob in expected.items():
-        e, o = prob * n, counts.get(key, 0)
-        if e < 5:
-            pool_e, pool_o = pool_e + e, pool_o + o
-            continue
-        stat += (o - e) ** 2 / e
-        dof += 1
-    if pool_e > 0:
-        stat += (pool_o - pool_e) ** 2 / pool_e
-        dof += 1
-    return float(chi2.sf(stat, max(dof, 1)))
-
-
-def _marginal(joint: dict, positions: tuple) -> dict:
-    out: dict = {}
-    for key, prob in joint.items():
-        sub = tuple(key[i] for i in positions)
-        out[sub] = out.get(sub, 0.0) + prob
-    return out
-
-
 SAMPLING = {
     "t1": (1.0, 1.0, 0, False),
     "t0.7-topk3": (0.7, 1.0, 3, False),
@@ -551,12 +344,12 @@ def test_sampling_follows_target_distribution(case):
     )
     check_statistics(out, W, steps)
     samples = [tuple(out.generated(b)) for b in range(N)]
-    joint = _exact_joint(target, prompt, steps, temperature, top_p, top_k)
+    joint = exact_joint(target, prompt, steps, temperature, top_p, top_k)
     cycles = Counter(a for row in out.acceptance_lengths for a in row)
     assert cycles[1] > 0 and cycles[W] > 0  # rejections and fully accepted blocks both occur
     for positions in [(0,), (1,), (2,), (3,), (0, 1), (1, 2), (2, 3)]:
         counts = Counter(tuple(s[i] for i in positions) for s in samples)
-        pvalue = _chi_square_pvalue(counts, _marginal(joint, positions), N)
+        pvalue = chi_square_pvalue(counts, marginal(joint, positions), N)
         assert pvalue > 1e-4, f"positions {positions}: p-value {pvalue:.2e}"
 
 
@@ -565,7 +358,7 @@ def test_sampling_test_has_power():
     vocab = 8
     target = qwen3_target(vocab=vocab, seed=2, head_std=0.3)
     prompt = [1, 4, 2, 6]
-    joint = _exact_joint(target, prompt, 1, 1.0, 1.0, 0)
+    joint = exact_joint(target, prompt, 1, 1.0, 1.0, 0)
     p = torch.tensor([joint[(t,)] for t in range(vocab)])
     assert p.max() < 0.9  # not degenerate
     draft = make_draft(vocab, block_size=3, backend="chunked", seed=5)
@@ -628,25 +421,6 @@ def test_invalid_arguments_raise_clear_errors():
 # ================================================================================== CLI
 
 
-def _write_models(tmp_path, dflash2: bool):
-    from megatron_dflash.checkpoint.hf import save_hf_checkpoint
-
-    vocab = 96
-    target = qwen3_target(vocab=vocab, mode="absorbing")
-    target_dir = tmp_path / "target"
-    target.save_pretrained(target_dir)
-    draft = make_draft(vocab, dflash2=dflash2, backend="chunked")
-    draft_dir = tmp_path / ("draft2" if dflash2 else "draft")
-    save_hf_checkpoint(draft, str(draft_dir))
-    prompts = tmp_path / "prompts.jsonl"
-    with open(prompts, "w") as f:
-        for p in PROMPTS:
-            f.write(json.dumps({"input_ids": p}) + "\n")
-        f.write("\n")  # blank lines are skipped
-        f.write(json.dumps({"input_ids": [3, 1, 4, 1, 5]}) + "\n")
-    return target, draft, target_dir, draft_dir, prompts
-
-
 @pytest.mark.parametrize("dflash2", [False, True], ids=["dflash", "dflash2"])
 def test_cli_end_to_end(tmp_path, capsys, dflash2):
     sys.path.insert(0, os.path.join(ROOT, "tools"))
@@ -654,7 +428,7 @@ def test_cli_end_to_end(tmp_path, capsys, dflash2):
         import evaluate_acceptance
     finally:
         sys.path.pop(0)
-    target, draft, target_dir, draft_dir, prompts = _write_models(tmp_path, dflash2)
+    target, draft, target_dir, draft_dir, prompts = write_models(tmp_path, dflash2)
     report_path = tmp_path / "out" / "report.json"
     code = evaluate_acceptance.main([
         "--target", str(target_dir), "--draft", str(draft_dir), "--prompts", str(prompts),

@@ -12,7 +12,7 @@ written here independently: one full forward over the whole sequence per token. 
 * the evaluation tool measures acceptance on a K3 target, its baseline recomputing too.
 
 The tiny K3 target is random; `_shape` makes its continuation depend on the context so that a random
-draft is accepted sometimes (as `test_generate._shape_target` does for Qwen3 targets).
+draft is accepted sometimes (as `tiny_decoding.shape_target` does for Qwen3 targets).
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ from megatron_dflash.target.families import target_keeps_kv_cache  # noqa: E402
 from megatron_dflash.decoding.generate import spec_generate  # noqa: E402
 from megatron_dflash.draft.kimi_k3 import KimiK3Body, KimiK3DraftConfig  # noqa: E402
 from megatron_dflash.target.kimi_k3 import build_tiny_kimi_k3_target, load_kimi_k3_target  # noqa: E402
-from test_generate import _chi_square_pvalue, _exact_joint, _marginal, check_statistics  # noqa: E402
+from reference_sampling import chi_square_pvalue, exact_joint, marginal  # noqa: E402
+from tiny_decoding import check_statistics  # noqa: E402
 from repo_paths import REPO_ROOT
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -154,10 +155,10 @@ def test_sampling_on_a_k3_target_follows_its_distribution(k3_target_vocab8):
     cycles = Counter(a for row in out.acceptance_lengths for a in row)
     assert cycles[1] > 0 and cycles[W] > 0
     samples = [tuple(out.generated(b)) for b in range(N)]
-    joint = _exact_joint(target, prompt, steps, 1.0, 1.0, 0)
+    joint = exact_joint(target, prompt, steps, 1.0, 1.0, 0)
     for positions in [(0,), (1,), (2,), (3,), (0, 1), (1, 2), (2, 3)]:
         counts = Counter(tuple(s[i] for i in positions) for s in samples)
-        pvalue = _chi_square_pvalue(counts, _marginal(joint, positions), N)
+        pvalue = chi_square_pvalue(counts, marginal(joint, positions), N)
         assert pvalue > 1e-4, f"positions {positions}: p-value {pvalue:.2e}"
 
 

@@ -18,7 +18,7 @@ from megatron_dflash.decoding.target_side import CachedTarget, RecomputedTarget
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 transformers = pytest.importorskip("transformers")
-from test_generate import TAPS, qwen3_target  # noqa: E402
+from tiny_decoding import TAPS, qwen3_target  # noqa: E402
 
 W = 4
 PROMPTS = [[5, 17, 3, 40, 22], [9, 1, 33]]

@@ -21,15 +21,14 @@ from megatron_dflash.draft.config import DFlashConfig
 from megatron_dflash.common.parallel import SingleRankGroup
 from megatron_dflash.plan.batch_plan import DFlashBatchPlan
 
+from tp_checks import RTOL, bad_inputs, error_of, relative_error, shard, tp_plan
+
 WORLD_SIZES = (2, 4)
 
 # Column-parallel weights are split on dim 0 (output features), row-parallel ones on dim 1
 # (input features); everything else (fc, the norms, q/k norms) is replicated.
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")
-
-# fp32 reductions in a different order (sharded matmuls + all-reduce): relative tolerance.
-RTOL = 1e-5
 
 
 def _config(name: str) -> DFlashConfig:
@@ -79,38 +78,6 @@ def _config(name: str) -> DFlashConfig:
     raise KeyError(name)
 
 
-def _plan(name: str) -> DFlashBatchPlan:
-    """Plans with an invalid row (no valid block), an anchor at 0 (empty context), documents."""
-    W, S = 4, 20
-    if name == "unpacked":
-        input_mask = torch.ones(3, S, dtype=torch.bool)
-        input_mask[0, 15:] = False  # unsupervised tail
-        input_mask[1, :3] = False
-        return DFlashBatchPlan.from_anchors(
-            torch.tensor([[0, 5, 11], [3, 9, 16], [0, 0, 0]]),
-            block_size=W,
-            block_valid=torch.tensor([[True, True, True], [True, True, False], [False, False, False]]),
-            input_mask=input_mask,
-        )
-    if name == "documents":
-        # Row 0: two documents then padding; row 1: one document; row 2: padding only.
-        document_ids = torch.tensor(
-            [
-                [0] * 9 + [1] * 8 + [-1] * 3,
-                [5] * S,
-                [-1] * S,
-            ]
-        )
-        return DFlashBatchPlan.from_anchors(
-            torch.tensor([[0, 4, 11], [2, 16, 7], [0, 0, 0]]),
-            block_size=W,
-            seq_length=S,
-            block_valid=torch.tensor([[True, True, True], [True, True, True], [False, False, False]]),
-            document_ids=document_ids,
-        )
-    raise KeyError(name)
-
-
 CASES = {
     # name: (config, plan, attention backend)
     "mha_sliding_unpacked": ("mha_sliding", "unpacked", "auto"),
@@ -139,21 +106,6 @@ def _shard_dim(name: str):
     return None
 
 
-def _shard(full: torch.Tensor, dim, rank: int, world_size: int) -> torch.Tensor:
-    if dim is None:
-        return full
-    return full.chunk(world_size, dim=dim)[rank]
-
-
-def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    if actual.shape != expected.shape:
-        return float("inf")
-    if not torch.isfinite(actual).all():
-        return float("inf")
-    scale = expected.abs().max().item()
-    return (actual - expected).abs().max().item() / max(scale, 1e-12)
-
-
 # --------------------------------------------------------------------------------------
 # Functions run on the ranks
 # --------------------------------------------------------------------------------------
@@ -180,7 +132,7 @@ def _reference_and_tp_bodies(cfg: DFlashConfig, backend: str, rank: int, world_s
             if dim is not None:  # megatron's own bookkeeping agrees with the layout
                 assert getattr(p, "tensor_model_parallel", False), name
                 assert p.partition_dim == dim, (name, p.partition_dim)
-            p.copy_(_shard(full[name], dim, rank, world_size))
+            p.copy_(shard(full[name], dim, rank, world_size))
     return reference, body
 
 
@@ -192,7 +144,7 @@ def _on_ranks_parity(rank: int, world_size: int, case_names) -> dict:
     report = {}
     for case_name in case_names:
         config_name, plan_name, backend = CASES[case_name]
-        cfg, plan = _config(config_name), _plan(plan_name)
+        cfg, plan = _config(config_name), tp_plan(plan_name)
 
         reference, body = _reference_and_tp_bodies(cfg, backend, rank, world_size)
         full = dict(reference.named_parameters())
@@ -209,13 +161,13 @@ def _on_ranks_parity(rank: int, world_size: int, case_names) -> dict:
         ref_out, ref_th_grad, ref_be_grad = results["ref"]
         out, th_grad, be_grad = results["tp"]
         errors = {
-            "output": _relative_error(out, ref_out),
-            "grad target_hidden": _relative_error(th_grad, ref_th_grad),
-            "grad block_embeddings": _relative_error(be_grad, ref_be_grad),
+            "output": relative_error(out, ref_out),
+            "grad target_hidden": relative_error(th_grad, ref_th_grad),
+            "grad block_embeddings": relative_error(be_grad, ref_be_grad),
         }
         for name, p in body.named_parameters():
-            expected = _shard(full[name].grad, _shard_dim(name), rank, world_size)
-            errors[f"grad {name}"] = float("inf") if p.grad is None else _relative_error(p.grad, expected)
+            expected = shard(full[name].grad, _shard_dim(name), rank, world_size)
+            errors[f"grad {name}"] = float("inf") if p.grad is None else relative_error(p.grad, expected)
         invalid = ~plan.block_valid
         report[case_name] = {
             "errors": errors,
@@ -249,7 +201,7 @@ def _on_ranks_decoding(rank: int, world_size: int, config_name: str) -> dict:
             plan = DFlashBatchPlan.for_decoding(anchors, starts[:, None] + torch.arange(length), block_size=W)
             outs = {label: model(new_context, blocks, plan, kv_cache=caches[label])
                     for label, model in (("ref", reference), ("tp", body))}
-            errors.append(_relative_error(outs["tp"], outs["ref"]))
+            errors.append(relative_error(outs["tp"], outs["ref"]))
             starts, anchors = anchors, anchors + torch.tensor([1 + step, W - step])
     for label, cache in caches.items():
         shapes[label] = tuple(cache.keys[0].shape)
@@ -286,59 +238,34 @@ def _on_ranks_init(rank: int, world_size: int, config_name: str, seed: int) -> d
     return same
 
 
-def _error_of(build) -> str:
-    try:
-        build()
-    except Exception as err:  # the type is part of what is checked
-        return f"{type(err).__name__}: {err}"
-    return "no error"
-
-
 def _on_ranks_refusals(rank: int, world_size: int) -> dict:
     """The error each rank raises for layouts the body refuses."""
     return {
-        "kv_heads": _error_of(lambda: DFlashBody(_config("kv3"))),
-        "sequence_parallel": _error_of(
+        "kv_heads": error_of(lambda: DFlashBody(_config("kv3"))),
+        "sequence_parallel": error_of(
             lambda: DFlashBody(
                 _config("mha_sliding"),
                 default_parallel_config(sequence_parallel=True, tensor_model_parallel_size=world_size),
             )
         ),
-        "context_parallel": _error_of(
+        "context_parallel": error_of(
             lambda: DFlashBody(_config("mha_sliding"), default_parallel_config(context_parallel_size=2))
         ),
     }
-
-
-def _bad_inputs(variant: str, rank: int, world_size: int, th, be, plan):
-    """This rank's (target_hidden, block_embeddings, plan) for a one-bad-rank variant."""
-    if variant == "block_embeddings_shape" and rank == 1:
-        return th, be[:, :, :-1], plan  # one slot short
-    if variant == "target_features" and rank == world_size - 1:
-        return th[..., :-1], be, plan  # one feature short
-    if variant == "plan_block_size" and rank == 0:
-        # Same tensor shapes on every rank; only rank 0's plan disagrees with the config.
-        return th, be, DFlashBatchPlan.from_anchors(
-            plan.anchor_positions, block_size=plan.block_size + 1, seq_length=plan.seq_length,
-            block_valid=plan.block_valid,
-        )
-    if variant == "block_embeddings_dims" and rank == 1:
-        return th, be[:, 0], plan  # a 3-d tensor where a 4-d one is expected
-    return th, be, plan
 
 
 def _on_ranks_one_bad_rank(rank: int, world_size: int, variants) -> dict:
     """Per variant: the error this rank raised; then proof that the group is still in sync."""
     import torch.distributed as dist
 
-    cfg, plan = _config("mha_sliding"), _plan("unpacked")
+    cfg, plan = _config("mha_sliding"), tp_plan("unpacked")
     torch.manual_seed(5)
     body = DFlashBody(cfg, default_parallel_config())
     th, be, probe = _inputs(cfg, plan, seed=11)
     errors = {}
     for variant in variants:
-        bad = _bad_inputs(variant, rank, world_size, th, be, plan)
-        errors[variant] = _error_of(lambda: body(*bad))
+        bad = bad_inputs(variant, rank, world_size, th, be, plan)
+        errors[variant] = error_of(lambda: body(*bad))
     # After the rejected calls the ranks must still agree: a normal step and a collective work.
     out = body(th, be, plan)
     (out * probe).sum().backward()

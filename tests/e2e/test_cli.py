@@ -21,6 +21,7 @@ import warnings
 import pytest
 
 from megatron_dflash.common import cli
+from entry_points import child_env, evaluate_module
 from repo_paths import REPO_ROOT
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -32,29 +33,14 @@ EVALUATE = os.path.join(ROOT, "tools", "evaluate_acceptance.py")
 SHIPPED_PROMPTS = os.path.join(ROOT, "examples", "prompts_tiny_target.jsonl")
 
 
-def _evaluate_module():
-    sys.path.insert(0, os.path.join(ROOT, "tools"))
-    try:
-        import evaluate_acceptance
-    finally:
-        sys.path.pop(0)
-    return evaluate_acceptance
-
-
 def _parsers():
     from megatron_dflash.checkpoint import convert
     from megatron_dflash.training.arguments import build_parser
 
     top = convert.build_parser()
     subcommands = next(a for a in top._actions if isinstance(a, argparse._SubParsersAction)).choices
-    return {"pretrain_dflash.py": build_parser(), "evaluate_acceptance.py": _evaluate_module().build_parser(),
+    return {"pretrain_dflash.py": build_parser(), "evaluate_acceptance.py": evaluate_module().build_parser(),
             **{f"convert {name}": sub for name, sub in subcommands.items()}}
-
-
-def _env():
-    """The environment of a fresh shell (an in-process entry point may have quieted this one)."""
-    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_DISABLE_PROGRESS_BARS"}
-    return {**env, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
 # ------------------------------------------------------------------------------------------ help
@@ -88,7 +74,7 @@ def test_help_shows_every_default_exactly_once():
 
 def test_a_mistyped_flag_gets_one_line_and_a_suggestion():
     done = subprocess.run([sys.executable, PRETRAIN, "--train-iter", "5"], capture_output=True, text=True,
-                          timeout=120, env=_env())
+                          timeout=120, env=child_env())
     assert done.returncode == 2
     assert done.stderr.count("\n") == 1 and "usage:" not in done.stderr, done.stderr
     assert "unrecognized arguments: --train-iter 5 (did you mean --train-iters?)" in done.stderr
@@ -141,13 +127,13 @@ print("torch loaded:", "torch" in sys.modules, "exit:", code)
         "pretrain-missing-eval-prompts", "pretrain-load-is-a-file"])
 def test_bad_paths_fail_in_one_line_before_torch_loads(argv, message):
     done = subprocess.run([sys.executable, "-c", _PROBE, *argv], capture_output=True, text=True, timeout=120,
-                          env=_env())
+                          env=child_env())
     assert done.stdout.strip() == "torch loaded: False exit: 2", (done.stdout, done.stderr)
     assert done.stderr.count("\n") == 1 and message in done.stderr, done.stderr
 
 
 def test_bad_prompt_files_are_one_line_usage_errors(tmp_path, capsys):
-    tool = _evaluate_module()
+    tool = evaluate_module()
     target = os.path.join(ROOT, "megatron_dflash", "assets", "tiny_target")
     bad = tmp_path / "bad.jsonl"
     for content, message in (('{"text": "count from 1 to 4"}\n{"text": 3}\n', "bad.jsonl:2: 'text' / 'prompt' must be a string"),
@@ -169,7 +155,7 @@ def test_bad_prompt_files_are_one_line_usage_errors(tmp_path, capsys):
 
 def test_pretrain_reports_a_bad_target_in_one_line_without_warnings():
     done = subprocess.run([sys.executable, PRETRAIN, "--target", "/nonexistent", "--data-format", "synthetic"],
-                          capture_output=True, text=True, timeout=300, env=_env())
+                          capture_output=True, text=True, timeout=300, env=child_env())
     assert done.returncode == 2
     assert done.stderr == "pretrain_dflash.py: error: --target /nonexistent: no such HF model directory.\n", done.stderr
 
@@ -195,7 +181,7 @@ def test_known_harmless_warnings_and_progress_bars_stay_out_of_logs():
     """Piped stderr (not a terminal): quiet entry points print nothing; the same code without the
     filter prints megatron's warnings and transformers' bars (so this test can fail)."""
     runs = {mode: subprocess.run([sys.executable, "-c", _NOISY, mode], capture_output=True, text=True,
-                                 timeout=300, env=_env())
+                                 timeout=300, env=child_env())
             for mode in ("quiet", "noisy")}
     for done in runs.values():
         assert done.returncode == 0, done.stderr
@@ -256,7 +242,7 @@ def test_one_prompt_format_for_both_tools(tmp_path):
         {"text": "please explain how photosynthesis works"})))
     logged = []
     trainer = load_eval_prompts(str(path), tokenizer, log=logged.append)
-    tool = _evaluate_module()
+    tool = evaluate_module()
     holder = tool._Tokenizer("unused")
     holder._tokenizer = tokenizer
     ids, tool_warnings = tool.read_prompts(str(path), None, holder)
@@ -273,7 +259,7 @@ def test_one_prompt_format_for_both_tools(tmp_path):
 def test_no_cycle_and_slow_speedup_are_explained():
     from megatron_dflash.training.evaluation import acceptance_line
 
-    tool = _evaluate_module()
+    tool = evaluate_module()
     assert "first token is the stop token 5" in tool.no_cycle_reason([5], [5], 64)
     assert "--max-new-tokens 1" in tool.no_cycle_reason([7], [5], 1)
     note = tool.speedup_note(0.71, 3.0, "cpu")

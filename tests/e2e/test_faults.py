@@ -26,27 +26,20 @@ import torch
 from megatron_dflash.training.arguments import ArgumentError, parse_args
 from megatron_dflash.common.errors import CheckpointError, DataError, RunError
 from megatron_dflash.training.job import prepare_job
-from test_training import STEPS_ARGS, TINY_DRAFT, _base, _run
+from entry_points import child_env
+from training_runs import (
+    MULTI_RANK_TIMEOUT_S,
+    SHORT,
+    STEPS_ARGS,
+    TINY_DRAFT,
+    copy_save,
+    run_main,
+    run_training,
+    safetensors_of,
+    training_argv,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-MULTI_RANK_TIMEOUT_S = 300.0  # generous (a shared, loaded machine), but a hang fails instead of blocking
-SHORT = ["--train-iters", "2", "--micro-batch-size", "4", "--global-batch-size", "4", "--dflash-eval-prompts", "0"]
-
-
-@pytest.fixture(scope="module")
-def trained(tiny_target, tmp_path_factory):
-    """A save directory with the checkpoints of iterations 1 and 2 of a short run."""
-    root = tmp_path_factory.mktemp("trained")
-    save = root / "ckpt"
-    _run(_base(tiny_target, root, *SHORT, "--save", str(save), "--save-interval", "1"))
-    return save
-
-
-def _copy(save, tmp_path, name="copy"):
-    out = tmp_path / name
-    shutil.copytree(save, out)
-    return out
 
 
 def _job_error(tiny_target, tmp_path, *argv):
@@ -61,7 +54,7 @@ def _job_error(tiny_target, tmp_path, *argv):
 
 
 def test_export_never_replaces_the_checkpoints_or_foreign_files(tiny_target, tmp_path, trained):
-    save = _copy(trained, tmp_path)
+    save = copy_save(trained, tmp_path)
     before = sorted(os.listdir(save))
     # the export directory may not be the --save directory, nor contain it or any input
     assert "is or contains --save" in _job_error(tiny_target, tmp_path, "--save", str(save),
@@ -87,20 +80,20 @@ def test_export_never_replaces_the_checkpoints_or_foreign_files(tiny_target, tmp
 def test_export_replaces_only_its_own_runs_export(tiny_target, tmp_path):
     save, export = tmp_path / "ckpt", tmp_path / "export"
     argv = ["--target", tiny_target, *STEPS_ARGS, *SHORT, "--save", str(save), "--dflash-export", str(export)]
-    _run(argv)
+    run_training(argv)
     mode = stat.S_IMODE(os.stat(export / "model.safetensors").st_mode)
     umask = os.umask(0)
     os.umask(umask)
     assert mode == 0o666 & ~umask  # readable by the cluster (0644 with the usual umask), not 0600
     # the same run, restarted for more steps: its own export is replaced
-    again = _run(argv[:argv.index("--train-iters")] + ["--train-iters", "3"] + argv[argv.index("--train-iters") + 2:]
-                 + ["--load", str(save)])
+    again = run_training(argv[:argv.index("--train-iters")] + ["--train-iters", "3"] + argv[argv.index("--train-iters") + 2:]
+                         + ["--load", str(save)])
     assert again.start_iteration == 2 and again.export_dir == str(export)
     # another run (another --save) may not replace it
     other = ["--target", tiny_target, *STEPS_ARGS, *SHORT, "--save", str(tmp_path / "other"),
              "--dflash-export", str(export)]
     with pytest.raises(ArgumentError, match=r"holds the export of another run \(--save "):
-        _run(other)
+        run_training(other)
 
 
 class _Killed(BaseException):
@@ -125,9 +118,9 @@ def test_an_export_is_published_with_its_marker(tiny_target, tmp_path, monkeypat
 
     monkeypatch.setattr(atomic, "publish_directory", publish_then_die)
     with pytest.raises(_Killed):
-        _run(argv)
+        run_training(argv)
     monkeypatch.setattr(atomic, "publish_directory", real_publish)
-    again = _run(argv + ["--load", str(save)])  # the restart: its own export, replaced (not refused as foreign)
+    again = run_training(argv + ["--load", str(save)])  # the restart: its own export, replaced (not refused as foreign)
     assert again.start_iteration == 2 and again.export_dir == str(export)
     assert published_files and EXPORT_MARKER in published_files[0], published_files
     assert json.loads((export / EXPORT_MARKER).read_text())["run"] == os.path.realpath(save)
@@ -150,27 +143,27 @@ def test_load_layouts_are_recognised(tiny_target, tmp_path, trained):
         assert "\n" not in str(info.value)
 
     refused(trained / "iter_0000002", "is one checkpoint, not a save directory", f"--load {trained}")
-    no_tracker = _copy(trained, tmp_path, "no_tracker")
+    no_tracker = copy_save(trained, tmp_path, "no_tracker")
     os.remove(no_tracker / "latest_checkpointed_iteration.txt")
     refused(no_tracker, "no latest_checkpointed_iteration.txt", "complete checkpoints are [1, 2]", "echo 2 >")
     hf = tmp_path / "hf"
-    _run(_base(tiny_target, tmp_path, *SHORT))
+    run_training(training_argv(tiny_target, tmp_path, *SHORT))
     refused(hf, "is a HF drafter directory", f"--dflash-init-from {hf}")
     (tmp_path / "typo").mkdir()
     (tmp_path / "typo" / "data.bin").write_text("x")
     refused(tmp_path / "typo", "holds no checkpoint (data.bin)")
     # a tracker naming a missing or incomplete checkpoint is an error, never an older one or scratch
-    missing = _copy(trained, tmp_path, "missing")
+    missing = copy_save(trained, tmp_path, "missing")
     shutil.rmtree(missing / "iter_0000002")
     refused(missing, "names iteration 2 but", "does not exist", "complete checkpoints are [1]")
-    incomplete = _copy(trained, tmp_path, "incomplete")
+    incomplete = copy_save(trained, tmp_path, "incomplete")
     os.remove(incomplete / "iter_0000002" / "common.pt")
     refused(incomplete, "is incomplete")
-    only = _copy(trained, tmp_path, "only")
+    only = copy_save(trained, tmp_path, "only")
     shutil.rmtree(only / "iter_0000001")
     shutil.rmtree(only / "iter_0000002")
     refused(only, "names iteration 2 but", "holds no complete checkpoint")
-    binary = _copy(trained, tmp_path, "binary")
+    binary = copy_save(trained, tmp_path, "binary")
     (binary / "latest_checkpointed_iteration.txt").write_bytes(b"\xff\xfe\x00garbage")
     refused(binary, "is not a text file")
     # the temporaries of an interrupted first save do not count as content
@@ -181,18 +174,18 @@ def test_load_layouts_are_recognised(tiny_target, tmp_path, trained):
 
 def test_load_at_a_wrong_directory_never_overwrites_the_checkpoints(tiny_target, tmp_path, trained):
     """--load at an iter_* directory with --save on the real directory: refused, nothing rewound."""
-    save = _copy(trained, tmp_path)
+    save = copy_save(trained, tmp_path)
     tracker = (save / "latest_checkpointed_iteration.txt").read_text()
     listing = sorted(os.listdir(save))
     with pytest.raises(CheckpointError, match="is one checkpoint, not a save directory"):
-        _run(_base(tiny_target, tmp_path, *SHORT, "--save", str(save), "--load", str(save / "iter_0000001")))
+        run_training(training_argv(tiny_target, tmp_path, *SHORT, "--save", str(save), "--load", str(save / "iter_0000001")))
     assert (save / "latest_checkpointed_iteration.txt").read_text() == tracker
     assert sorted(os.listdir(save)) == listing
 
 
 def test_load_of_an_absent_directory_trains_from_scratch_loudly(tiny_target, tmp_path, capsys):
-    result = _run(_base(tiny_target, tmp_path, *SHORT, "--load", str(tmp_path / "new"), "--save",
-                        str(tmp_path / "new")))
+    result = run_training(training_argv(tiny_target, tmp_path, *SHORT, "--load", str(tmp_path / "new"), "--save",
+                                        str(tmp_path / "new")))
     assert result.start_iteration == 0 and result.iterations == 2
     assert "TRAINING FROM SCRATCH" in capsys.readouterr().out
 
@@ -201,7 +194,7 @@ def test_load_of_an_absent_directory_trains_from_scratch_loudly(tiny_target, tmp
 
 
 def test_resume_refuses_a_different_draft(tiny_target, tmp_path, trained):
-    save = _copy(trained, tmp_path)
+    save = copy_save(trained, tmp_path)
     more = [a if a != "2" else "3" for a in SHORT]  # --train-iters 3
     mask = prepare_job(parse_args(["--target", tiny_target, "--data-format", "synthetic", *TINY_DRAFT]), 1, env={},
                        cuda=False).draft_config.mask_token_id
@@ -209,13 +202,13 @@ def test_resume_refuses_a_different_draft(tiny_target, tmp_path, trained):
                                ("--dflash-mask-token-id", str(mask - 1), "mask_token_id"),
                                ("--dflash-block-size", "4", "block_size")):
         with pytest.raises(CheckpointError) as info:
-            _run(_base(tiny_target, tmp_path, *more, "--load", str(save), flag, value))
+            run_training(training_argv(tiny_target, tmp_path, *more, "--load", str(save), flag, value))
         message = str(info.value)
         assert f"{field}: checkpoint" in message and "--dflash-override-checkpoint-config" in message, message
         assert "was None in the checkpoint" not in message
     # the explicit override resumes (the weights' shapes do not depend on the MASK token)
-    result = _run(_base(tiny_target, tmp_path, *more, "--load", str(save), "--dflash-mask-token-id", str(mask - 1),
-                        "--dflash-override-checkpoint-config"))
+    result = run_training(training_argv(tiny_target, tmp_path, *more, "--load", str(save), "--dflash-mask-token-id", str(mask - 1),
+                                        "--dflash-override-checkpoint-config"))
     assert result.start_iteration == 2 and result.iterations == 3
 
 
@@ -234,10 +227,10 @@ def _rank_run(rank, world_size, target, out_dir, per_rank: dict, patch_rank=None
         # the tracker is read on rank 0 only
         checkpointing.read_latest_iteration = lambda *a, **k: None
         resume.find_resume_point = lambda *a, **k: (_ for _ in ()).throw(AssertionError("rank 1 read the tracker"))
-    argv = _base(target, pathlib.Path(out_dir), "--micro-batch-size", "4", "--global-batch-size", "8",
-                 "--dflash-eval-prompts", "0", *per_rank.get(rank, []))
+    argv = training_argv(target, pathlib.Path(out_dir), "--micro-batch-size", "4", "--global-batch-size", "8",
+                         "--dflash-eval-prompts", "0", *per_rank.get(rank, []))
     try:
-        result = _run(argv)
+        result = run_training(argv)
     except RunError as err:
         return "error", str(err)
     return "ok", (result.start_iteration, result.iterations, result.losses)
@@ -261,14 +254,14 @@ def test_ranks_launched_with_different_arguments_stop_alike(tp_pool, tiny_target
 
 def test_resume_iteration_is_read_once_and_shared(tp_pool, tiny_target, tmp_path, trained):
     """Rank 1 sees no checkpoint; both ranks still resume at iteration 2 (rank 0's reading)."""
-    save = _copy(trained, tmp_path)
+    save = copy_save(trained, tmp_path)
     extra = ["--train-iters", "3", "--load", str(save)]
     results = tp_pool(2).run(_rank_run, tiny_target, str(tmp_path / "r"), {0: extra, 1: extra}, 1,
                              tp=1, timeout=MULTI_RANK_TIMEOUT_S)
     assert results[0] == results[1], results
     assert results[0][0] == "ok" and results[0][1][:2] == (2, 3)
     # an unusable checkpoint: the same one-line error on every rank, no hang
-    missing = _copy(trained, tmp_path, "missing")
+    missing = copy_save(trained, tmp_path, "missing")
     shutil.rmtree(missing / "iter_0000002")
     extra = ["--train-iters", "3", "--load", str(missing)]
     results = tp_pool(2).run(_rank_run, tiny_target, str(tmp_path / "m"), {0: extra, 1: extra},
@@ -279,37 +272,26 @@ def test_resume_iteration_is_read_once_and_shared(tp_pool, tiny_target, tmp_path
 # ------------------------------------------------------------------------------------------ 7. explained
 
 
-def _main(argv, capsys, monkeypatch, debug=False):
-    """`pretrain_dflash.py ARGV` in this process: (exit status, stderr)."""
-    from megatron_dflash.common.errors import DEBUG_ENV
-    from megatron_dflash.training.loop import main
-
-    monkeypatch.setenv(DEBUG_ENV, "1" if debug else "0")
-    capsys.readouterr()
-    status = main(argv)
-    return status, capsys.readouterr().err
-
-
 def test_damaged_checkpoints_end_in_one_line(tiny_target, tmp_path, trained, capsys, monkeypatch):
     """Zero-length shard, missing common.pt, binary tracker, garbage shard: one line naming the file, exit 1."""
-    zero = _copy(trained, tmp_path, "zero")
+    zero = copy_save(trained, tmp_path, "zero")
     shard = next(p for p in sorted(os.listdir(zero / "iter_0000002")) if p.endswith(".distcp"))
     (zero / "iter_0000002" / shard).write_bytes(b"")
-    common = _copy(trained, tmp_path, "common")
+    common = copy_save(trained, tmp_path, "common")
     os.remove(common / "iter_0000002" / "common.pt")
-    binary = _copy(trained, tmp_path, "binary")
+    binary = copy_save(trained, tmp_path, "binary")
     (binary / "latest_checkpointed_iteration.txt").write_bytes(b"\x80\x81\x82")
-    bad = _copy(trained, tmp_path, "bad")
+    bad = copy_save(trained, tmp_path, "bad")
     (bad / "iter_0000002" / shard).write_bytes(b"not a torch file")
     for directory, expected in ((zero, f"{shard} is empty"), (common, "is incomplete"), (binary, "not a text file"),
                                 (bad, f"cannot load {bad / 'iter_0000002'}: ValueError: {bad / 'iter_0000002' / shard} "
                                       "cannot be read (UnpicklingError: not tensor data")):
-        status, err = _main(_base(tiny_target, tmp_path, *SHORT, "--load", str(directory)), capsys, monkeypatch)
+        status, err = run_main(training_argv(tiny_target, tmp_path, *SHORT, "--load", str(directory)), capsys, monkeypatch)
         lines = err.strip().splitlines()
         assert status == 1 and "Traceback" not in err, err[-2000:]
         assert lines[-1].startswith("pretrain_dflash.py: error:") and expected in lines[-1], err[-2000:]
     # --debug (or MEGATRON_DFLASH_DEBUG=1) shows the traceback as well
-    status, err = _main(_base(tiny_target, tmp_path, *SHORT, "--load", str(bad)), capsys, monkeypatch, debug=True)
+    status, err = run_main(training_argv(tiny_target, tmp_path, *SHORT, "--load", str(bad)), capsys, monkeypatch, debug=True)
     assert status == 1 and "Traceback" in err and "UnpicklingError" in err
 
 
@@ -318,7 +300,7 @@ def test_a_diverging_loss_ends_in_one_line_on_every_rank(tp_pool, tiny_target, t
     every rank alike."""
     argv = ["--train-iters", "6", "--micro-batch-size", "4", "--global-batch-size", "4", "--dflash-eval-prompts",
             "0", "--lr", "1e9", "--save", str(tmp_path / "ckpt"), "--save-interval", "2"]
-    status, err = _main(_base(tiny_target, tmp_path, *argv), capsys, monkeypatch)
+    status, err = run_main(training_argv(tiny_target, tmp_path, *argv), capsys, monkeypatch)
     line = err.strip().splitlines()[-1]
     assert status == 1 and "Traceback" not in err and err.count("pretrain_dflash.py:") == 1, err[-2000:]
     assert line.startswith("pretrain_dflash.py: error: iteration ") and "non-finite gradients" in line
@@ -333,14 +315,14 @@ def test_a_diverging_loss_ends_in_one_line_on_every_rank(tp_pool, tiny_target, t
 
 
 def test_the_next_save_removes_stale_temporaries(tiny_target, tmp_path, trained):
-    save = _copy(trained, tmp_path)
+    save = copy_save(trained, tmp_path)
     (save / ".latest_checkpointed_iteration.txt.tmp-abc123").write_text("3")
     (save / ".iter_0000003.tmp").mkdir()
     stale_export = tmp_path / ".hf.tmp-xyz"
     stale_export.mkdir()
     (stale_export / "model.safetensors").write_bytes(b"partial")
     more = [a if a != "2" else "3" for a in SHORT]
-    _run(_base(tiny_target, tmp_path, *more, "--load", str(save), "--save", str(save)))
+    run_training(training_argv(tiny_target, tmp_path, *more, "--load", str(save), "--save", str(save)))
     assert sorted(p for p in os.listdir(save) if p.startswith(".")) == []
     assert not stale_export.exists()
 
@@ -366,20 +348,20 @@ def _chat_args(tiny_target, tmp_path, data, *extra):
 def test_nothing_to_learn_fails_before_training(tiny_target, tmp_path):
     _chats(tmp_path / "prompts_only.jsonl", [False] * 6)
     with pytest.raises(DataError, match="has nothing to learn: none of its 6 samples"):
-        _run(_chat_args(tiny_target, tmp_path, tmp_path / "prompts_only.jsonl", "--train-iters", "2",
-                        "--micro-batch-size", "2"))
+        run_training(_chat_args(tiny_target, tmp_path, tmp_path / "prompts_only.jsonl", "--train-iters", "2",
+                                "--micro-batch-size", "2"))
     # packed documents all shorter than a block
     (tmp_path / "short.jsonl").write_text("".join(json.dumps({"text": "a b"}) + "\n" for _ in range(4)))
     argv = _chat_args(tiny_target, tmp_path, tmp_path / "short.jsonl", "--train-iters", "2", "--micro-batch-size", "2",
                       "--pack-sequences")
     argv[argv.index("chat")] = "text"
     with pytest.raises(DataError, match="in its own document"):
-        _run(argv)
+        run_training(argv)
     # texts that tokenise to (almost) nothing: refused before training, naming the file
     (tmp_path / "blank.jsonl").write_text("".join(json.dumps({"text": " "}) + "\n" for _ in range(4)))
     argv[argv.index(str(tmp_path / "short.jsonl"))] = str(tmp_path / "blank.jsonl")
     with pytest.raises(RunError, match=r"blank.jsonl\) has nothing to learn"):
-        _run(argv)
+        run_training(argv)
     assert not (tmp_path / "hf").exists()  # no export of an untrained draft
 
 
@@ -437,8 +419,8 @@ def _dp_rank_meeting_an_unreadable_record(rank, world_size, target, data, out_di
     data_module.tokenize_chat = tokenize
     out = pathlib.Path(out_dir)
     try:
-        _run(_chat_args(target, out, data, "--train-iters", "3", "--micro-batch-size", "2", "--global-batch-size", "4",
-                        "--save", str(out / "ckpt"), "--save-interval", "1", *extra))
+        run_training(_chat_args(target, out, data, "--train-iters", "3", "--micro-batch-size", "2", "--global-batch-size", "4",
+                                "--save", str(out / "ckpt"), "--save-interval", "1", *extra))
     except DataError as err:
         return str(err)
     finally:
@@ -541,14 +523,14 @@ def test_token_ids_are_checked_against_the_vocabulary(tiny_target, tmp_path):
             "--micro-batch-size", "2", "--dflash-eval-prompts", "0", "--data-format", "indexed", "--data-path", prefix,
             "--dflash-export", str(tmp_path / "hf")]
     with pytest.raises(DataError, match=rf"indexed.bin: token \d+ has id {vocab}, outside the target's vocabulary"):
-        _run(argv)
+        run_training(argv)
 
 
 def test_megatron_target_without_cuda_runs_on_the_cpu(tiny_target, tmp_path):
     """No CUDA: the megatron target runs under the product's device shim (command-line runs at TP / PP:
     tests/test_training.py) and trains as the transformers target does."""
-    megatron = _run(_base(tiny_target, tmp_path / "megatron", *SHORT, "--target-backend", "megatron"))
-    hf = _run(_base(tiny_target, tmp_path / "hf", *SHORT))
+    megatron = run_training(training_argv(tiny_target, tmp_path / "megatron", *SHORT, "--target-backend", "megatron"))
+    hf = run_training(training_argv(tiny_target, tmp_path / "hf", *SHORT))
     assert len(megatron.losses) == len(hf.losses) == 2
     for a, b in zip(megatron.losses, hf.losses):
         assert abs(a - b) < 1e-5, (megatron.losses, hf.losses)
@@ -558,7 +540,7 @@ def test_megatron_target_without_cuda_runs_on_the_cpu(tiny_target, tmp_path):
 
 
 def test_spec_generate_inputs_and_cache_growth(monkeypatch):
-    from test_generate import PROMPTS, make_draft, qwen3_target
+    from tiny_decoding import PROMPTS, make_draft, qwen3_target
 
     from megatron_dflash.decoding import generate
     from megatron_dflash.decoding.generate import spec_generate
@@ -705,13 +687,12 @@ def test_plan_fuzz_with_upper_bounds(batch, seq_length, block_size, anchors_per_
 
 
 def test_evaluate_acceptance_explains_a_damaged_draft(tmp_path, capsys, monkeypatch):
-    import test_generate
-
     sys_path = os.path.join(REPO_ROOT, "tools")
     monkeypatch.syspath_prepend(sys_path)
     import evaluate_acceptance
+    from tiny_decoding import write_models
 
-    _, _, target_dir, draft_dir, prompts = test_generate._write_models(tmp_path, False)
+    _, _, target_dir, draft_dir, prompts = write_models(tmp_path, False)
     weights = draft_dir / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:64])
     monkeypatch.setenv("MEGATRON_DFLASH_DEBUG", "0")
@@ -747,10 +728,10 @@ def _tp_rank_with_other_data(rank, world_size, target, out_dir):
             return batch
 
         batching.Collator.__call__ = shifted
-    argv = _base(target, pathlib.Path(out_dir), "--train-iters", "2", "--micro-batch-size", "4",
-                 "--dflash-eval-prompts", "0", "--tensor-model-parallel-size", "2", "--target-backend", "megatron")
+    argv = training_argv(target, pathlib.Path(out_dir), "--train-iters", "2", "--micro-batch-size", "4",
+                         "--dflash-eval-prompts", "0", "--tensor-model-parallel-size", "2", "--target-backend", "megatron")
     try:
-        _run(argv)
+        run_training(argv)
     except DataError as err:
         return str(err)
     finally:
@@ -858,7 +839,7 @@ def previous_version(tiny_target, tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(checkpointing, "CHECKPOINT_VERSION", 2)
         patch.setattr(checkpointing, "_rng_sharded", pickled_rng)
-        _run(_base(tiny_target, root, *SHORT, "--save", str(save), "--save-interval", "2"))
+        run_training(training_argv(tiny_target, root, *SHORT, "--save", str(save), "--save-interval", "2"))
     return save, pickled[-1]
 
 
@@ -894,12 +875,12 @@ def test_planted_pickles_never_run(tiny_target, tmp_path, trained, previous_vers
     load: --load, to-hf and evaluate_acceptance --draft refuse it in one line naming the file and the type, and
     nothing of it runs."""
     marker = tmp_path / "planted-code-ran"
-    cases = [("metadata", _copy(trained, tmp_path, "metadata"), _plant_in_metadata),
-             ("common", _copy(trained, tmp_path, "common"), _plant_in_common),
-             ("rng", _copy(previous_version[0], tmp_path, "rng"), _plant_in_rng_item)]
+    cases = [("metadata", copy_save(trained, tmp_path, "metadata"), _plant_in_metadata),
+             ("common", copy_save(trained, tmp_path, "common"), _plant_in_common),
+             ("rng", copy_save(previous_version[0], tmp_path, "rng"), _plant_in_rng_item)]
     for name, save, plant in cases:
         planted = plant(save / "iter_0000002", marker)
-        status, err = _main(_base(tiny_target, tmp_path, *SHORT, "--load", str(save)), capsys, monkeypatch)
+        status, err = run_main(training_argv(tiny_target, tmp_path, *SHORT, "--load", str(save)), capsys, monkeypatch)
         _one_line_refusal(status, err, planted)
         assert not marker.exists(), name
         if name == "rng":
@@ -918,13 +899,13 @@ def test_checkpoint_metadata_may_name_only_its_own_files(tiny_target, tmp_path, 
     import pickle
 
     for name, outside in (("dotdot", "../outside.distcp"), ("absolute", str(tmp_path / "outside.distcp"))):
-        save = _copy(trained, tmp_path, name)
+        save = copy_save(trained, tmp_path, name)
         meta_path = save / "iter_0000002" / ".metadata"
         metadata = pickle.loads(meta_path.read_bytes())
         for index, info in list(metadata.storage_data.items()):
             metadata.storage_data[index] = dataclasses.replace(info, relative_path=outside)
         meta_path.write_bytes(pickle.dumps(metadata))
-        status, err = _main(_base(tiny_target, tmp_path, *SHORT, "--load", str(save)), capsys, monkeypatch)
+        status, err = run_main(training_argv(tiny_target, tmp_path, *SHORT, "--load", str(save)), capsys, monkeypatch)
         assert status == 1 and "Traceback" not in err, err[-3000:]
         assert f"names the storage file {outside!r}" in err.strip().splitlines()[-1], err[-3000:]
 
@@ -952,7 +933,7 @@ def test_rng_state_is_saved_as_tensors_and_restored(tiny_target, tmp_path, train
             "rng_state.torch", torch.empty(size[1:], dtype=torch.uint8), (0, 0, 1), replica_id=0, prepend_axis_num=1)},
             str(iteration_dir))["torch"]
     torch.manual_seed(1234)  # anything else: the resume must restore the stored state
-    resumed = _run(_base(tiny_target, tmp_path, *SHORT, "--load", str(_copy(trained, tmp_path))))
+    resumed = run_training(training_argv(tiny_target, tmp_path, *SHORT, "--load", str(copy_save(trained, tmp_path))))
     assert resumed.start_iteration == 2
     assert torch.equal(torch.get_rng_state(), stored)
 
@@ -967,7 +948,7 @@ def test_a_checkpoint_of_the_previous_version_resumes(tiny_target, tmp_path, pre
     random.seed(99)
     np.random.seed(99)
     more = [a if a != "2" else "3" for a in SHORT]
-    resumed = _run(_base(tiny_target, tmp_path, *more, "--load", str(_copy(save, tmp_path))))
+    resumed = run_training(training_argv(tiny_target, tmp_path, *more, "--load", str(copy_save(save, tmp_path))))
     assert resumed.start_iteration == 2 and resumed.iterations == 3
     assert random.getstate() == pickled["random"]
     assert np.array_equal(np.random.get_state()[1], pickled["numpy"][1])
@@ -986,8 +967,8 @@ def test_an_output_that_is_a_symbolic_link_is_refused_before_any_work(tiny_targe
     assert f"--dflash-export={link} is a symbolic link" in message
     started = []
     with pytest.raises(ArgumentError, match="is a symbolic link"):
-        _run(_base(tiny_target, tmp_path, *SHORT, "--dflash-export", str(link)),
-             hooks={"on_step": lambda *a, **k: started.append(1)})
+        run_training(training_argv(tiny_target, tmp_path, *SHORT, "--dflash-export", str(link)),
+                     hooks={"on_step": lambda *a, **k: started.append(1)})
     assert started == [] and os.listdir(real) == []
     status, err = _convert_to_hf(trained, link, capsys)
     assert status == 2 and f"{link} is a symbolic link" in err.strip().splitlines()[-1], err
@@ -997,17 +978,14 @@ def test_an_output_that_is_a_symbolic_link_is_refused_before_any_work(tiny_targe
 
 _REPO = REPO_ROOT
 _PRETRAIN = os.path.join(_REPO, "pretrain_dflash.py")
-
-
-def _subprocess_env():
-    return dict(os.environ, PYTHONPATH=_REPO, OMP_NUM_THREADS="1", MEGATRON_DFLASH_DEBUG="0")
+_CHILD_ENV = dict(OMP_NUM_THREADS="1", MEGATRON_DFLASH_DEBUG="0")
 
 
 def _start_pretrain(argv, out_dir):
     """`pretrain_dflash.py ARGV` as a real process; stdout and stderr into files of `out_dir`."""
     out_dir.mkdir(parents=True, exist_ok=True)
     stdout, stderr = open(out_dir / "stdout", "w"), open(out_dir / "stderr", "w")
-    process = subprocess.Popen([sys.executable, _PRETRAIN, *argv], stdout=stdout, stderr=stderr, env=_subprocess_env(),
+    process = subprocess.Popen([sys.executable, _PRETRAIN, *argv], stdout=stdout, stderr=stderr, env=child_env(**_CHILD_ENV),
                                cwd=str(out_dir))
     stdout.close()
     stderr.close()
@@ -1048,12 +1026,12 @@ def test_a_second_run_on_one_save_directory_is_refused(tiny_target, tmp_path, ca
     """Two runs with the same command line, the first a real process: the second is refused in one line naming
     the first (host, pid, start time) while the first keeps saving; every checkpoint the first published loads."""
     save = tmp_path / "ckpt"
-    argv = _base(tiny_target, tmp_path, *LONG, "--save", str(save), "--save-interval", "5", "--run-dir",
-                 str(tmp_path / "run"))
+    argv = training_argv(tiny_target, tmp_path, *LONG, "--save", str(save), "--save-interval", "5", "--run-dir",
+                         str(tmp_path / "run"))
     first = _start_pretrain(argv, tmp_path / "first")
     try:
         _wait_for(tmp_path / "first" / "stdout", "[checkpoint] saved iteration 5", first)
-        status, err = _main(argv, capsys, monkeypatch)  # the second run (in this process: no start-up cost)
+        status, err = run_main(argv, capsys, monkeypatch)  # the second run (in this process: no start-up cost)
         assert first.poll() is None, "the first run ended before the second one started; make it longer"
         first.send_signal(signal.SIGTERM)
         assert first.wait(timeout=120) == 75
@@ -1071,7 +1049,7 @@ def test_a_second_run_on_one_save_directory_is_refused(tiny_target, tmp_path, ca
 def _hold_lock_and_sleep(save):
     code = ("import sys, time\nfrom megatron_dflash.training.savelock import acquire_save_lock\n"
             f"acquire_save_lock({str(save)!r})\nprint('held', flush=True)\ntime.sleep(600)\n")
-    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=_subprocess_env())
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=child_env(**_CHILD_ENV))
     assert holder.stdout.readline().strip() == "held"
     return holder
 
@@ -1082,7 +1060,7 @@ def test_the_lock_of_a_dead_run_is_taken_over(tiny_target, tmp_path, capsys):
     holder.kill()  # SIGKILL: no release, its record stays in the lock file
     holder.wait()
     capsys.readouterr()
-    result = _run(_base(tiny_target, tmp_path, *SHORT, "--save", str(save)))
+    result = run_training(training_argv(tiny_target, tmp_path, *SHORT, "--save", str(save)))
     assert result.iterations == 2
     out = capsys.readouterr().out
     assert f"took over the lock of --save={save} from a run that ended without releasing it (host " \
@@ -1115,14 +1093,13 @@ def test_the_lock_is_one_per_run_and_refuses_on_every_rank_alike(tp_pool, tiny_t
 def test_sigterm_saves_and_the_run_resumes_exactly(tiny_target, tmp_path):
     """SIGTERM to a real run (how SLURM and Kubernetes preempt): it finishes the step, saves it, exits 75 with one
     line, leaves no staged directory; --load continues exactly as the uninterrupted run (losses, weights)."""
-    from test_training import _safetensors
 
     common = ["--train-iters", "20", "--micro-batch-size", "4", "--global-batch-size", "4", "--dflash-eval-prompts",
               "0", "--lr-decay-style", "cosine"]
-    straight = _run(_base(tiny_target, tmp_path / "a", *common))
+    straight = run_training(training_argv(tiny_target, tmp_path / "a", *common))
     save = tmp_path / "b" / "ckpt"
-    argv = _base(tiny_target, tmp_path / "b", *common, "--save", str(save), "--save-interval", "1",
-                 "--run-dir", str(tmp_path / "b"))
+    argv = training_argv(tiny_target, tmp_path / "b", *common, "--save", str(save), "--save-interval", "1",
+                         "--run-dir", str(tmp_path / "b"))
     process = _start_pretrain(argv, tmp_path / "b" / "process")
     try:
         _wait_for(tmp_path / "b" / "process" / "stdout", "[checkpoint] saved iteration 3", process)
@@ -1140,10 +1117,10 @@ def test_sigterm_saves_and_the_run_resumes_exactly(tiny_target, tmp_path):
     assert not [p for p in os.listdir(tmp_path / "b") if p.startswith(".")]
     with open(tmp_path / "b" / "metrics.jsonl") as f:
         before = [r["loss"] for r in map(json.loads, f) if r["split"] == "train"]
-    resumed = _run(argv + ["--load", str(save)])
+    resumed = run_training(argv + ["--load", str(save)])
     assert resumed.start_iteration == stopped and resumed.iterations == 20
     assert before + resumed.losses == straight.losses  # bitwise
-    a, b = _safetensors(str(tmp_path / "a" / "hf")), _safetensors(str(tmp_path / "b" / "hf"))
+    a, b = safetensors_of(str(tmp_path / "a" / "hf")), safetensors_of(str(tmp_path / "b" / "hf"))
     for key in a:
         assert torch.equal(a[key], b[key]), key
 
@@ -1158,9 +1135,9 @@ def _signal_on_rank_1(rank, world_size, target, out_dir, save):
         if rank == 1 and iteration == 2:
             os.kill(os.getpid(), signal.SIGTERM)
 
-    argv = _base(target, pathlib.Path(out_dir), "--train-iters", "6", "--micro-batch-size", "4", "--global-batch-size",
-                 "8", "--dflash-eval-prompts", "0", "--save", save)
-    result = _run(argv, hooks={"on_step": on_step})
+    argv = training_argv(target, pathlib.Path(out_dir), "--train-iters", "6", "--micro-batch-size", "4", "--global-batch-size",
+                         "8", "--dflash-eval-prompts", "0", "--save", save)
+    result = run_training(argv, hooks={"on_step": on_step})
     return result.stopped_by, result.iterations, result.checkpoint_dir, result.stop_message
 
 
@@ -1182,7 +1159,7 @@ def test_a_second_signal_exits_at_once(signum):
             "stop = StopSignals().install()\n"
             f"os.kill(os.getpid(), {int(signum)})\nprint('noted', stop.received, flush=True)\n"
             f"os.kill(os.getpid(), {int(signum)})\nprint('still running', flush=True)\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_subprocess_env(),
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=child_env(**_CHILD_ENV),
                           timeout=60)
     assert done.returncode == -signum, (done.returncode, done.stdout, done.stderr)
     assert f"noted {int(signum)}" in done.stdout and "still running" not in done.stdout
@@ -1201,7 +1178,7 @@ def test_sigint_outside_the_steps_ends_in_one_line(tiny_target, tmp_path, capsys
 
     monkeypatch.setattr(loop, "build_datasets", interrupted_while_loading)
     try:
-        status, err = _main(_base(tiny_target, tmp_path, *SHORT), capsys, monkeypatch)
+        status, err = run_main(training_argv(tiny_target, tmp_path, *SHORT), capsys, monkeypatch)
     except KeyboardInterrupt:
         pytest.fail("the interrupt escaped pretrain_dflash.py's main as a traceback")
     assert status == 130 and "Traceback" not in err and err.count("pretrain_dflash.py:") == 1, err[-2000:]

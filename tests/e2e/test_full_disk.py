@@ -21,9 +21,8 @@ import pytest
 import torch
 
 from megatron_dflash.common.atomic import NoSpaceError, as_no_space, temporary_of
-from test_faults import MULTI_RANK_TIMEOUT_S, SHORT, _copy, _main, trained  # noqa: F401 - `trained` is a fixture
-from test_training import _base, _run
 from repo_paths import REPO_ROOT
+from training_runs import MULTI_RANK_TIMEOUT_S, SHORT, copy_save, run_main, run_training, training_argv
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="FullDisk maps descriptors via /proc")]
@@ -241,8 +240,8 @@ def test_training_outlives_a_full_run_directory(tiny_target, tmp_path, capsys):
     def on_step(iteration, values, body):
         disk.full = 2 <= iteration < 4
 
-    argv = _base(tiny_target, tmp_path, "--train-iters", "6", "--micro-batch-size", "4", "--global-batch-size", "4",
-                 "--dflash-eval-prompts", "0", "--eval-interval", "2", "--run-dir", str(run_dir))
+    argv = training_argv(tiny_target, tmp_path, "--train-iters", "6", "--micro-batch-size", "4", "--global-batch-size", "4",
+                         "--dflash-eval-prompts", "0", "--eval-interval", "2", "--run-dir", str(run_dir))
     console = ConsoleLog.start()
     try:
         with disk:
@@ -295,13 +294,13 @@ def test_tensorboard_writes_that_fail_warn_once(capsys):
 @pytest.mark.parametrize("mkdir", [False, True], ids=["shards", "staged-directory"])
 def test_a_checkpoint_save_on_a_full_disk_ends_in_one_line(tiny_target, tmp_path, trained, capsys, monkeypatch, mkdir):
     """The shards do not fit, or not even the staged directory: one line, the save directory as it was."""
-    save = _copy(trained, tmp_path)
+    save = copy_save(trained, tmp_path)
     before = {name: sorted(os.listdir(save / name)) if (save / name).is_dir() else (save / name).read_text()
               for name in os.listdir(save)}
     more = [a if a != "2" else "3" for a in SHORT]
     with FullDisk(save, mkdir=mkdir) as disk:
-        status, err = _main(_base(tiny_target, tmp_path, *more, "--load", str(save), "--save", str(save),
-                                  "--run-dir", str(tmp_path / "run")), capsys, monkeypatch)
+        status, err = run_main(training_argv(tiny_target, tmp_path, *more, "--load", str(save), "--save", str(save),
+                                             "--run-dir", str(tmp_path / "run")), capsys, monkeypatch)
     assert status == 1 and disk.refused > 0
     assert _error_line(err) == (f"pretrain_dflash.py: error: {_NO_SPACE} {save / 'iter_0000003'} (the checkpoints "
                                 "saved before are intact); free space on its file system or write somewhere else, "
@@ -319,12 +318,12 @@ def _rank_saving_on_a_full_disk(rank, world_size, target, out_dir, full_rank):
 
     torch.set_num_threads(1)
     out = pathlib.Path(out_dir)
-    argv = _base(target, out, "--train-iters", "2", "--micro-batch-size", "4", "--global-batch-size", "8",
-                 "--dflash-eval-prompts", "0", "--save", str(out / "ckpt"), "--run-dir", str(out / "run"))
+    argv = training_argv(target, out, "--train-iters", "2", "--micro-batch-size", "4", "--global-batch-size", "8",
+                         "--dflash-eval-prompts", "0", "--save", str(out / "ckpt"), "--run-dir", str(out / "run"))
     disk = FullDisk(out / "ckpt", full=rank == full_rank)
     try:
         with disk:
-            _run(argv)
+            run_training(argv)
     except (NoSpaceError, RunError) as err:
         return type(err).__name__, str(err), disk.refused
     return "ok", None, disk.refused
@@ -343,10 +342,10 @@ def test_a_checkpoint_save_failing_on_one_rank_fails_alike_on_every_rank(tp_pool
 def test_the_hf_export_on_a_full_disk_ends_in_one_line(tiny_target, tmp_path, capsys, monkeypatch):
     exports = tmp_path / "exports"
     exports.mkdir()
-    argv = _base(tiny_target, tmp_path, *SHORT, "--save", str(tmp_path / "ckpt"), "--run-dir", str(tmp_path / "run"))
+    argv = training_argv(tiny_target, tmp_path, *SHORT, "--save", str(tmp_path / "ckpt"), "--run-dir", str(tmp_path / "run"))
     argv[argv.index("--dflash-export") + 1] = str(exports / "hf")
     with FullDisk(exports) as disk:
-        status, err = _main(argv, capsys, monkeypatch)
+        status, err = run_main(argv, capsys, monkeypatch)
     assert status == 1 and disk.refused > 0
     line = _error_line(err)
     assert line.startswith(f"pretrain_dflash.py: error: {_NO_SPACE} {exports / 'hf'} (the checkpoints in "
@@ -383,12 +382,12 @@ def test_the_converters_on_a_full_disk_end_in_one_line(tmp_path, trained, capsys
 
 
 def test_evaluate_acceptance_report_on_a_full_disk(tmp_path, capsys, monkeypatch):
-    import test_generate
+    from tiny_decoding import write_models
 
     monkeypatch.syspath_prepend(os.path.join(REPO_ROOT, "tools"))
     import evaluate_acceptance
 
-    _, _, target_dir, draft_dir, prompts = test_generate._write_models(tmp_path, False)
+    _, _, target_dir, draft_dir, prompts = write_models(tmp_path, False)
     reports = tmp_path / "reports"
     reports.mkdir()
     report = reports / "eval.json"

@@ -18,47 +18,11 @@ import torch
 
 from megatron_dflash.training.arguments import ArgumentError, parse_args, validate_args
 from megatron_dflash.training.job import prepare_job
+from entry_points import child_env, evaluate_module
 from repo_paths import REPO_ROOT
+from training_runs import TINY_DRAFT, run_training, safetensors_of, training_argv
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-# The tiny target has 6 layers: the published recipe's 5-layer, block-16 draft does not fit it.
-TINY_DRAFT = ["--dflash-num-layers", "2", "--dflash-block-size", "8"]
-STEPS_ARGS = [*TINY_DRAFT, "--data-format", "synthetic", "--no-progress-bar", "--log-interval", "1", "--seq-length", "48", "--synthetic-train-samples", "64",
-              "--synthetic-valid-samples", "16", "--eval-iters", "1", "--dflash-anchors-per-sample", "4",
-              "--lr", "2e-3", "--lr-warmup-iters", "1"]
-
-
-# ------------------------------------------------------------------------------------------ fixtures
-
-
-def _run(argv, hooks=None, world_size=None):
-    from megatron_dflash.training.loop import run
-
-    argv = list(argv)
-    if "--run-dir" not in argv and "--dflash-export" in argv:  # the run directory next to the export
-        argv += ["--run-dir", os.path.dirname(argv[argv.index("--dflash-export") + 1])]
-    return run(argv, hooks=hooks, world_size=world_size)
-
-
-def _base(target, out, *extra):
-    return ["--target", target, "--dflash-export", str(out / "hf"), *STEPS_ARGS, *extra]
-
-
-def _tool_module(name):
-    tools = os.path.join(REPO_ROOT, "tools")
-    sys.path.insert(0, tools)
-    try:
-        return __import__(name)
-    finally:
-        sys.path.pop(0)
-
-
-def _safetensors(directory):
-    from safetensors.torch import load_file
-
-    return load_file(os.path.join(directory, "model.safetensors"))
-
 
 # ------------------------------------------------------------------------------------------ arguments
 
@@ -192,11 +156,11 @@ def test_end_to_end_tp1(tiny_target, tmp_path, capsys):
         + json.dumps({"prompt": "<|user|> spell the word fox <|end|> <|assistant|>"}) + "\n\n"
         + json.dumps({"input_ids": [3, 10, 20]}) + "\n"
     )
-    result = _run(_base(tiny_target, tmp_path, "--train-iters", "4", "--micro-batch-size", "4",
-                        "--global-batch-size", "8", "--save", str(save), "--save-interval", "2",
-                        "--eval-interval", "2", "--dflash-eval-prompts", str(prompts),
-                        "--dflash-eval-max-new-tokens", "8", "--dflash-eval-ignore-eos", "--tensorboard-dir", str(tmp_path / "tb"),
-                        "--log-interval", "2"))
+    result = run_training(training_argv(tiny_target, tmp_path, "--train-iters", "4", "--micro-batch-size", "4",
+                                        "--global-batch-size", "8", "--save", str(save), "--save-interval", "2",
+                                        "--eval-interval", "2", "--dflash-eval-prompts", str(prompts),
+                                        "--dflash-eval-max-new-tokens", "8", "--dflash-eval-ignore-eos", "--tensorboard-dir", str(tmp_path / "tb"),
+                                        "--log-interval", "2"))
     assert result.iterations == 4 and len(result.losses) == 4
     assert all(math.isfinite(x) for x in result.losses)
     assert read_latest_iteration(str(save)) == 4
@@ -240,9 +204,9 @@ def test_end_to_end_tp1(tiny_target, tmp_path, capsys):
     convert_cmd, evaluate_cmd = commands
     done = subprocess.run(convert_cmd, shell=True, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "validated: every tensor identical" in done.stdout, done.stderr
-    assert _safetensors(str(tmp_path / "converted-hf")).keys() == _safetensors(str(tmp_path / "hf")).keys()
+    assert safetensors_of(str(tmp_path / "converted-hf")).keys() == safetensors_of(str(tmp_path / "hf")).keys()
     # ... and the evaluation's command line is complete and names existing files
-    evaluate_acceptance = _tool_module("evaluate_acceptance")
+    evaluate_acceptance = evaluate_module()
     words = shlex.split(evaluate_cmd)
     assert words[0] == "python" and os.path.samefile(words[1], evaluate_acceptance.__file__)
     parsed = evaluate_acceptance.parse_args(words[2:])
@@ -258,11 +222,11 @@ def test_end_to_end_tp1(tiny_target, tmp_path, capsys):
 def _tp_run(rank, world_size, target, out_dir, save):
     import pathlib
 
-    argv = _base(target, pathlib.Path(out_dir), "--train-iters", "4", "--micro-batch-size", "4",
-                 "--global-batch-size", "4", "--dflash-eval-prompts", "0", "--tensor-model-parallel-size",
-                 str(world_size), "--target-backend", "megatron", "--save", save, "--exit-interval", "2")
+    argv = training_argv(target, pathlib.Path(out_dir), "--train-iters", "4", "--micro-batch-size", "4",
+                         "--global-batch-size", "4", "--dflash-eval-prompts", "0", "--tensor-model-parallel-size",
+                         str(world_size), "--target-backend", "megatron", "--save", save, "--exit-interval", "2")
     torch.set_num_threads(1)
-    result = _run(argv)
+    result = run_training(argv)
     return result.losses, result.grad_norms
 
 
@@ -270,12 +234,12 @@ def test_tensor_parallel_2_matches_tp1(tp_pool, tiny_target, tmp_path):
     """TP=2 (megatron target, vocab-parallel head, sharded draft) reproduces TP=1's losses, and its
     checkpoint (draft and Adam moments sharded over TP) resumes at TP=1 where TP=1 would be."""
     common = ["--train-iters", "4", "--micro-batch-size", "4", "--global-batch-size", "4", "--dflash-eval-prompts", "0"]
-    reference = _run(_base(tiny_target, tmp_path / "tp1", *common))
+    reference = run_training(training_argv(tiny_target, tmp_path / "tp1", *common))
     save = str(tmp_path / "ckpt")
     results = tp_pool(2).run(_tp_run, tiny_target, str(tmp_path / "tp2"), save, tp=2)
     (losses0, norms0), (losses1, norms1) = results
     assert losses0 == losses1 and len(losses0) == 2
-    resumed = _run(_base(tiny_target, tmp_path / "resumed", *common, "--load", save))
+    resumed = run_training(training_argv(tiny_target, tmp_path / "resumed", *common, "--load", save))
     assert resumed.start_iteration == 2
     losses = losses0 + resumed.losses
     norms = norms0 + resumed.grad_norms
@@ -283,8 +247,8 @@ def test_tensor_parallel_2_matches_tp1(tp_pool, tiny_target, tmp_path):
         assert abs(a - b) < 1e-5, (reference.losses, losses)
     for a, b in zip(reference.grad_norms, norms):
         assert abs(a - b) < 1e-4 * max(1.0, a), (reference.grad_norms, norms)
-    exported = _safetensors(str(tmp_path / "resumed" / "hf"))
-    expected = _safetensors(str(tmp_path / "tp1" / "hf"))
+    exported = safetensors_of(str(tmp_path / "resumed" / "hf"))
+    expected = safetensors_of(str(tmp_path / "tp1" / "hf"))
     assert exported.keys() == expected.keys()
     for key in expected:
         assert torch.allclose(exported[key], expected[key], atol=1e-4, rtol=0), key
@@ -293,11 +257,11 @@ def test_tensor_parallel_2_matches_tp1(tp_pool, tiny_target, tmp_path):
 def _pp_run(rank, world_size, target, out_dir, *extra):
     import pathlib
 
-    argv = _base(target, pathlib.Path(out_dir), "--train-iters", "3", "--micro-batch-size", "4",
-                 "--global-batch-size", "4", "--dflash-eval-prompts", "0", "--tensor-model-parallel-size", "2",
-                 "--pipeline-model-parallel-size", "2", "--target-backend", "megatron", *extra)
+    argv = training_argv(target, pathlib.Path(out_dir), "--train-iters", "3", "--micro-batch-size", "4",
+                         "--global-batch-size", "4", "--dflash-eval-prompts", "0", "--tensor-model-parallel-size", "2",
+                         "--pipeline-model-parallel-size", "2", "--target-backend", "megatron", *extra)
     torch.set_num_threads(1)
-    result = _run(argv)
+    result = run_training(argv)
     return result.losses, result.grad_norms, result.learning_rates
 
 
@@ -307,14 +271,14 @@ def test_pipeline_2_x_tensor_parallel_2_matches_tp1(tp_pool, tiny_target, tmp_pa
     over the pipeline); its checkpoint (written by all stages, the draft by the last) resumes at TP=1 and at
     TP=2 x PP=2, and the pipeline run's HF export matches TP=1's."""
     common = ["--train-iters", "3", "--micro-batch-size", "4", "--global-batch-size", "4", "--dflash-eval-prompts", "0"]
-    reference = _run(_base(tiny_target, tmp_path / "ref", *common))
+    reference = run_training(training_argv(tiny_target, tmp_path / "ref", *common))
     save = str(tmp_path / "ckpt")
     pool = tp_pool(4)
     results = pool.run(_pp_run, tiny_target, str(tmp_path / "pp2"), "--save", save, "--exit-interval", "2", tp=None)
     assert all(r == results[0] for r in results), results  # rank 0 (first stage) logs the draft's numbers
     losses, norms, lrs = results[0]
     assert len(losses) == 2
-    resumed = _run(_base(tiny_target, tmp_path / "resumed", *common, "--load", save))
+    resumed = run_training(training_argv(tiny_target, tmp_path / "resumed", *common, "--load", save))
     assert resumed.start_iteration == 2
     for a, b in zip(reference.losses, losses + resumed.losses):
         assert abs(a - b) < 1e-5, (reference.losses, losses + resumed.losses)
@@ -325,8 +289,8 @@ def test_pipeline_2_x_tensor_parallel_2_matches_tp1(tp_pool, tiny_target, tmp_pa
     again = pool.run(_pp_run, tiny_target, str(tmp_path / "pp2"), "--load", save, tp=None)
     assert all(r == again[0] for r in again) and len(again[0][0]) == 1
     assert abs(again[0][0][0] - reference.losses[2]) < 1e-5, (reference.losses, again[0][0])
-    exported = _safetensors(str(tmp_path / "pp2" / "hf"))
-    expected = _safetensors(str(tmp_path / "ref" / "hf"))
+    exported = safetensors_of(str(tmp_path / "pp2" / "hf"))
+    expected = safetensors_of(str(tmp_path / "ref" / "hf"))
     assert exported.keys() == expected.keys()
     for key in expected:
         assert torch.allclose(exported[key], expected[key], atol=1e-4, rtol=0), key
@@ -341,7 +305,7 @@ LAUNCH_ARGS = ["--train-iters", "2", "--micro-batch-size", "4", "--global-batch-
 @pytest.fixture(scope="module")
 def hf_backend_losses(tiny_target, tmp_path_factory):
     """The losses of the launch below with the transformers target, in this process (TP = PP = 1)."""
-    return _run(_base(tiny_target, tmp_path_factory.mktemp("hf_backend"), *LAUNCH_ARGS)).losses
+    return run_training(training_argv(tiny_target, tmp_path_factory.mktemp("hf_backend"), *LAUNCH_ARGS)).losses
 
 
 @pytest.mark.parametrize("layout, grid", [(["--tensor-model-parallel-size", "2"], "TP 2 x PP 1"),
@@ -350,8 +314,8 @@ def test_torchrun_with_a_megatron_target_on_cpu_ranks(tiny_target, tmp_path, hf_
     """`torchrun --nproc-per-node 2 pretrain_dflash.py --target-backend megatron` at TP=2 or PP=2 without CUDA:
     two gloo ranks, the target under the product's device shim; the losses (metrics.jsonl, logged every
     iteration) are the transformers target's."""
-    argv = _base(tiny_target, tmp_path, *LAUNCH_ARGS, "--target-backend", "megatron", *layout, "--run-dir", str(tmp_path))
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    argv = training_argv(tiny_target, tmp_path, *LAUNCH_ARGS, "--target-backend", "megatron", *layout, "--run-dir", str(tmp_path))
+    env = child_env(OMP_NUM_THREADS="1")
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            PRETRAIN, *argv], capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -373,15 +337,15 @@ def test_resume_is_exact(tiny_target, tmp_path, precision):
     (bf16: the fp32 master weights and the Adam moments travel through the checkpoint)."""
     common = ["--train-iters", "6", "--micro-batch-size", "4", "--global-batch-size", "4",
               "--dflash-eval-prompts", "0", "--lr-decay-style", "cosine"] + (["--bf16"] if precision == "bf16" else [])
-    straight = _run(_base(tiny_target, tmp_path / "a", *common))
+    straight = run_training(training_argv(tiny_target, tmp_path / "a", *common))
     save = str(tmp_path / "ckpt")
-    first = _run(_base(tiny_target, tmp_path / "b", *common, "--save", save, "--exit-interval", "3"))
+    first = run_training(training_argv(tiny_target, tmp_path / "b", *common, "--save", save, "--exit-interval", "3"))
     assert first.exited_early and first.iterations == 3 and first.export_dir is None
-    second = _run(_base(tiny_target, tmp_path / "b", *common, "--save", save, "--load", save))
+    second = run_training(training_argv(tiny_target, tmp_path / "b", *common, "--save", save, "--load", save))
     assert second.start_iteration == 3 and second.iterations == 6
     assert first.losses + second.losses == straight.losses  # bitwise
     assert first.learning_rates + second.learning_rates == straight.learning_rates
-    a, b = _safetensors(str(tmp_path / "a" / "hf")), _safetensors(str(tmp_path / "b" / "hf"))
+    a, b = safetensors_of(str(tmp_path / "a" / "hf")), safetensors_of(str(tmp_path / "b" / "hf"))
     for key in a:
         assert torch.equal(a[key], b[key]), key
 
@@ -405,12 +369,12 @@ def test_crash_in_the_middle_of_a_save_keeps_the_previous_checkpoint(tiny_target
     common = ["--train-iters", "4", "--micro-batch-size", "4", "--global-batch-size", "4", "--dflash-eval-prompts",
               "0", "--save", str(save), "--save-interval", "2"]
     with pytest.raises(OSError, match="simulated crash"):
-        _run(_base(tiny_target, tmp_path, *common))
+        run_training(training_argv(tiny_target, tmp_path, *common))
     assert read_latest_iteration(str(save)) == 2
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
     assert not (save / "iter_0000004").exists()
     monkeypatch.setattr(dist_checkpointing, "save", real_save)
-    resumed = _run(_base(tiny_target, tmp_path, *common, "--load", str(save)))
+    resumed = run_training(training_argv(tiny_target, tmp_path, *common, "--load", str(save)))
     assert resumed.start_iteration == 2 and resumed.iterations == 4
     assert read_latest_iteration(str(save)) == 4
     assert not any(".tmp" in name for name in os.listdir(save))  # the stale partial save is gone
@@ -423,25 +387,25 @@ def _dp_run(rank, world_size, target, out_dir):
     import pathlib
 
     torch.set_num_threads(1)
-    result = _run(_base(target, pathlib.Path(out_dir), "--train-iters", "2", "--micro-batch-size", "4",
-                        "--global-batch-size", "8", "--dflash-eval-prompts", "0"))
+    result = run_training(training_argv(target, pathlib.Path(out_dir), "--train-iters", "2", "--micro-batch-size", "4",
+                                        "--global-batch-size", "8", "--dflash-eval-prompts", "0"))
     return result.losses, result.grad_norms
 
 
 def test_update_does_not_depend_on_the_micro_batch_split(tiny_target, tmp_path, tp_pool):
     """Global 8 rows as 1 x 8, 4 x 2 (accumulation) and DP 2 x 4: the same losses and weights."""
     common = ["--train-iters", "2", "--global-batch-size", "8", "--dflash-eval-prompts", "0"]
-    whole = _run(_base(tiny_target, tmp_path / "m8", *common, "--micro-batch-size", "8"))
-    split = _run(_base(tiny_target, tmp_path / "m2", *common, "--micro-batch-size", "2"))
+    whole = run_training(training_argv(tiny_target, tmp_path / "m8", *common, "--micro-batch-size", "8"))
+    split = run_training(training_argv(tiny_target, tmp_path / "m2", *common, "--micro-batch-size", "2"))
     (dp_losses, dp_norms), _ = tp_pool(2).run(_dp_run, tiny_target, str(tmp_path / "dp2"), tp=1)
     for other_losses, other_norms in ((split.losses, split.grad_norms), (dp_losses, dp_norms)):
         for a, b in zip(whole.losses, other_losses):
             assert abs(a - b) < 1e-6 * max(1.0, abs(a)), (whole.losses, other_losses)
         for a, b in zip(whole.grad_norms, other_norms):
             assert abs(a - b) < 1e-5 * max(1.0, a), (whole.grad_norms, other_norms)
-    reference = _safetensors(str(tmp_path / "m8" / "hf"))
+    reference = safetensors_of(str(tmp_path / "m8" / "hf"))
     for name in ("m2", "dp2"):
-        other = _safetensors(str(tmp_path / name / "hf"))
+        other = safetensors_of(str(tmp_path / name / "hf"))
         for key in reference:
             assert torch.allclose(reference[key], other[key], atol=1e-6, rtol=0), (name, key)
 
@@ -473,7 +437,7 @@ def test_chat_text_and_indexed_data(tiny_target, tmp_path):
                                   "--valid-data", str(tmp_path / "chat.jsonl"), "--pack-sequences"]),
                         ("text", ["--data-format", "text", "--data-path", str(tmp_path / "text.jsonl")]),
                         ("indexed", ["--data-format", "indexed", "--data-path", prefix])):
-        result = _run(common + extra + ["--dflash-export", str(tmp_path / name / "hf")])
+        result = run_training(common + extra + ["--dflash-export", str(tmp_path / name / "hf")])
         assert result.iterations == 2 and all(math.isfinite(x) for x in result.losses), name
         # chat with --valid-data: validation loss, and acceptance on the held-out chats' prompts
         assert (len(result.validation) == 1) == (name == "chat")
@@ -487,31 +451,31 @@ def test_start_from_a_drafter_or_a_release_checkpoint(tiny_target, tmp_path):
     from megatron_dflash.checkpoint.conversion import convert_hf_to_megatron
 
     common = ["--train-iters", "2", "--micro-batch-size", "4", "--global-batch-size", "4", "--dflash-eval-prompts", "0"]
-    _run(_base(tiny_target, tmp_path / "first", *common))
+    run_training(training_argv(tiny_target, tmp_path / "first", *common))
     drafter = str(tmp_path / "first" / "hf")
     convert_hf_to_megatron(drafter, str(tmp_path / "release"))
-    from_hf = _run(_base(tiny_target, tmp_path / "from_hf", *common, "--dflash-init-from", drafter))
-    from_release = _run(_base(tiny_target, tmp_path / "from_release", *common, "--load", str(tmp_path / "release")))
+    from_hf = run_training(training_argv(tiny_target, tmp_path / "from_hf", *common, "--dflash-init-from", drafter))
+    from_release = run_training(training_argv(tiny_target, tmp_path / "from_release", *common, "--load", str(tmp_path / "release")))
     assert from_release.start_iteration == 0 and from_release.iterations == 2
     assert from_hf.losses == from_release.losses
-    first = _run(_base(tiny_target, tmp_path / "again", *common))
+    first = run_training(training_argv(tiny_target, tmp_path / "again", *common))
     assert from_hf.losses[0] != first.losses[0]  # the drafter's weights were really used
 
 
 def test_soft_targets_for_plain_dflash(tiny_target, tmp_path):
     """--dflash-soft-target kl trains against the target's own distribution: the loop captures the
     target's final hidden states for it (the loss refuses to run without them)."""
-    soft = _run(_base(tiny_target, tmp_path / "soft", "--train-iters", "2", "--micro-batch-size", "4",
-                      "--global-batch-size", "4", "--dflash-eval-prompts", "0", "--dflash-soft-target", "kl",
-                      "--dflash-distill-temperature", "2"))
+    soft = run_training(training_argv(tiny_target, tmp_path / "soft", "--train-iters", "2", "--micro-batch-size", "4",
+                                      "--global-batch-size", "4", "--dflash-eval-prompts", "0", "--dflash-soft-target", "kl",
+                                      "--dflash-distill-temperature", "2"))
     assert soft.iterations == 2 and all(math.isfinite(x) and x >= 0.0 for x in soft.losses)
 
 
 def test_dpace_loss_weighting(tiny_target, tmp_path, capsys):
     """--dflash-loss-weighting dpace trains a few steps: the run says which weighting it runs, and the loss
     (normalised by the supervised slots here) stays finite."""
-    run = _run(_base(tiny_target, tmp_path / "dpace", "--train-iters", "2", "--micro-batch-size", "2",
-                     "--global-batch-size", "4", "--dflash-eval-prompts", "0", "--dflash-loss-weighting", "dpace",
-                     "--dflash-dpace-alpha", "0.4", "--dflash-dpace-normalization", "supervised"))
+    run = run_training(training_argv(tiny_target, tmp_path / "dpace", "--train-iters", "2", "--micro-batch-size", "2",
+                                     "--global-batch-size", "4", "--dflash-eval-prompts", "0", "--dflash-loss-weighting", "dpace",
+                                     "--dflash-dpace-alpha", "0.4", "--dflash-dpace-normalization", "supervised"))
     assert run.iterations == 2 and all(math.isfinite(x) and x > 0.0 for x in run.losses)
     assert "loss weights dpace (alpha 0.4, / supervised)" in capsys.readouterr().out

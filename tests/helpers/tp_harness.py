@@ -114,7 +114,7 @@ def rank_thread_count(rank: int, world_size: int) -> int:
     return thread_count()
 
 
-def _live_process_groups() -> set:
+def live_process_groups() -> set:
     """The process groups torch.distributed holds in this rank (the world group included)."""
     from torch.distributed.distributed_c10d import _world
 
@@ -128,7 +128,7 @@ def _check_nothing_left_behind(name: str, groups_before: set, thread_bound: int)
     thread count fails: a destroyed group dropped inside a reference cycle (a model that held
     it) keeps its threads until the collector frees it.
     """
-    left = len(_live_process_groups() - groups_before)
+    left = len(live_process_groups() - groups_before)
     if left:
         raise AssertionError(
             f"{name} left {left} process group(s) it created alive in this rank: destroy them before "
@@ -178,7 +178,7 @@ def _child_main(rank: int, world_size: int, init_file: str, conn, collective_tim
                     break
                 _, fn, args, kwargs, tp = message
                 _set_tensor_parallel(tp)
-                groups_before = _live_process_groups()
+                groups_before = live_process_groups()
                 result = fn(rank, world_size, *args, **kwargs)
                 _check_nothing_left_behind(getattr(fn, "__qualname__", repr(fn)), groups_before, thread_bound)
                 reply = ("ok", result)

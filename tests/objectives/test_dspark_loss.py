@@ -24,7 +24,7 @@ from megatron_dflash.objectives.dspark_loss import (
 )
 from megatron_dflash.plan.batch_plan import DFlashBatchPlan
 from megatron_dflash.target.head import OutputHead
-from test_dflash_loss import LargestNewTensor
+from largest_tensor import LargestNewTensor
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

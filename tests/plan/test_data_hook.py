@@ -22,7 +22,7 @@ from megatron_dflash.plan.data_hook import (
     verify_plan_agreement,
 )
 from repo_paths import REPO_ROOT
-from test_batching import _sample
+from data_records import make_sample
 
 
 PLAN_FIELDS = ("anchor_positions", "block_valid", "context_start", "position_ids", "context_position_ids", "loss_mask")
@@ -40,8 +40,8 @@ def _random_batch(seed=0, b=4, s=40, pack=True):
     samples = []
     for i in range(b * 2):
         n = rng.randint(3, s)
-        samples.append(_sample([rng.randrange(1, 100) for _ in range(n)], [rng.random() < 0.8 for _ in range(n)],
-                               sid=stable_sample_id("test", seed, i)))
+        samples.append(make_sample([rng.randrange(1, 100) for _ in range(n)], [rng.random() < 0.8 for _ in range(n)],
+                                   sid=stable_sample_id("test", seed, i)))
     return collate(samples, pad_id=0, seq_length=s, pack=pack)
 
 

@@ -259,12 +259,12 @@ def test_speculative_decoding_on_a_qwen3_5_target_recomputes_it_losslessly():
     from megatron_dflash.draft.body import DFlashBody
     from megatron_dflash.draft.config import DFlashConfig
     from megatron_dflash.decoding.generate import spec_generate
-    from test_generate import _shape_target, check_statistics
+    from tiny_decoding import check_statistics, shape_target
 
     torch.manual_seed(1)
     target = AutoModelForCausalLM.from_config(_tiny_text("qwen3_5_text")).eval()
     assert "linear_attention" in target.config.layer_types
-    _shape_target(target, "mixed")
+    shape_target(target, "mixed")
     torch.manual_seed(1)
     draft = DFlashBody(DFlashConfig(
         hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -333,7 +333,7 @@ def test_a_kimi_k3_draft_trains_on_the_tiny_k3_target_converts_reloads_and_decod
     from megatron_dflash.draft.kimi_k3 import KimiK3Body
     from megatron_dflash.plan.batch_plan import DFlashBatchPlan
     from megatron_dflash.training.loop import main
-    from test_interop import ANCHORS, SEQ, nemo, training_forward
+    from nemo_reference import ANCHORS, SEQ, nemo, training_forward
 
     draft_module = nemo("draft_kimi_k3")
     code = main(["--target", tiny_kimi_k3, "--data-format", "synthetic", "--dflash-num-layers", "2",

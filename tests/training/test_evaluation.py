@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from test_cli import _evaluate_module
+from entry_points import evaluate_module
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -29,7 +29,7 @@ def test_training_evaluation_and_the_tool_share_one_decode_metric(monkeypatch):
                                 stop_token_ids=None, pad_token_id=0)
     trained = evaluation.acceptance_length(None, torch.nn.Linear(1, 1), [[1], [2], [3]], job)
     assert trained["tokens_per_target_forward"] == 11 / 6  # 3 prefills + 3 verify cycles
-    tool = _evaluate_module()
+    tool = evaluate_module()
     rows = [{"acceptance_lengths": c, "generated_tokens": g, "mean_acceptance_length": None}
             for c, g in zip(cycles, generated)]
     summary = tool._summary(types.SimpleNamespace(), rows, 1.0, {"target_forwards": 0, "prefill_forwards": 0,

@@ -670,7 +670,7 @@ def test_tensor_parallel_matches_single_rank(tp_pool):
 def test_fused_loss_never_materialises_more_than_one_chunk_of_logits():
     """The selector term adds no logits of its own: with a frozen head the peak allocation of the whole
     DFlash 2 loss, forward and backward, stays below one ``[chunk, V]`` chunk."""
-    from test_dflash_loss import LargestNewTensor
+    from largest_tensor import LargestNewTensor
 
     gen = torch.Generator().manual_seed(6)
     B, S, N, W, vocab, H, chunk = 2, 48, 4, 5, 1000, 8, 4

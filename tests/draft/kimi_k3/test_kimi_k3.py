@@ -25,49 +25,12 @@ from megatron_dflash.draft.kimi_k3 import (
 )
 
 from builders import random_body_inputs
-from test_interop import ANCHORS, SEQ, nemo, randomize, training_forward
+from kimi_k3_configs import CASES, DRAFT, our_config, target_dict
+from nemo_reference import ANCHORS, SEQ, nemo, randomize, training_forward
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 TOL = 1e-5
-
-# Tiny K3 shapes. Query/key heads have 8 + 4 = 12 channels and value heads 10 (the kernel pads
-# values to 12), or, in the "wide values" case, 4 + 4 = 8 and 16 (queries and keys are padded).
-# The SiTU bounds are small so that both tanh branches are far from linear on these activations.
-TARGET_FIELDS = dict(
-    vocab_size=100,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=8,
-    num_attention_heads=4,
-    q_lora_rank=24,
-    kv_lora_rank=16,
-    qk_nope_head_dim=8,
-    qk_rope_head_dim=4,
-    v_head_dim=10,
-    rms_norm_eps=1e-5,
-    activation_situ_beta=0.5,
-    activation_situ_linear_beta=0.7,
-    num_experts=None,
-    num_shared_experts=0,
-    attn_res_block_size=None,
-)
-CASES = {
-    "lora_gated": {},
-    "wide_values_no_gate_full_q": dict(q_lora_rank=None, qk_nope_head_dim=4, v_head_dim=16, mla_use_output_gate=False),
-    "unbounded_up": dict(activation_situ_beta=None, activation_situ_linear_beta=None),
-}
-DRAFT = dict(num_hidden_layers=2, block_size=4, mask_token_id=3, target_layer_ids=[1, 3, 5])
-
-
-def target_dict(case: str) -> dict:
-    """A Kimi K3 target's text config (`model_type: kimi_linear`) as a dict."""
-    data = {**TARGET_FIELDS, **CASES[case], "model_type": "kimi_linear"}
-    return data
-
-
-def our_config(case: str) -> KimiK3DraftConfig:
-    return KimiK3DraftConfig.from_target_config(target_dict(case), **DRAFT)
 
 
 def nemo_k3():
@@ -265,9 +228,9 @@ def test_position_ids_are_ignored_and_bad_inputs_rejected():
 
 
 def decode_draft(seed: int = 1) -> KimiK3Body:
-    """A Kimi K3 draft for the tiny Qwen3 targets of `test_generate.py` (hidden 64, 4 layers, vocab 96):
+    """A Kimi K3 draft for the tiny Qwen3 targets of `tiny_decoding.py` (hidden 64, 4 layers, vocab 96):
     decoding only needs the draft to read the target's taps, embedding and head."""
-    from test_generate import HIDDEN, TAPS, TARGET_LAYERS
+    from tiny_decoding import HIDDEN, TAPS, TARGET_LAYERS
 
     fields = {**target_dict("lora_gated"), "hidden_size": HIDDEN, "vocab_size": 96, "num_hidden_layers": TARGET_LAYERS}
     config = KimiK3DraftConfig.from_target_config(
@@ -316,7 +279,7 @@ def test_greedy_speculative_decoding_with_a_kimi_k3_draft_is_lossless():
     from collections import Counter
 
     from megatron_dflash.decoding.generate import spec_generate
-    from test_generate import PROMPTS, check_statistics, hf_greedy, qwen3_target
+    from tiny_decoding import PROMPTS, check_statistics, hf_greedy, qwen3_target
 
     target = qwen3_target(vocab=96, mode="mixed")
     draft = decode_draft()

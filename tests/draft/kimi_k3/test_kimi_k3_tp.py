@@ -17,8 +17,8 @@ from megatron_dflash.draft.body import default_parallel_config
 from megatron_dflash.draft.kimi_k3 import KimiK3Body, KimiK3DraftConfig
 from megatron_dflash.common.parallel import SingleRankGroup
 
-from test_body_tp import RTOL, _bad_inputs, _error_of, _plan, _relative_error, _shard
-from test_kimi_k3 import DRAFT, our_config, target_dict
+from kimi_k3_configs import DRAFT, our_config, target_dict
+from tp_checks import RTOL, bad_inputs, error_of, relative_error, shard, tp_plan
 
 WORLD_SIZES = (2, 4)
 COLUMN_PARALLEL = ("q_b_proj", "q_proj", "kv_b_proj", "g_proj", "gate_proj", "up_proj")
@@ -26,7 +26,7 @@ ROW_PARALLEL = ("o_proj", "down_proj")
 REPLICATED = ("q_a_proj", "kv_a_proj_with_mqa", "fc")  # plus every norm
 
 CASES = {
-    # name: (config case of test_kimi_k3, plan of test_body_tp, attention backend)
+    # name: (config case of kimi_k3_configs, plan of tp_checks.tp_plan, attention backend)
     "lora_gated_unpacked": ("lora_gated", "unpacked", "auto"),
     "wide_values_documents": ("wide_values_no_gate_full_q", "documents", "auto"),
     "lora_gated_documents_dense": ("lora_gated", "documents", "dense"),
@@ -61,7 +61,7 @@ def _on_ranks_parity(rank: int, world_size: int, case_names) -> dict:
     report = {}
     for case_name in case_names:
         config_case, plan_name, backend = CASES[case_name]
-        cfg, plan = our_config(config_case), _plan(plan_name)
+        cfg, plan = our_config(config_case), tp_plan(plan_name)
         torch.manual_seed(1234)
         reference = KimiK3Body(cfg, default_parallel_config(), tp_group=SingleRankGroup(), attention_backend=backend)
         gen = torch.Generator().manual_seed(99)
@@ -83,7 +83,7 @@ def _on_ranks_parity(rank: int, world_size: int, case_names) -> dict:
                     assert p.partition_dim == dim, (name, p.partition_dim)
                 else:
                     assert not getattr(p, "tensor_model_parallel", False), name
-                p.copy_(_shard(full[name], dim, rank, world_size))
+                p.copy_(shard(full[name], dim, rank, world_size))
 
         th, be, probe = _inputs(cfg, plan, seed=7)
         results = {}
@@ -96,13 +96,13 @@ def _on_ranks_parity(rank: int, world_size: int, case_names) -> dict:
         ref_out, ref_th_grad, ref_be_grad = results["ref"]
         out, th_grad, be_grad = results["tp"]
         errors = {
-            "output": _relative_error(out, ref_out),
-            "grad target_hidden": _relative_error(th_grad, ref_th_grad),
-            "grad block_embeddings": _relative_error(be_grad, ref_be_grad),
+            "output": relative_error(out, ref_out),
+            "grad target_hidden": relative_error(th_grad, ref_th_grad),
+            "grad block_embeddings": relative_error(be_grad, ref_be_grad),
         }
         for name, p in body.named_parameters():
-            expected = _shard(full[name].grad, _shard_dim(name), rank, world_size)
-            errors[f"grad {name}"] = float("inf") if p.grad is None else _relative_error(p.grad, expected)
+            expected = shard(full[name].grad, _shard_dim(name), rank, world_size)
+            errors[f"grad {name}"] = float("inf") if p.grad is None else relative_error(p.grad, expected)
         invalid = ~plan.block_valid
         report[case_name] = {
             "errors": errors,
@@ -139,14 +139,14 @@ def _on_ranks_init(rank: int, world_size: int, seed: int) -> dict:
 def _on_ranks_refusals(rank: int, world_size: int) -> dict:
     six_heads = KimiK3DraftConfig.from_target_config({**target_dict("lora_gated"), "num_attention_heads": 6}, **DRAFT)
     return {
-        "heads": _error_of(lambda: KimiK3Body(six_heads)),
-        "sequence_parallel": _error_of(
+        "heads": error_of(lambda: KimiK3Body(six_heads)),
+        "sequence_parallel": error_of(
             lambda: KimiK3Body(
                 our_config("lora_gated"),
                 default_parallel_config(sequence_parallel=True, tensor_model_parallel_size=world_size),
             )
         ),
-        "context_parallel": _error_of(
+        "context_parallel": error_of(
             lambda: KimiK3Body(our_config("lora_gated"), default_parallel_config(context_parallel_size=2))
         ),
     }
@@ -155,14 +155,14 @@ def _on_ranks_refusals(rank: int, world_size: int) -> dict:
 def _on_ranks_one_bad_rank(rank: int, world_size: int, variants) -> dict:
     import torch.distributed as dist
 
-    cfg, plan = our_config("lora_gated"), _plan("unpacked")
+    cfg, plan = our_config("lora_gated"), tp_plan("unpacked")
     torch.manual_seed(5)
     body = KimiK3Body(cfg, default_parallel_config())
     th, be, probe = _inputs(cfg, plan, seed=11)
     errors = {}
     for variant in variants:
-        bad = _bad_inputs(variant, rank, world_size, th, be, plan)
-        errors[variant] = _error_of(lambda: body(*bad))
+        bad = bad_inputs(variant, rank, world_size, th, be, plan)
+        errors[variant] = error_of(lambda: body(*bad))
     out = body(th, be, plan)
     (out * probe).sum().backward()
     check = torch.tensor([float(rank)])
