@@ -34,8 +34,8 @@ from megatron_dflash.variants.dspark import (
 from megatron_dflash.variants.registry import get_variant, read_hf_config, variant_for_draft_family
 
 from builders import random_body_inputs, tiny_draft_kwargs
-from test_interop import ANCHORS, SEQ, nemo_mask, randomize
-from test_kimi_k3 import DRAFT as K3_DRAFT, target_dict as k3_target_dict
+from nemo_reference import ANCHORS, SEQ, nemo_mask, randomize
+from kimi_k3_configs import DRAFT as K3_DRAFT, target_dict as k3_target_dict
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -24,8 +24,8 @@ from megatron_dflash.variants.dspark import (
 )
 
 from builders import tiny_draft_kwargs
-from test_body_tp import RTOL, _plan, _relative_error
-from test_kimi_k3 import DRAFT as K3_DRAFT, target_dict as k3_target_dict
+from tp_checks import RTOL, relative_error, tp_plan
+from kimi_k3_configs import DRAFT as K3_DRAFT, target_dict as k3_target_dict
 
 VOCAB, PADDED = 300, 512
 
@@ -77,7 +77,7 @@ def _on_ranks_parity(rank: int, world_size: int, forms) -> dict:
     from torch import nn
 
     report = {}
-    plan = _plan("unpacked")
+    plan = tp_plan("unpacked")
     gen = torch.Generator().manual_seed(3)
     B, N, W, S = plan.batch_size, plan.num_blocks, plan.block_size, plan.seq_length
     full_head = torch.randn(PADDED, 64, generator=gen) * 0.3
@@ -113,10 +113,10 @@ def _on_ranks_parity(rank: int, world_size: int, forms) -> dict:
         got = _forward(body, head, taps, blocks, plan, ids, probes)
         start = head.vocab_range[0]
         expected = (expected[0], expected[1][..., start:start + got[1].shape[-1]], expected[2])
-        errors = {name: _relative_error(a, b) for name, a, b in zip(("hidden", "logits", "confidence"), got, expected)}
+        errors = {name: relative_error(a, b) for name, a, b in zip(("hidden", "logits", "confidence"), got, expected)}
         for name, p in body.named_parameters():
             ref_grad = _piece(full[name].grad, _full_index(p, rank, world_size))
-            errors[f"grad {name}"] = float("inf") if p.grad is None else _relative_error(p.grad, ref_grad)
+            errors[f"grad {name}"] = float("inf") if p.grad is None else relative_error(p.grad, ref_grad)
         report[form] = {"errors": errors, "init_same": init_same,
                         "w2_rows": tuple(body.markov_head.w2_rows), "nontrivial": bool(expected[1].abs().max() > 0.1)}
     return report
