@@ -559,7 +559,7 @@ def dspark_prev_tokens(input_ids: torch.Tensor, plan: DFlashBatchPlan) -> torch.
 
 
 def dspark_variant_loss(body, hidden, plan, input_ids, head, *, decay_gamma, chunk_slots, prefix_lengths=None,
-                        final_hidden=None, options=None, **ctx):
+                        final_hidden=None, options=None, input_mask=None, **ctx):
     """The DSpark loss of one micro-batch (the registry's adapter wraps it into a `VariantLoss`): the body's
     features, ``W2``'s local rows and confidence logits into `objectives.dspark_loss.dspark_loss`, returning its
     `DSparkLossOutput`. The kernel sums the gradients of the replicated hidden states and features over the TP
@@ -576,5 +576,6 @@ def dspark_variant_loss(body, hidden, plan, input_ids, head, *, decay_gamma, chu
         markov_w2=body.markov_w2_rows(head), confidence_logits=body.confidence_logits(hidden, prev_ids),
         ce_weight=float(options.ce_loss_weight), l1_weight=float(options.l1_loss_weight),
         bce_weight=float(options.bce_loss_weight), decay_gamma=decay_gamma, chunk_slots=chunk_slots,
+        input_mask=input_mask,
     )
     return out
