@@ -559,11 +559,13 @@ def dspark_prev_tokens(input_ids: torch.Tensor, plan: DFlashBatchPlan) -> torch.
 
 
 def dspark_variant_loss(body, hidden, plan, input_ids, head, *, decay_gamma, chunk_slots, prefix_lengths=None,
-                        final_hidden=None, options=None, input_mask=None, **ctx):
+                        final_hidden=None, options=None, input_mask=None, weighting=None, **ctx):
     """The DSpark loss of one micro-batch (the registry's adapter wraps it into a `VariantLoss`): the body's
     features, ``W2``'s local rows and confidence logits into `objectives.dspark_loss.dspark_loss`, returning its
-    `DSparkLossOutput`. The kernel sums the gradients of the replicated hidden states and features over the TP
-    group (each vocabulary shard contributes its part), so nothing here reduces them again."""
+    `DSparkLossOutput`. ``input_mask [B, S]`` (the batch's loss mask) decides whether the last slot's label,
+    past the block, is supervised; ``weighting`` is the run's `LossWeighting` (D-PACE or the decay). The kernel
+    sums the gradients of the replicated hidden states and features over the TP group (each vocabulary shard
+    contributes its part), so nothing here reduces them again."""
     if prefix_lengths is not None:
         raise ValueError("DSpark does not train with variable prefixes.")
     if final_hidden is None:
@@ -576,6 +578,6 @@ def dspark_variant_loss(body, hidden, plan, input_ids, head, *, decay_gamma, chu
         markov_w2=body.markov_w2_rows(head), confidence_logits=body.confidence_logits(hidden, prev_ids),
         ce_weight=float(options.ce_loss_weight), l1_weight=float(options.l1_loss_weight),
         bce_weight=float(options.bce_loss_weight), decay_gamma=decay_gamma, chunk_slots=chunk_slots,
-        input_mask=input_mask,
+        input_mask=input_mask, weighting=weighting,
     )
     return out

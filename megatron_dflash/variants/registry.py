@@ -484,13 +484,13 @@ for _variant in (
     Variant(
         name="dspark", title="DSpark", config_cls=DSparkConfig, body_cls=DSparkBody,
         architecture=DSPARK_ARCHITECTURE, hf_match=is_dspark_hf_config, loss=_dspark_loss, options=DSPARK_OPTIONS,
-        proposer=_propose_block, needs_final_hidden=True, hf_tensors=read_dspark_tensors,
+        proposer=_propose_block, needs_final_hidden=True, hf_tensors=read_dspark_tensors, supports_dpace=True,
     ),
     Variant(
         name="kimi_k3_dspark", title="DSpark (Kimi K3 MLA draft)", config_cls=KimiK3DSparkConfig,
         body_cls=KimiK3DSparkBody, architecture=KIMI_K3_DSPARK_ARCHITECTURE, loss=_dspark_loss,
         options=DSPARK_OPTIONS, draft_family=KIMI_K3_DRAFT_FAMILY, trains_as="dspark", needs_final_hidden=True,
-        proposer=_propose_block, hf_tensors=read_dspark_tensors,
+        proposer=_propose_block, hf_tensors=read_dspark_tensors, supports_dpace=True,
     ),
 ):
     register_variant(_variant)
