@@ -144,8 +144,8 @@ class Variant:
         supports_soft_targets: trains with `--dflash-soft-target` (the target's distribution).
         supports_dpace: trains with `--dflash-loss-weighting dpace` (its loss is the cross entropy with the
             label, weighted per slot).
-        needs_final_hidden: its loss reads the target's final hidden state (distillation), so it takes
-            `--dflash-distill-temperature`.
+        needs_final_hidden: its loss reads the target's final hidden state (distillation); it takes
+            `--dflash-distill-temperature` when its options record reads that flag (JetSpec; not DSpark).
         dtypes: the weight dtypes it trains, converts and serves in.
         dtype_reason: why other dtypes are refused (for the message).
         causal: the in-block direction it forces on every layer (None: the config's).
