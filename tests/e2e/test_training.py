@@ -549,3 +549,12 @@ def test_dspark_trains_and_starts_from_a_nemo_drafter_with_the_target_copies(tin
     assert "the drafter's lm_head.weight" in message and "is not the target's own" in message and "\n" not in message
     same = _run(_base(tiny_target, tmp_path / "same", *common, "--dflash-init-from", with_copies("nemo", head)))
     assert same.iterations == 1 and math.isfinite(same.losses[0])
+
+
+def test_dspark_trains_with_dpace(tiny_target, tmp_path, capsys):
+    """--dflash-loss-weighting dpace reaches DSpark's loss (the recipe's decay is not applied with it)."""
+    run = _run(_base(tiny_target, tmp_path / "dpace", "--train-iters", "2", "--micro-batch-size", "2",
+                     "--global-batch-size", "4", "--dflash-eval-prompts", "0", "--dflash-variant", "dspark",
+                     "--dflash-markov-rank", "8", "--dflash-loss-weighting", "dpace"))
+    assert run.iterations == 2 and all(math.isfinite(x) and x > 0.0 for x in run.losses)
+    assert "loss weights dpace (alpha 0.5, / weight_sum)" in capsys.readouterr().out
