@@ -267,7 +267,10 @@ def dpace_weights(nll: torch.Tensor, supervised: torch.Tensor, *, alpha: float =
         weights = cumulative
     else:
         counted = torch.where(supervised, cumulative, one.new_zeros(()))
-        suffix = counted.sum(dim=-1, keepdim=True) - counted.cumsum(dim=-1) + counted  # sum over m >= j
+        # sum over m >= j as a reversed cumulative sum: the total minus a prefix sum would cancel to the rounding
+        # error of the total where the tail is small (late slots of a confident block), which the ratio of
+        # "dpace-continuation-value-only" then divides by a small C_j.
+        suffix = counted.flip(-1).cumsum(dim=-1).flip(-1)
         weights = suffix if scheme == "dpace" else suffix / cumulative.clamp(min=torch.finfo(torch.float32).tiny)
     return torch.where(supervised, weights, one.new_zeros(()))
 

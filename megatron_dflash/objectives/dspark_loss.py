@@ -63,17 +63,20 @@ from ..plan.batch_plan import DFlashBatchPlan
 from ..target.head import OutputHead
 from .dflash_loss import (
     DFlashMetrics,
+    LossWeighting,
     SlotTargets,
     acceptance_lengths,
     check_block_hidden,
+    check_weighting,
     counted_blocks,
+    dpace_weights,
     slot_targets,
     teacher_rows,
 )
 from .head_loss import LocalHead, all_reduce_in_group, check_loss_options, row_amax, row_dot, transformed_logits
 
 __all__ = ["METRIC_POSITIONS", "DSparkMetrics", "DSparkLossOutput", "dspark_slot_targets", "dspark_loss",
-           "dspark_metrics"]
+           "dspark_metrics", "dspark_row_weights"]
 
 # Block positions the per-position acceptance metrics hold (a record's length is its class's: see
 # `AdditiveMetrics.field_widths`); DSpark blocks are 7 in the published recipe.
@@ -188,7 +191,7 @@ class DSparkMetrics(DFlashMetrics):
 @torch.no_grad()
 def dspark_metrics(targets: SlotTargets, l1: torch.Tensor, correct: torch.Tensor, plan: DFlashBatchPlan, *,
                    confidence_logits: Optional[torch.Tensor] = None, ce_sum=0.0, l1_sum=0.0,
-                   bce_sum=0.0) -> DSparkMetrics:
+                   bce_sum=0.0, weights: Optional[torch.Tensor] = None) -> DSparkMetrics:
     """`DSparkMetrics` of one micro-batch.
 
     Args:
@@ -198,9 +201,11 @@ def dspark_metrics(targets: SlotTargets, l1: torch.Tensor, correct: torch.Tensor
         plan: the batch plan.
         confidence_logits: ``[B, N, W]`` the confidence head's logits, or None.
         ce_sum, l1_sum, bce_sum: the weighted sums of the three terms.
+        weights: the slot weights the terms used when not ``targets.weights`` (D-PACE's), ``[M]`` or ``[B, N, W]``.
     """
     f64 = torch.float64
-    supervised, weights = targets.supervised, targets.weights.to(f64)
+    supervised = targets.supervised
+    weights = (targets.weights if weights is None else weights.view(supervised.shape)).to(f64)
     W = supervised.shape[-1]
     correct = correct.view(supervised.shape) & supervised
     accept = (1.0 - 0.5 * l1.view(supervised.shape).to(f64)).clamp(0.0, 1.0)
@@ -328,25 +333,33 @@ class _FusedDSparkLoss(torch.autograd.Function):
 
     Inputs: hidden ``[M, H]``, labels ``[M]`` int64 (any valid id where the weight is 0), weights ``[M]`` fp32,
     teacher ``[M_t, H]`` and teacher_index ``[M]``, features ``[M, r]`` and w2 ``[V_local, r]`` (or None),
-    the head, the two term weights, rows per chunk, with_grad.
-    Outputs: loss_sum (fp32 scalar), then, non-differentiable, the CE sum, the L1 sum, ``l1 [M]`` per slot and
-    ``correct [M]`` bool.
+    the head, the two term weights, rows per chunk, with_grad, and ``row_weights``: None, or D-PACE's
+    ``(lo, hi, ce [hi - lo]) -> weights [hi - lo]`` of rows ``lo:hi`` (whole blocks of ``block`` rows: the chunks
+    are then rounded to whole blocks, so a chunk's weights are known after its cross entropy and before its
+    gradient pass, and they replace ``weights``).
+    Outputs: loss_sum (fp32 scalar), then, non-differentiable, the CE sum, the L1 sum, ``l1 [M]`` per slot,
+    ``correct [M]`` bool and the ``[M]`` weights used.
     """
 
     @staticmethod
     def forward(ctx, hidden, labels, weights, teacher, teacher_index, features, w2, head, ce_weight, l1_weight,
-                chunk, with_grad):
+                chunk, with_grad, row_weights, block):
         local = LocalHead.of(head, 1.0, hidden.device)
         M = hidden.shape[0]
         rows = max(1, min(chunk, M))
+        if row_weights is not None:  # whole blocks per chunk (M is a multiple of the block)
+            rows = max(block, rows - rows % block)
         buf = _DSparkBuffers.allocate(local, hidden, features, w2, rows, with_grad)
+        used = weights.clone() if row_weights is None else torch.empty_like(weights)
         for lo in range(0, M, rows):
             hi = min(lo + rows, M)
-            w = weights[lo:hi]
             label, owned = local.local_labels(labels[lo:hi])
             f = features[lo:hi] if features is not None else None
             g = teacher.index_select(0, teacher_index[lo:hi])
             ce, buf.correct[lo:hi], l1, S, p, s = _chunk_distributions(local, buf, hidden[lo:hi], g, f, label, owned)
+            if row_weights is not None:  # from the all-reduced CE: the same weights on every TP rank
+                used[lo:hi] = row_weights(lo, hi, ce)
+            w = used[lo:hi]
             buf.l1[lo:hi] = l1
             # `where`, not a product: an unsupervised slot's CE may be inf and 0 * inf is NaN.
             buf.ce_sum += torch.where(w != 0, ce * w, local.zero).sum()
@@ -356,11 +369,11 @@ class _FusedDSparkLoss(torch.autograd.Function):
         ctx.save_for_backward(buf.grad_hidden, buf.grad_features, buf.grad_w2)
         ctx.dtypes = (hidden.dtype, None if features is None else features.dtype, None if w2 is None else w2.dtype)
         ctx.group = local.group
-        ctx.mark_non_differentiable(buf.ce_sum, buf.l1_sum, buf.l1, buf.correct)
-        return ce_weight * buf.ce_sum + l1_weight * buf.l1_sum, buf.ce_sum, buf.l1_sum, buf.l1, buf.correct
+        ctx.mark_non_differentiable(buf.ce_sum, buf.l1_sum, buf.l1, buf.correct, used)
+        return ce_weight * buf.ce_sum + l1_weight * buf.l1_sum, buf.ce_sum, buf.l1_sum, buf.l1, buf.correct, used
 
     @staticmethod
-    def backward(ctx, grad_loss_sum, grad_ce, grad_l1, grad_rows, grad_correct):
+    def backward(ctx, grad_loss_sum, grad_ce, grad_l1, grad_rows, grad_correct, grad_used):
         grads = []
         for index, (saved, dtype) in enumerate(zip(ctx.saved_tensors, ctx.dtypes)):
             if saved is None:
@@ -371,7 +384,7 @@ class _FusedDSparkLoss(torch.autograd.Function):
                 grad = all_reduce_in_group(grad, dist.ReduceOp.SUM, ctx.group)
             grads.append(grad.to(dtype))
         grad_hidden, grad_features, grad_w2 = grads
-        return (grad_hidden, None, None, None, None, grad_features, grad_w2) + (None,) * 5
+        return (grad_hidden, None, None, None, None, grad_features, grad_w2) + (None,) * 7
 
 
 # --------------------------------------------------------------------------------------------------
@@ -471,6 +484,7 @@ def dspark_loss(
     chunk_slots: Optional[int] = 1024,
     loss_mask: Optional[torch.Tensor] = None,
     input_mask: Optional[torch.Tensor] = None,
+    weighting: Optional[LossWeighting] = None,
 ) -> DSparkLossOutput:
     """DSpark objective of one micro-batch, chunked, vocab-parallel and fused (see the module docstring).
 
@@ -492,6 +506,9 @@ def dspark_loss(
             fp32 buffers.
         loss_mask: ``[B, N, W]`` bool override of the supervisable slots (the cut still applies).
         input_mask: ``[B, S]`` bool, whether the token past each block (the last slot's label) is supervised.
+        weighting: the run's `LossWeighting` (None: the static decay). A D-PACE one (``decay_gamma`` None) forms
+            each slot's weight from the cross entropies of its block (`dspark_row_weights`) and weighs the three
+            terms with it; its ``normalization`` gives ``weight_sum``.
 
     Returns:
         `DSparkLossOutput`.
@@ -499,6 +516,7 @@ def dspark_loss(
     term_weights = {"ce_weight": ce_weight, "l1_weight": l1_weight, "bce_weight": bce_weight}
     _check_dspark_inputs(hidden, plan, input_ids, head, teacher_hidden, markov_features, markov_w2,
                          confidence_logits, term_weights, decay_gamma, chunk_slots)
+    weighting = check_weighting(weighting, decay_gamma, None)
     B, N, W, S = plan.batch_size, plan.num_blocks, plan.block_size, plan.seq_length
     M, device = B * N * W, hidden.device
     plan = plan.to(device)
@@ -508,17 +526,33 @@ def dspark_loss(
     with_grad = torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (hidden, markov_features, markov_w2))
     size = M if chunk_slots is None else chunk_slots
-    loss_sum, ce_sum, l1_sum, l1, correct = _FusedDSparkLoss.apply(
+    loss_sum, ce_sum, l1_sum, l1, correct, used = _FusedDSparkLoss.apply(
         targets.flat_hidden(hidden), targets.flat_labels, targets.flat_weights,
         teacher_hidden.to(device).reshape(B * S, -1), teacher_rows(plan, W), features, markov_w2, head,
-        float(ce_weight), float(l1_weight), size, with_grad,
+        float(ce_weight), float(l1_weight), size, with_grad, dspark_row_weights(weighting, targets), W,
     )
     bce_sum = loss_sum.new_zeros(())
     if confidence_logits is not None:
         accept = (1.0 - 0.5 * l1).clamp(0.0, 1.0)  # detached: the kernel's l1 is non-differentiable
         bce = F.binary_cross_entropy_with_logits(confidence_logits.reshape(M).float(), accept, reduction="none")
-        bce_sum = torch.where(targets.flat_weights != 0, bce * targets.flat_weights, loss_sum.new_zeros(())).sum()
+        bce_sum = torch.where(used != 0, bce * used, loss_sum.new_zeros(())).sum()
         loss_sum = loss_sum + float(bce_weight) * bce_sum
     metrics = dspark_metrics(targets, l1, correct, plan, confidence_logits=confidence_logits, ce_sum=ce_sum,
-                             l1_sum=l1_sum, bce_sum=bce_sum.detach())
-    return DSparkLossOutput(loss_sum=loss_sum, weight_sum=targets.weight_sum, metrics=metrics)
+                             l1_sum=l1_sum, bce_sum=bce_sum.detach(), weights=used)
+    weight_sum = weighting.denominator(targets, used if weighting.dynamic else None)
+    return DSparkLossOutput(loss_sum=loss_sum, weight_sum=weight_sum, metrics=metrics)
+
+
+def dspark_row_weights(weighting: LossWeighting, targets: SlotTargets):
+    """For `_FusedDSparkLoss`: None for the static decay (``targets.weights``), else D-PACE's
+    ``(lo, hi, ce [hi - lo]) -> weights [hi - lo]`` of the whole blocks of flat rows ``lo:hi`` (detached, from
+    each slot's cross entropy with its label; 0 on an unsupervised slot, which the cut of
+    `dspark_slot_targets` puts only after the block's last supervised slot)."""
+    if not weighting.dynamic:
+        return None
+    supervised = targets.supervised
+    W = supervised.shape[-1]
+    flat = supervised.reshape(-1)
+    alpha, scheme = float(weighting.dpace_alpha), weighting.scheme
+    return lambda lo, hi, ce: dpace_weights(ce.view(-1, W), flat[lo:hi].view(-1, W), alpha=alpha,
+                                            scheme=scheme).reshape(-1)

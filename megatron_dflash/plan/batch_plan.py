@@ -547,6 +547,7 @@ def build_dflash_batch_plan(
     optimizer_step: int,
     seed: int,
     document_ids: Optional[torch.Tensor] = None,
+    lookahead: Optional[int] = None,
 ) -> DFlashBatchPlan:
     """Choose up to ``anchors_per_sample`` anchors per row, deterministically, and lay out the blocks.
 
@@ -555,8 +556,10 @@ def build_dflash_batch_plan(
         target has just produced, never on a prompt token, so the last prompt token (whose next token
         is supervised) is no anchor, while a supervised token is one even when its next token is not;
       * the block fits: ``p + block_size - 1 <= S - 1``;
-      * the block supervises at least one slot: ``input_mask[p + k]`` for some ``1 <= k < block_size``
-        (a block with nothing to learn would only cost compute and take an anchor from another);
+      * the block supervises at least one slot: ``input_mask[p + k]`` for some ``1 <= k <= lookahead``
+        (a block with nothing to learn would only cost compute and take an anchor from another); ``lookahead``
+        is ``block_size - 1`` by default, 1 for a variant whose supervision stops at the block's first
+        unsupervised position (DSpark: nothing is learnt from a block whose ``x_{p+1}`` is unsupervised);
       * with ``document_ids``: ``p .. p + block_size - 1`` lie in one contiguous run of equal document id
         and that id is >= 0 (negative ids mark padding, never a document), i.e. at least
         ``block_size - 1`` further real tokens of its own document follow ``p``.
@@ -572,6 +575,8 @@ def build_dflash_batch_plan(
         optimizer_step: the optimizer step (int >= 0); a new step draws new anchors.
         seed: run seed (any int in the 64-bit range).
         document_ids: [B, S] integer document id per token (negative = padding) for packed rows, or None.
+        lookahead: how many positions after an anchor may hold the supervised token that makes its block worth
+            drawing, 1 .. block_size - 1 (None: block_size - 1).
 
     Returns:
         A ``DFlashBatchPlan`` on the device of ``input_mask``, valid anchors of each row in ascending
@@ -589,8 +594,11 @@ def build_dflash_batch_plan(
     step_hash = seed_step_hash(*_check_seed_and_step(seed, optimizer_step))
     document_ids = _check_document_ids(document_ids, batch, seq_length, device)
 
+    lookahead = block_size - 1 if lookahead is None else _check_int("lookahead", lookahead, minimum=1)
+    if lookahead > block_size - 1:
+        raise ValueError(f"lookahead={lookahead} must be at most block_size - 1 = {block_size - 1}.")
     run_start, run_id = _runs(document_ids, batch, seq_length, device)
-    eligible = _eligible_anchors(input_mask, block_size, document_ids, run_id)
+    eligible = _eligible_anchors(input_mask, block_size, document_ids, run_id, lookahead)
     anchor_positions, block_valid = _draw_anchors(eligible, step_hash, sample_ids, num_blocks)
 
     return DFlashBatchPlan._with_derived_fields(anchor_positions, block_valid, input_mask, run_start, block_size)
@@ -624,20 +632,23 @@ def _check_seed_and_step(seed, optimizer_step) -> tuple[int, int]:
 
 
 def _eligible_anchors(
-    input_mask: torch.Tensor, block_size: int, document_ids: Optional[torch.Tensor], run_id: torch.Tensor
+    input_mask: torch.Tensor, block_size: int, document_ids: Optional[torch.Tensor], run_id: torch.Tensor,
+    lookahead: int,
 ) -> torch.Tensor:
     """``[B, S]`` bool: the positions that may anchor a block (the rule of `build_dflash_batch_plan`).
 
-    ``input_mask [B, S]`` bool; ``document_ids [B, S]`` or None; ``run_id [B, S]`` the run index of `_runs`.
+    ``input_mask [B, S]`` bool; ``document_ids [B, S]`` or None; ``run_id [B, S]`` the run index of `_runs`;
+    ``lookahead``: a supervised position among ``p + 1 .. p + lookahead`` makes the block worth drawing.
     """
     batch, seq_length = input_mask.shape
     positions = torch.arange(seq_length, dtype=torch.int64, device=input_mask.device)  # [S]
     fits = positions <= seq_length - block_size  # [S]; the block p .. p + W - 1 is in range when this holds
-    # Supervised slots 1 .. W-1 of the block at p, from a prefix count: C[p + W - 1] - C[p] with C the
+    # Supervised positions p + 1 .. p + lookahead, from a prefix count: C[p + lookahead] - C[p] with C the
     # inclusive cumulative sum of input_mask (clamped reads only where ``fits`` is False anyway).
     counts = input_mask.to(torch.int64).cumsum(dim=1)  # [B, S]
+    ahead = (positions + lookahead).clamp(max=seq_length - 1)  # [S]
+    supervised_ahead = torch.gather(counts, 1, ahead[None, :].expand(batch, seq_length)) - counts
     last = (positions + (block_size - 1)).clamp(max=seq_length - 1)  # [S]
-    supervised_ahead = torch.gather(counts, 1, last[None, :].expand(batch, seq_length)) - counts
     eligible = input_mask & fits[None, :] & (supervised_ahead > 0)
     if document_ids is not None:
         same_run = torch.gather(run_id, 1, last[None, :].expand(batch, seq_length)) == run_id

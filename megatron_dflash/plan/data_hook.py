@@ -25,11 +25,12 @@ _STAGE_CHECK = 0x4F1BBCDD
 
 
 def attach_dflash_plan(batch: dict, *, optimizer_step: int, seed: int, anchors_per_sample: int, block_size: int,
-                       use_documents: bool = True) -> dict:
+                       use_documents: bool = True, lookahead: Optional[int] = None) -> dict:
     """Add ``batch["dflash_plan"] = build_dflash_batch_plan(...)`` and return the same dict.
 
     Reads ``loss_mask`` [B, S], ``sample_ids`` [B] and (with ``use_documents`` and when present)
-    ``document_ids`` [B, S] (so blocks never cross documents or enter padding). The plan is built on the
+    ``document_ids`` [B, S] (so blocks never cross documents or enter padding). ``lookahead``: the variant's
+    anchor rule (`build_dflash_batch_plan`; None: a supervised position anywhere in the block). The plan is built on the
     device of ``loss_mask``, without host synchronisation; it is a pure function of the batch, step and
     seed, so every tensor-parallel rank holding the same batch builds the same plan locally.
     """
@@ -51,6 +52,7 @@ def attach_dflash_plan(batch: dict, *, optimizer_step: int, seed: int, anchors_p
         optimizer_step=optimizer_step,
         seed=seed,
         document_ids=document_ids,
+        lookahead=lookahead,
     )
     return batch
 

@@ -542,10 +542,14 @@ def _check_target_and_draft(args: argparse.Namespace, cuda: bool) -> None:
             )
     if not (math.isfinite(args.dflash_distill_temperature) and args.dflash_distill_temperature > 0):
         raise ArgumentError(f"--dflash-distill-temperature={args.dflash_distill_temperature} must be > 0.")
-    if args.dflash_distill_temperature != 1.0 and not variant.needs_final_hidden and args.dflash_soft_target == "none":
+    # A variant reads the temperature when its options take the flag (DSpark's L1 compares the untempered
+    # distributions, as its reference does, though it reads the final hidden state too); DFlash only with a soft target.
+    tempered = [name for name in _names_with("needs_final_hidden").split(" / ") if _takes_temperature(name)]
+    soft = args.dflash_soft_target != "none" and _takes_temperature(args.dflash_variant)
+    if args.dflash_distill_temperature != 1.0 and args.dflash_variant not in tempered and not soft:
         raise ArgumentError(
-            f"--dflash-distill-temperature only applies to --dflash-variant {_names_with('needs_final_hidden')} or with "
-            "--dflash-soft-target."
+            f"--dflash-distill-temperature only applies to --dflash-variant {' / '.join(tempered)} or with "
+            f"--dflash-soft-target (not to {args.dflash_variant})."
         )
     validate_draft_recipe_args(args)
     if args.dflash_attention_backend == "flex" and not cuda:
@@ -708,6 +712,8 @@ def resolve_run_defaults(args: argparse.Namespace) -> None:
     own = declared_options().get(getattr(args, "dflash_variant", None))
     for name, values in (own.recipe_defaults.items() if own is not None else ()):
         value = values[0] if with_target else values[1]
+        if name == "dflash_decay_gamma" and getattr(args, "dflash_loss_weighting", "decay") != "decay":
+            continue  # D-PACE forms its own weights, without decay
         if name in defaulted and value is not None:
             setattr(args, name, value)
     if args.dflash_init_from is not None:
@@ -805,6 +811,12 @@ def run_variant(args: argparse.Namespace):
         return get_variant(args.dflash_variant)
     except ValueError as err:
         raise ArgumentError(f"--dflash-variant {args.dflash_variant}: {err}") from None
+
+
+def _takes_temperature(variant: str) -> bool:
+    """Whether `variant`'s options read --dflash-distill-temperature."""
+    options = declared_options().get(variant)
+    return options is not None and "dflash_distill_temperature" in options.shared.values()
 
 
 def _names_with(capability: str) -> str:

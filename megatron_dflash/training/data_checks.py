@@ -24,11 +24,11 @@ _CHUNK_TOKENS = 1 << 24
 
 
 def check_something_to_learn(dataset, collate, *, block_size: int, use_documents: bool, seed: int,
-                             what: str = "the training data", log=print) -> int:
+                             what: str = "the training data", log=print, lookahead=None) -> int:
     """Index of the first sample with at least one supervised slot; raises `DataError` if none has.
 
     Each sample is laid out as a one-row micro-batch (`collate`) and planned with every eligible anchor,
-    the same rule the training step uses (`plan.data_hook.attach_dflash_plan`)."""
+    the same rule the training step uses (`plan.data_hook.attach_dflash_plan`, with the variant's `lookahead`)."""
     import torch
 
     # here, with torch: `job.py` reads this module's file checks before the run loads torch
@@ -43,7 +43,7 @@ def check_something_to_learn(dataset, collate, *, block_size: int, use_documents
         batch = collate([sample])
         seq_length = batch["loss_mask"].shape[1]
         attach_dflash_plan(batch, optimizer_step=0, seed=seed, anchors_per_sample=seq_length, block_size=block_size,
-                           use_documents=use_documents)
+                           use_documents=use_documents, lookahead=lookahead)
         if bool(torch.as_tensor(batch["dflash_plan"].loss_mask).any()):
             if index > 0:
                 log(f"[data] the first {index} sample(s) of {what} have no supervised slot; they are skipped in "

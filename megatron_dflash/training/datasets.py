@@ -51,5 +51,5 @@ def check_training_data(job: Job, train_ds, collate, log=print) -> None:
         for path in [args.train_path] + ([args.valid_data] if args.valid_data else []):
             check_indexed_token_range(path, int(job.target_text_config["vocab_size"]))
     check_something_to_learn(train_ds, collate, block_size=job.draft_config.block_size,
-                             use_documents=args.pack_sequences, seed=args.seed,
+                             use_documents=args.pack_sequences, seed=args.seed, lookahead=job.variant.anchor_lookahead,
                              what=f"the training data ({args.train_path or 'synthetic'})", log=log)

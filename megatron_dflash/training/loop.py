@@ -51,6 +51,7 @@ from ..common.errors import DivergenceError, RunError
 from ..common.parallel import SingleRankGroup, agree_or_raise
 from ..data.batching import Collator, MicroBatchIterator
 from ..draft.body import default_parallel_config
+from ..variants.dspark import FROZEN_COPIES, target_copy_mismatch
 from . import optim
 from .arguments import ArgumentError, parse_args
 from .checkpointing import load_checkpoint, save_checkpoint
@@ -137,6 +138,11 @@ def _last_checkpoint_hint(args, last_saved: Optional[int]) -> str:
     if last_saved is None:
         return f" No checkpoint of this run in --save {args.save} yet."
     return f" The last checkpoint (iteration {last_saved}) is in --save {args.save}."
+
+
+def _first_message(per_rank: list, mismatch: bool) -> str:
+    """`agree_or_raise`'s message when some ranks of the group erred: the first rank's, raised on every rank."""
+    return next(error for error, _ in per_rank if error is not None)
 
 
 def _log(ctx_rank: int, text: str) -> None:
@@ -238,7 +244,11 @@ class _Training:
             body = job.variant.build_body(cfg, parallel_config, attention_backend=args.dflash_attention_backend)
             if job.init_from is not None:
                 try:
-                    load_hf_state_dict_into(body, job.variant.read_hf_tensors(read_safetensors(job.init_from)))
+                    tensors = read_safetensors(job.init_from)
+                    if any(name in tensors for name in FROZEN_COPIES):  # each rank compares its vocabulary rows
+                        agree_or_raise(target_copy_mismatch(tensors, self.target.embedding, self.target.head),
+                                       group=self.target.head.tp_group, explain=_first_message)
+                    load_hf_state_dict_into(body, job.variant.read_hf_tensors(tensors))
                 except ValueError as err:  # damaged weights: the same on every rank (each reads the file)
                     raise ArgumentError(f"--dflash-init-from={job.init_from}: {err}") from err
                 self.log0(f"[dflash] initialised the draft from {job.init_from}")

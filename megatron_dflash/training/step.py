@@ -93,7 +93,8 @@ class StepRunner:
         # padding; a block may then run into the padding (those slots are unsupervised), so the last
         # tokens of a document are trained as anchors too, as decoding meets them.
         attach_dflash_plan(batch, optimizer_step=step, seed=seed, anchors_per_sample=args.dflash_anchors_per_sample,
-                           block_size=cfg.block_size, use_documents=args.pack_sequences)
+                           block_size=cfg.block_size, use_documents=args.pack_sequences,
+                           lookahead=self.job.variant.anchor_lookahead)
         plan = batch["dflash_plan"]
         if self.job.tp > 1 and backward and step != self._verified_step and (
                 self._verified_step is None or step % args.log_interval == 0):

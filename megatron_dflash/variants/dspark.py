@@ -85,6 +85,7 @@ __all__ = [
     "dspark_prev_tokens",
     "dspark_walk",
     "read_dspark_tensors",
+    "target_copy_mismatch",
     "dspark_variant_loss",
 ]
 
@@ -280,6 +281,43 @@ def read_dspark_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.
             "export the drafter as a NeMo AutoModel / SpecForge DSpark checkpoint (markov_head.markov_w1.weight)."
         )
     return {name: t for name, t in tensors.items() if name not in FROZEN_COPIES}
+
+
+def _local_rows(weight: torch.Tensor, start: int, vocab_size: int) -> tuple[int, torch.Tensor]:
+    """``(start, rows)``: the real vocabulary rows of a shard that begins at row `start` (padding dropped)."""
+    return start, weight[: max(0, min(weight.shape[0], vocab_size - start))]
+
+
+def target_copy_mismatch(tensors: Mapping[str, torch.Tensor], embedding: nn.Module, head) -> Optional[str]:
+    """None when the copies of the target's input embedding and output layer that NeMo AutoModel saves with its
+    drafter (`FROZEN_COPIES`) equal the target's own (this rank's vocabulary rows of them), or are absent; else a
+    one-line message naming the first that differs. The draft trains with the target's own tensors, so a drafter
+    whose copies differ was trained against another target.
+
+    Args:
+        tensors: the drafter file's tensors (before `read_dspark_tensors` drops the copies).
+        embedding: the target's input embedding module (``nn.Embedding``, or megatron's vocab-parallel one with
+            ``vocab_start_index``); head: its `target.head.OutputHead`.
+    """
+    V = head.vocab_size
+    weight = head.weight if head.weight is not None else head.layer.weight
+    ours = {
+        "embed_tokens.weight": _local_rows(embedding.weight, int(getattr(embedding, "vocab_start_index", 0)), V),
+        "lm_head.weight": _local_rows(weight, head.vocab_range[0], V),
+    }
+    for name in FROZEN_COPIES:
+        copy = tensors.get(name)
+        if copy is None:
+            continue
+        start, rows = ours[name]
+        # compared in the narrower of the two dtypes: a copy saved in another precision is still the same tensor
+        dtype = min((copy.dtype, rows.dtype), key=lambda d: torch.finfo(d).bits)
+        if copy.dim() != 2 or copy.shape[1] != rows.shape[1] or copy.shape[0] != V or not torch.equal(
+                copy[start:start + rows.shape[0]].to(device=rows.device, dtype=dtype), rows.detach().to(dtype)):
+            return (f"the drafter's {name} {list(copy.shape)} is not the target's own ({name.split('.')[0]} of "
+                    f"vocab_size={V}, hidden {rows.shape[1]}): it was trained against another target; load it with "
+                    "its own target or drop the tensor from the file")
+    return None
 
 
 # ================================================================================== the heads
@@ -559,11 +597,13 @@ def dspark_prev_tokens(input_ids: torch.Tensor, plan: DFlashBatchPlan) -> torch.
 
 
 def dspark_variant_loss(body, hidden, plan, input_ids, head, *, decay_gamma, chunk_slots, prefix_lengths=None,
-                        final_hidden=None, options=None, **ctx):
+                        final_hidden=None, options=None, input_mask=None, weighting=None, **ctx):
     """The DSpark loss of one micro-batch (the registry's adapter wraps it into a `VariantLoss`): the body's
     features, ``W2``'s local rows and confidence logits into `objectives.dspark_loss.dspark_loss`, returning its
-    `DSparkLossOutput`. The kernel sums the gradients of the replicated hidden states and features over the TP
-    group (each vocabulary shard contributes its part), so nothing here reduces them again."""
+    `DSparkLossOutput`. ``input_mask [B, S]`` (the batch's loss mask) decides whether the last slot's label,
+    past the block, is supervised; ``weighting`` is the run's `LossWeighting` (D-PACE or the decay). The kernel
+    sums the gradients of the replicated hidden states and features over the TP group (each vocabulary shard
+    contributes its part), so nothing here reduces them again."""
     if prefix_lengths is not None:
         raise ValueError("DSpark does not train with variable prefixes.")
     if final_hidden is None:
@@ -576,5 +616,6 @@ def dspark_variant_loss(body, hidden, plan, input_ids, head, *, decay_gamma, chu
         markov_w2=body.markov_w2_rows(head), confidence_logits=body.confidence_logits(hidden, prev_ids),
         ce_weight=float(options.ce_loss_weight), l1_weight=float(options.l1_loss_weight),
         bce_weight=float(options.bce_loss_weight), decay_gamma=decay_gamma, chunk_slots=chunk_slots,
+        input_mask=input_mask, weighting=weighting,
     )
     return out

@@ -144,14 +144,17 @@ class Variant:
         supports_soft_targets: trains with `--dflash-soft-target` (the target's distribution).
         supports_dpace: trains with `--dflash-loss-weighting dpace` (its loss is the cross entropy with the
             label, weighted per slot).
-        needs_final_hidden: its loss reads the target's final hidden state (distillation), so it takes
-            `--dflash-distill-temperature`.
+        needs_final_hidden: its loss reads the target's final hidden state (distillation); it takes
+            `--dflash-distill-temperature` when its options record reads that flag (JetSpec; not DSpark).
         dtypes: the weight dtypes it trains, converts and serves in.
         dtype_reason: why other dtypes are refused (for the message).
         causal: the in-block direction it forces on every layer (None: the config's).
         uniform_loss_weights: its published recipe weights every slot alike (no decay by default).
         hf_tensors: how it reads a HF file's tensors before loading them (drop what other trainers add beside the
             draft, refuse a foreign layout with its own message); None: as they are.
+        anchor_lookahead: the batch plan's anchor rule (`plan.batch_plan.build_dflash_batch_plan`'s `lookahead`):
+            a block is drawn when one of the positions ``p + 1 .. p + anchor_lookahead`` is supervised; None: any
+            of the block's. DSpark: 1 (its supervision stops at the first unsupervised label, ``x_{p+1}`` first).
     """
 
     name: str
@@ -175,6 +178,7 @@ class Variant:
     causal: Optional[bool] = None
     uniform_loss_weights: bool = False
     hf_tensors: Optional[Callable[[Mapping[str, torch.Tensor]], dict]] = None
+    anchor_lookahead: Optional[int] = None
 
     # ------------------------------------------------------------------ HF files
     @property
@@ -484,13 +488,14 @@ for _variant in (
     Variant(
         name="dspark", title="DSpark", config_cls=DSparkConfig, body_cls=DSparkBody,
         architecture=DSPARK_ARCHITECTURE, hf_match=is_dspark_hf_config, loss=_dspark_loss, options=DSPARK_OPTIONS,
-        proposer=_propose_block, needs_final_hidden=True, hf_tensors=read_dspark_tensors,
+        proposer=_propose_block, needs_final_hidden=True, hf_tensors=read_dspark_tensors, supports_dpace=True,
+        anchor_lookahead=1,
     ),
     Variant(
         name="kimi_k3_dspark", title="DSpark (Kimi K3 MLA draft)", config_cls=KimiK3DSparkConfig,
         body_cls=KimiK3DSparkBody, architecture=KIMI_K3_DSPARK_ARCHITECTURE, loss=_dspark_loss,
         options=DSPARK_OPTIONS, draft_family=KIMI_K3_DRAFT_FAMILY, trains_as="dspark", needs_final_hidden=True,
-        proposer=_propose_block, hf_tensors=read_dspark_tensors,
+        proposer=_propose_block, hf_tensors=read_dspark_tensors, supports_dpace=True, anchor_lookahead=1,
     ),
 ):
     register_variant(_variant)

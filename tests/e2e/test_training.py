@@ -10,6 +10,7 @@ import json
 import math
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 
@@ -479,3 +480,45 @@ def test_dpace_loss_weighting(tiny_target, tmp_path, capsys):
                                      "--dflash-dpace-alpha", "0.4", "--dflash-dpace-normalization", "supervised"))
     assert run.iterations == 2 and all(math.isfinite(x) and x > 0.0 for x in run.losses)
     assert "loss weights dpace (alpha 0.4, / supervised)" in capsys.readouterr().out
+
+
+def test_dspark_trains_and_starts_from_a_nemo_drafter_with_the_target_copies(tiny_target, tmp_path):
+    """DSpark trains (the final hidden state captured, its metrics logged); a drafter that carries NeMo
+    AutoModel's copies of the target's embedding and LM head starts a run when they are the target's, and is
+    refused in one line naming the tensor when one differs (trained against another target)."""
+    from safetensors.torch import save_file
+
+    common = ["--train-iters", "1", "--lr-warmup-iters", "0", "--micro-batch-size", "4", "--global-batch-size", "4",
+              "--dflash-eval-prompts", "0", "--dflash-variant", "dspark", "--dflash-markov-rank", "8",
+              "--dflash-markov-head-type", "rnn"]
+    first = _run(_base(tiny_target, tmp_path / "first", *common))
+    assert first.iterations == 1 and math.isfinite(first.losses[0])
+    target = _safetensors(tiny_target)
+    embedding = target["model.embed_tokens.weight"]
+    head = target.get("lm_head.weight", embedding)  # tied: the head is the embedding
+    drafter = _safetensors(tmp_path / "first" / "hf")
+
+    def with_copies(name, lm_head):
+        directory = tmp_path / name
+        shutil.copytree(tmp_path / "first" / "hf", directory)
+        save_file({**drafter, "embed_tokens.weight": embedding.clone(), "lm_head.weight": lm_head.contiguous()},
+                  str(directory / "model.safetensors"))
+        return str(directory)
+
+    wrong = head.clone()
+    wrong[5, 3] += 0.5
+    with pytest.raises(ArgumentError) as info:
+        _run(_base(tiny_target, tmp_path / "wrong", *common, "--dflash-init-from", with_copies("nemo_wrong", wrong)))
+    message = str(info.value)
+    assert "the drafter's lm_head.weight" in message and "is not the target's own" in message and "\n" not in message
+    same = _run(_base(tiny_target, tmp_path / "same", *common, "--dflash-init-from", with_copies("nemo", head)))
+    assert same.iterations == 1 and math.isfinite(same.losses[0])
+
+
+def test_dspark_trains_with_dpace(tiny_target, tmp_path, capsys):
+    """--dflash-loss-weighting dpace reaches DSpark's loss (the recipe's decay is not applied with it)."""
+    run = _run(_base(tiny_target, tmp_path / "dpace", "--train-iters", "2", "--micro-batch-size", "2",
+                     "--global-batch-size", "4", "--dflash-eval-prompts", "0", "--dflash-variant", "dspark",
+                     "--dflash-markov-rank", "8", "--dflash-loss-weighting", "dpace"))
+    assert run.iterations == 2 and all(math.isfinite(x) and x > 0.0 for x in run.losses)
+    assert "loss weights dpace (alpha 0.5, / weight_sum)" in capsys.readouterr().out

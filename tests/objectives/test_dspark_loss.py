@@ -79,8 +79,10 @@ def naive_supervision(plan, mask):
 
 
 def dense_reference(case, *, multiplier=1.0, cap=None, markov=True, confidence=True, gamma=4.0,
-                    weights=(0.1, 0.9, 1.0)):
-    """The objective from its formulas on full fp32 logits; returns the terms and the gradients."""
+                    weights=(0.1, 0.9, 1.0), slot_weights=None):
+    """The objective from its formulas on full fp32 logits; returns the terms and the gradients.
+    ``slot_weights``: ``(ce [B, N, W], supervised [B, N, W]) -> [B, N, W]`` detached weights that replace the
+    decay (D-PACE's, `test_dspark_loss_dpace`)."""
     plan, ids, layer = case["plan"], case["ids"], case["layer"]
     supervised, positions = naive_supervision(plan, case["mask"])
     labels = torch.gather(ids, 1, positions.clamp(max=S - 1).view(B, -1)).view(B, N, W)
@@ -103,6 +105,8 @@ def dense_reference(case, *, multiplier=1.0, cap=None, markov=True, confidence=T
     t = logits(g)
     p, q = z.softmax(-1), t.softmax(-1)
     ce = F.cross_entropy(z.view(-1, PADDED), labels.view(-1), reduction="none").view(B, N, W)
+    if slot_weights is not None:
+        w = slot_weights(ce.detach(), supervised)
     l1 = (p - q).abs().sum(-1)
     accept = (1.0 - l1 / 2).clamp(0.0, 1.0).detach()
     bce = F.binary_cross_entropy_with_logits(conf, accept, reduction="none")
@@ -118,7 +122,7 @@ def dense_reference(case, *, multiplier=1.0, cap=None, markov=True, confidence=T
 
 
 def run_loss(case, *, multiplier=1.0, cap=None, markov=True, confidence=True, chunk=1024, gamma=4.0,
-             weights=(0.1, 0.9, 1.0), layer=None, w2=None):
+             weights=(0.1, 0.9, 1.0), layer=None, w2=None, weighting=None):
     layer = case["layer"] if layer is None else layer
     head = OutputHead(layer, V, output_multiplier=multiplier, final_logit_softcapping=cap)
     hidden = case["hidden"].clone().requires_grad_()
@@ -127,7 +131,8 @@ def run_loss(case, *, multiplier=1.0, cap=None, markov=True, confidence=True, ch
     conf = case["confidence"].clone().requires_grad_() if confidence else None
     out = dspark_loss(hidden, case["plan"], case["ids"], head, teacher_hidden=case["teacher"], markov_features=features,
                       markov_w2=w2, confidence_logits=conf, ce_weight=weights[0], l1_weight=weights[1],
-                      bce_weight=weights[2], decay_gamma=gamma, chunk_slots=chunk, input_mask=case["mask"])
+                      bce_weight=weights[2], decay_gamma=gamma, chunk_slots=chunk, input_mask=case["mask"],
+                      weighting=weighting)
     out.loss_sum.backward()
     grads = dict(hidden=hidden.grad, features=None if features is None else features.grad,
                  w2=None if w2 is None else w2.grad, confidence=None if conf is None else conf.grad)

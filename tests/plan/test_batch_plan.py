@@ -455,6 +455,48 @@ def test_anchor_is_a_supervised_token_whose_block_supervises_something():
     assert valid_anchors(packed, 0) == naive_eligible(mask_row, docs, 3) == [10]
 
 
+def test_lookahead_one_is_dsparks_anchor_rule():
+    """`lookahead=1` (DSpark's rule, `Variant.anchor_lookahead`): a supervised anchor whose next token is
+    supervised, i.e. NeMo AutoModel's DSpark anchor candidates (`build_anchor_candidate_mask`: ``loss_mask[p]``
+    and ``loss_mask[p + 1]``) among the blocks that fit; every drawn block then trains DSpark's first slot,
+    while the default rule draws blocks whose shifted, cut supervision is empty."""
+    from megatron_dflash.objectives.dspark_loss import dspark_slot_targets
+    from megatron_dflash.variants.registry import get_variant
+
+    assert get_variant("dspark").anchor_lookahead == 1 and get_variant("dflash").anchor_lookahead is None
+    F, T = False, True
+    mask_row = [F, F, F, T, T, T, F, F, F, F, T, F, T, T, F, F]
+    W, S = 3, len(mask_row)
+    mask = torch.tensor([mask_row])
+    ids = torch.arange(S)[None]
+    plans = {lookahead: build_dflash_batch_plan(mask, torch.tensor([0]), anchors_per_sample=S, block_size=W,
+                                                optimizer_step=0, seed=0, lookahead=lookahead)
+             for lookahead in (None, 1)}
+    assert valid_anchors(plans[1], 0) == [3, 4, 12]  # 10: its next token (11) is not supervised
+    assert valid_anchors(plans[None], 0) == [3, 4, 10, 12]
+    for lookahead, plan in plans.items():
+        supervised = dspark_slot_targets(ids, plan, input_mask=mask).supervised
+        wasted = [int(a) for a, v, s in zip(plan.anchor_positions[0], plan.block_valid[0], supervised[0])
+                  if v and not s.any()]
+        assert wasted == ([] if lookahead == 1 else [10])
+    nemo = pytest.importorskip("nemo_automodel.components.speculative.dspark.common")
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        masks = torch.rand(4, 30, generator=gen) < 0.6
+        candidates = nemo.build_anchor_candidate_mask(seq_len=30, loss_mask=masks.long())  # [B, S - 1]
+        plan = build_dflash_batch_plan(masks, torch.arange(4), anchors_per_sample=30, block_size=5,
+                                       optimizer_step=0, seed=0, lookahead=1)
+        for row in range(4):
+            expected = [p for p in range(30 - 5 + 1) if bool(candidates[row, p])]  # ours: the block fits
+            assert valid_anchors(plan, row) == expected
+
+
+def test_lookahead_is_checked():
+    with pytest.raises(ValueError, match="lookahead=4 must be at most block_size - 1 = 3"):
+        build_dflash_batch_plan(torch.ones(1, 8, dtype=torch.bool), torch.tensor([0]), anchors_per_sample=2,
+                                block_size=4, optimizer_step=0, seed=0, lookahead=4)
+
+
 def test_more_blocks_than_positions_pads_with_invalid_blocks():
     mask = torch.ones(2, 5, dtype=torch.bool)
     plan = build_dflash_batch_plan(mask, torch.tensor([0, 1]), anchors_per_sample=9, block_size=2,

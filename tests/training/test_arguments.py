@@ -212,7 +212,9 @@ def test_every_setting_reaches_the_draft_config(target_dir):
     (["--dflash-output-multiplier", "-1"], "--dflash-output-multiplier=-1.0 must be a finite number > 0"),
     (["--dflash-layer-types", "full,sliding"], "expected comma-separated full_attention / sliding_attention"),
     (["--dflash-variant", "jetspec", "--dflash-soft-target", "kl"], "--dflash-soft-target applies to"),
-    (["--dflash-distill-temperature", "2"], "only applies to --dflash-variant jetspec / dspark or with --dflash-soft-target"),
+    (["--dflash-distill-temperature", "2"], "only applies to --dflash-variant jetspec or with --dflash-soft-target"),
+    (["--dflash-variant", "dspark", "--dflash-distill-temperature", "2"],
+     "--dflash-distill-temperature only applies to --dflash-variant jetspec or with --dflash-soft-target (not to dspark)."),
     (["--dflash-loss-weighting", "dpace", "--dflash-dpace-alpha", "1.5"], "--dflash-dpace-alpha=1.5 must be in [0, 1]."),
     (["--dflash-loss-weighting", "dpace", "--dflash-dpace-alpha", "-0.5"], "--dflash-dpace-alpha=-0.5 must be in [0, 1]."),
     (["--dflash-loss-weighting", "dpace", "--dflash-dpace-alpha", "nan"], "--dflash-dpace-alpha=nan must be in [0, 1]."),
@@ -222,9 +224,9 @@ def test_every_setting_reaches_the_draft_config(target_dir):
      "--dflash-decay-gamma does not apply to --dflash-loss-weighting dpace"),
     (["--dflash-loss-weighting", "dpace", "--dflash-soft-target", "kl"], "it does not apply with --dflash-soft-target"),
     (["--dflash-variant", "domino", "--dflash-loss-weighting", "dpace"],
-     "--dflash-loss-weighting dpace applies to --dflash-variant dflash / dflash2 (domino"),
+     "--dflash-loss-weighting dpace applies to --dflash-variant dflash / dflash2 / dspark (domino"),
     (["--dflash-variant", "jetspec", "--dflash-loss-weighting", "dpace-cumulative-confidence-only"],
-     "applies to --dflash-variant dflash / dflash2 (jetspec"),
+     "applies to --dflash-variant dflash / dflash2 / dspark (jetspec"),
 ])
 def test_draft_setting_errors(argv, message):
     with pytest.raises(ArgumentError) as info:
@@ -233,7 +235,7 @@ def test_draft_setting_errors(argv, message):
     assert "\n" not in str(info.value)  # one line
 
 
-@pytest.mark.parametrize("variant", ["dflash", "dflash2"])
+@pytest.mark.parametrize("variant", ["dflash", "dflash2", "dspark"])
 def test_dpace_settings(target_dir, variant):
     """D-PACE has no decay; its settings reach the run's `LossWeighting`; the choices are the objective's."""
     from megatron_dflash.objectives.dflash_loss import DPACE_NORMALIZATIONS, LOSS_WEIGHTINGS, LossWeighting
@@ -248,7 +250,7 @@ def test_dpace_settings(target_dir, variant):
     plain = args_for("--dflash-variant", variant, target=target_dir)
     assert (plain.dflash_loss_weighting, plain.dflash_dpace_alpha, plain.dflash_dpace_normalization) == \
         ("decay", 0.5, "weight_sum")
-    assert resolve_decay_gamma(plain, 16) == 7.0
+    assert resolve_decay_gamma(plain, 16) == (4.0 if variant == "dspark" else 7.0)  # DSpark's recipe: decay 4
 
 
 def test_variable_prefix_base_defaults_to_the_recipe():

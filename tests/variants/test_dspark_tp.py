@@ -4,7 +4,8 @@ The vocabulary (300) pads to 512 at TP=2, so the target head's shards are rows [
 and ``markov_w2`` is split unevenly (256 real rows, then 44): TP=2 equals TP=1 with the same full weights
 in the hidden states, the Markov-corrected logits of each shard, the confidence logits, and every
 parameter gradient (``W2``'s rows of each rank; the replicated ``W1``, ``gate_proj`` / ``joint_proj`` and
-confidence head whole on every rank); initial weights do not depend on the TP size; HF and torch_dist
+confidence head whole on every rank), also of the whole objective through the registry's loss adapter, with the
+decay and with D-PACE; initial weights do not depend on the TP size; HF and torch_dist
 files move between TP=1 and TP=2 tensor for tensor, the converter's output included.
 """
 
@@ -122,6 +123,67 @@ def _on_ranks_parity(rank: int, world_size: int, forms) -> dict:
     return report
 
 
+def _on_ranks_loss(rank: int, world_size: int, cases) -> dict:
+    """The full DSpark loss through the registry's adapter (the training step's call, the loss mask as the input
+    mask) at TP=1 and TP = world size from the same full weights: ``loss_sum``, ``weight_sum`` and every
+    gradient after ``backward(loss_sum / weight_sum)``, for each (form, weighting) of `cases`."""
+    from megatron_dflash.draft.layers import column_parallel
+    from megatron_dflash.objectives.dflash_loss import LossWeighting
+    from megatron_dflash.target.head import OutputHead
+    from megatron_dflash.variants.options import DSPARK_OPTIONS
+    from megatron_dflash.variants.registry import get_variant
+    from torch import nn
+
+    report = {}
+    plan = _plan("unpacked")
+    input_mask = torch.ones(plan.batch_size, plan.seq_length, dtype=torch.bool)
+    input_mask[0, 15:] = False  # as `_plan`'s
+    input_mask[1, :3] = False
+    gen = torch.Generator().manual_seed(5)
+    B, N, W, S = plan.batch_size, plan.num_blocks, plan.block_size, plan.seq_length
+    full_head = torch.randn(PADDED, 64, generator=gen) * 0.3
+    for form, scheme in cases:
+        cfg = config(form)
+        cls = body_class(form)
+        torch.manual_seed(11)
+        reference = cls(cfg, default_parallel_config(), tp_group=SingleRankGroup(), attention_backend="dense")
+        torch.manual_seed(11)
+        body = cls(cfg, default_parallel_config(), attention_backend="dense")
+        full = dict(reference.named_parameters())
+        with torch.no_grad():
+            for name, p in reference.named_parameters():
+                p.copy_((1.0 + 0.2 * torch.randn(p.shape, generator=gen)) if p.dim() == 1 and "norm" in name
+                        else 0.15 * torch.randn(p.shape, generator=gen))
+            for name, p in body.named_parameters():
+                p.copy_(_piece(full[name], _full_index(p, rank, world_size)))
+        ref_head = nn.Linear(64, VOCAB, bias=False).requires_grad_(False)
+        layer = column_parallel(64, PADDED, bias=False, parallel_config=default_parallel_config(),
+                                tp_group=body.tp_group, std=0.02).requires_grad_(False)
+        with torch.no_grad():
+            ref_head.weight.copy_(full_head[:VOCAB])
+            layer.weight.copy_(full_head.chunk(world_size)[rank])
+        taps = torch.randn(B, S, cfg.num_taps * 64, generator=gen)
+        blocks = torch.randn(B, N, W, 64, generator=gen)
+        ids = torch.randint(0, VOCAB, (B, S), generator=gen)
+        final = torch.randn(B, S, 64, generator=gen)
+        weighting = LossWeighting(scheme, dpace_alpha=0.3)
+        results = []
+        for model, head in ((reference, OutputHead(ref_head, VOCAB)), (body, OutputHead(layer, VOCAB))):
+            out = get_variant("dspark").loss(
+                model, model(taps, blocks, plan), plan, ids, head, decay_gamma=None if weighting.dynamic else 4.0,
+                weighting=weighting, chunk_slots=5, final_hidden=final, options=DSPARK_OPTIONS.options_cls(),
+                input_mask=input_mask)
+            (out.loss_sum / out.weight_sum).backward()
+            results.append((out.loss_sum.detach(), out.weight_sum))
+        errors = {"loss_sum": _relative_error(results[1][0], results[0][0]),
+                  "weight_sum": _relative_error(results[1][1], results[0][1])}
+        for name, p in body.named_parameters():
+            ref_grad = _piece(full[name].grad, _full_index(p, rank, world_size))
+            errors[f"grad {name}"] = float("inf") if p.grad is None else _relative_error(p.grad, ref_grad)
+        report[(form, scheme)] = errors
+    return report
+
+
 def _on_ranks_checkpoints(rank: int, world_size: int, hf_tp1: str, megatron_tp1: str, hf_out: str, megatron_out: str):
     from megatron_dflash.checkpoint.hf import hf_state_dict, load_hf_checkpoint, save_hf_checkpoint
     from megatron_dflash.checkpoint.torch_dist import load_megatron_draft, save_megatron_draft
@@ -148,6 +210,20 @@ def test_tp_matches_tp1_outputs_and_every_gradient(tp_pool, world_size):
             for check, err in result["errors"].items():
                 if not err <= RTOL:
                     failures.append(f"rank {rank} {form} {check}: relative error {err:.3g}")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_tp_matches_tp1_full_loss_and_every_gradient(tp_pool, world_size):
+    """The whole objective (CE, L1, BCE over the Markov-corrected logits, ``W2`` split unevenly), with the
+    decay and with D-PACE (its weights from the all-reduced cross entropies, the same on every rank)."""
+    cases = [("vanilla", "decay"), ("gated", "decay"), ("rnn", "decay"), ("k3_rnn", "decay"),
+             ("rnn", "dpace"), ("k3_rnn", "dpace")]
+    reports = tp_pool(world_size).run(_on_ranks_loss, cases, timeout=300)
+    print({case: max(errors.values()) for case, errors in reports[0].items()})
+    failures = [f"rank {rank} {case} {check}: relative error {err:.3g}"
+                for rank, report in enumerate(reports) for case, errors in report.items()
+                for check, err in errors.items() if not err <= RTOL]
     assert not failures, "\n".join(failures)
 
 
