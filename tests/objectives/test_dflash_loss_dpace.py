@@ -31,6 +31,7 @@ from megatron_dflash.objectives.variable_prefix import sample_prefix_lengths, va
 from megatron_dflash.plan.batch_plan import build_dflash_batch_plan
 from megatron_dflash.variants.dflash2 import CandidateSelector, dflash2_loss
 from largest_tensor import LargestNewTensor
+from dpace_reference import reference_block_weights
 
 V, H = 97, 32
 
@@ -53,20 +54,6 @@ def make_case(seed=0, B=3, S=40, N=5, W=5, gaps=True, head_grad=False, vocab=V, 
     lin.weight.requires_grad_(head_grad)
     return plan, input_ids, hidden, lin
 
-
-def reference_block_weights(q: list, supervised: list, alpha: float, scheme: str) -> list:
-    """The D-PACE weights of one block, from the definition, one slot at a time."""
-    cumulative, running = [], 1.0
-    for qi, sup in zip(q, supervised):
-        running *= ((1.0 - alpha) * qi + alpha) if sup else 1.0
-        cumulative.append(running)
-    out = []
-    for j, sup in enumerate(supervised):
-        suffix = sum(cumulative[m] for m in range(j, len(q)) if supervised[m])
-        value = {"dpace": suffix, "dpace-cumulative-confidence-only": cumulative[j],
-                 "dpace-continuation-value-only": suffix / cumulative[j]}[scheme]
-        out.append(value if sup else 0.0)
-    return out
 
 
 def dense_reference(hidden, plan, input_ids, weight, *, alpha=0.5, scheme="dpace", normalization="weight_sum",

@@ -16,8 +16,8 @@ import torch
 
 from megatron_dflash.objectives.dflash_loss import DPACE_NORMALIZATIONS, DPACE_SCHEMES, LossWeighting
 
-from test_dflash_loss_dpace import reference_block_weights
-from test_dspark_loss import TERMS, V, close, dense_reference, make_case, run_loss
+from dpace_reference import reference_block_weights
+from dspark_reference import TERMS, V, close, dense_reference, make_case, run_loss
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

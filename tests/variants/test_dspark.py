@@ -35,7 +35,7 @@ from megatron_dflash.variants.registry import get_variant, read_hf_config, varia
 
 from builders import random_body_inputs, tiny_draft_kwargs
 from nemo_reference import ANCHORS, SEQ, nemo_mask, randomize
-from kimi_k3_configs import DRAFT as K3_DRAFT, target_dict as k3_target_dict
+from dspark_models import k3_config, nemo_dspark, qwen3_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -46,12 +46,6 @@ FORMS = {
     "rnn": dict(markov_head_type="rnn", confidence_head_with_markov=True),
 }
 
-
-def nemo_dspark(module: str):
-    """`nemo_automodel.components.speculative.dspark.<module>`, or skip."""
-    if importlib.util.find_spec("nemo_automodel") is None:
-        pytest.skip("NeMo AutoModel (`nemo-automodel==0.7.0`) is not installed")
-    return importlib.import_module(f"nemo_automodel.components.speculative.dspark.{module}")
 
 
 def our_config(form: str, **overrides) -> DSparkConfig:
@@ -107,14 +101,6 @@ def assert_same(got, expected, what: str) -> None:
         assert b.abs().max() > 0.1, f"{what} {name}: the reference is near zero"
 
 
-def qwen3_config(path: str):
-    from transformers import Qwen3Config
-
-    with open(path) as f:
-        config = Qwen3Config.from_dict(json.load(f))
-    config._attn_implementation = "eager"
-    return config
-
 
 # ------------------------------------------------------------------------------ NeMo AutoModel parity
 
@@ -154,14 +140,6 @@ def test_nemo_drafter_loads_here_with_the_same_outputs(tmp_path, form):
     with torch.no_grad():
         assert_same(ours(body, taps, blocks, plan, ids, head), nemo_outputs(ref, taps, blocks, plan, ids, head), form)
 
-
-def k3_config() -> KimiK3DSparkConfig:
-    data = {**k3_target_dict("lora_gated"), "model_type": "kimi_linear", "architectures": ["KimiK3DSparkModel"]}
-    data["num_target_layers"] = data.pop("num_hidden_layers")
-    data.update(num_hidden_layers=K3_DRAFT["num_hidden_layers"], block_size=K3_DRAFT["block_size"],
-                mask_token_id=K3_DRAFT["mask_token_id"], target_layer_ids=K3_DRAFT["target_layer_ids"],
-                markov_rank=8, markov_head_type="rnn", enable_confidence_head=True, confidence_head_with_markov=True)
-    return KimiK3DSparkConfig.from_hf_dict(data)
 
 
 def test_kimi_k3_dspark_matches_nemo_both_ways(tmp_path):

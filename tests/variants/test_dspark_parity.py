@@ -31,8 +31,8 @@ from megatron_dflash.variants.options import DSPARK_OPTIONS
 from megatron_dflash.variants.registry import get_variant
 
 from builders import tiny_draft_kwargs
-from test_dspark import k3_config, nemo_dspark, qwen3_config
-from test_interop import randomize
+from dspark_models import k3_config, nemo_dspark, qwen3_config
+from nemo_reference import randomize
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
