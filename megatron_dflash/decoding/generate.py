@@ -371,14 +371,11 @@ def spec_generate(
         pad_token_id: pads `tokens` of the result (default: the target's pad, else eos, else 0).
         attention_backend: the draft's block attention backend ("chunked": exact, any shape).
         confidence_threshold: drafts with a confidence head (DSpark) only; None (default): off. A row
-            stops proposing at the first slot whose cumulative confidence (the product of
-            `sigmoid(confidence logit)` over the block's slots so far) is below it, so its block is
-            verified shorter; the output's law is unchanged (lossless), only the acceptance per cycle.
+            stops proposing at the first slot whose cumulative confidence (product of the slots'
+            `sigmoid(confidence logit)`) is below it; lossless, only the acceptance per cycle changes.
 
-    A DSpark draft proposes a token from every slot (`Variant.proposes_every_slot`): its blocks verify
-    `W + 1` tokens and a cycle commits up to `W + 1`; the other variants' blocks verify `W` and commit
-    up to `W`. The Markov head draws each token given the one drawn before it (the anchor first), and
-    sampling verifies against exactly that distribution.
+    A DSpark draft proposes from every slot (`Variant.proposes_every_slot`, each token drawn given the one
+    before it): its blocks verify `W + 1` tokens, a cycle commits up to `W + 1` (other variants: `W`).
 
     Returns:
         `SpecDecodeOutput`: tokens, lengths and acceptance statistics.

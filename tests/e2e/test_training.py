@@ -515,3 +515,45 @@ def test_dpace_loss_weighting(tiny_target, tmp_path, capsys):
                      "--dflash-dpace-alpha", "0.4", "--dflash-dpace-normalization", "supervised"))
     assert run.iterations == 2 and all(math.isfinite(x) and x > 0.0 for x in run.losses)
     assert "loss weights dpace (alpha 0.4, / supervised)" in capsys.readouterr().out
+
+
+def test_a_dspark_run_decodes_in_training_and_in_the_evaluation_tool(tiny_target, tmp_path, monkeypatch):
+    """A DSpark run with --dflash-confidence-threshold: its decode evaluation passes the run's threshold to
+    `spec_generate`, and the tool decodes its HF export and its torch_dist checkpoint alike, every slot
+    proposing (a cycle commits up to block size + 1), losslessly (the target's own greedy output)."""
+    from megatron_dflash.decoding import generate
+
+    thresholds = []
+    spec_generate = generate.spec_generate
+
+    def recording(*args, **kwargs):
+        thresholds.append(kwargs.get("confidence_threshold"))
+        return spec_generate(*args, **kwargs)
+
+    monkeypatch.setattr("megatron_dflash.training.evaluation.spec_generate", recording)
+    save, prompts = tmp_path / "ckpt", tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"input_ids": ids}) + "\n" for ids in ([3, 10, 20], [5, 6], [7, 8, 9, 11])))
+    result = _run(_base(tiny_target, tmp_path, "--dflash-variant", "dspark", "--train-iters", "2",
+                        "--micro-batch-size", "4", "--global-batch-size", "4", "--save", str(save),
+                        "--dflash-confidence-threshold", "0.05", "--dflash-eval-prompts", str(prompts),
+                        "--dflash-eval-max-new-tokens", "8", "--dflash-eval-ignore-eos"))
+    assert result.final_acceptance is not None and thresholds and set(thresholds) == {0.05}
+    evaluate_acceptance = _tool_module("evaluate_acceptance")
+    reports = []
+    for draft in (tmp_path / "hf", save):
+        out = tmp_path / f"report-{len(reports)}.json"
+        assert evaluate_acceptance.main([
+            "--target", tiny_target, "--draft", str(draft), "--prompts", str(prompts), "--max-new-tokens", "12",
+            "--batch-size", "2", "--ignore-eos", "--device", "cpu", "--confidence-threshold", "0.05",
+            "--output", str(out)]) == 0
+        reports.append(json.loads(out.read_text()))
+    for report in reports:
+        assert report["settings"]["proposals_per_block"] == report["settings"]["block_size"] == 8
+        assert report["summary"]["greedy_outputs_identical_fraction"] == 1.0
+        assert all(1 <= a <= 9 for p in report["prompts"] for a in p["acceptance_lengths"])
+    assert [p["generated_ids"] for p in reports[0]["prompts"]] == [p["generated_ids"] for p in reports[1]["prompts"]]
+    assert reports[0]["summary"]["mean_acceptance_length"] == reports[1]["summary"]["mean_acceptance_length"]
+    with pytest.raises(ArgumentError, match="this draft has no confidence head"):
+        prepare_job(parse_args(_base(tiny_target, tmp_path / "no-head", "--dflash-variant", "dspark",
+                                     "--no-dflash-confidence-head", "--dflash-confidence-threshold", "0.5")),
+                    1, cuda=False)
