@@ -625,9 +625,9 @@ def _draft_block(
     cfg = side.draft.config
     W, device = settings.W, settings.device
     B = len(state.row_ids)
-    block = torch.full((B, W), cfg.mask_token_id, dtype=torch.int64, device=device)
-    block[:, 0] = state.last
-    embedded = side.embedding(block)
+    inputs = torch.full((B, W), cfg.mask_token_id, dtype=torch.int64, device=device)
+    inputs[:, 0] = state.last
+    embedded = side.embedding(inputs)
     if isinstance(embedded, tuple):
         embedded = embedded[0]
     scale = float(cfg.input_embedding_scale)
@@ -651,17 +651,18 @@ def _draft_block(
             width = int(lengths.max())
             path = path[:, :width]
             draft_probs = None if draft_probs is None else draft_probs[:, :width]
-        block = torch.cat([state.last[:, None].to(torch.int64), path], dim=1)
     else:
-        # The head's full width (columns past the draft's vocab_size are -inf), so draft and
-        # target distributions share one index space.
-        draft_logits = side.head.local_logits(hidden[:, 1:].to(side.head_layer.weight.dtype))  # [B, T, V]
+        # The proposing slots (1..W-1, or all of them when every slot proposes) through the head's full
+        # width (columns past the draft's vocab_size are -inf), so draft and target distributions share
+        # one index space.
+        slots = hidden[:, W - side.proposals:].to(side.head_layer.weight.dtype)
+        draft_logits = side.head.local_logits(slots)  # [B, T, V]
         if settings.sampling:
             draft_probs = torch.softmax(draft_logits / settings.temperature, dim=-1)
-            block[:, 1:] = sample(draft_probs, settings.generator)
+            path = sample(draft_probs, settings.generator)
         else:
-            block[:, 1:] = draft_logits.argmax(dim=-1)
-    return block, draft_probs, lengths
+            path = draft_logits.argmax(dim=-1)
+    return torch.cat([state.last[:, None].to(torch.int64), path], dim=1), draft_probs, lengths
 
 
 def _record_produced(

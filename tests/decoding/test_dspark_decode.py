@@ -7,6 +7,8 @@ Checked, on tiny in-process models (the targets and helpers of `test_generate.py
   prompts of different lengths, each Markov head form (vanilla, gated, rnn), with and without a confidence
   threshold, and a row decoded alone gives the same tokens as in the batch;
 * a cycle commits up to ``W + 1`` tokens, and does (a target that keeps emitting what the draft proposes);
+* every cycle drafts from exactly the committed context: its draft hidden states equal a training-path forward
+  over the committed tokens (the draft's cache bookkeeping with the wider verify blocks);
 * the confidence threshold: each row proposes the slots before the first whose cumulative confidence
   (product of the sigmoids of the walk's confidence logits) is below it, recomputed here in plain Python, and
   the verify block is as wide as the longest row's proposals; 0 never stops a block (the same decode as
@@ -31,6 +33,7 @@ import torch
 
 from megatron_dflash.decoding import generate
 from megatron_dflash.decoding.generate import spec_generate
+from megatron_dflash.plan.batch_plan import DFlashBatchPlan
 from megatron_dflash.variants import dspark
 from megatron_dflash.variants.dspark import DSparkBody, DSparkConfig
 
@@ -38,6 +41,7 @@ pytest.importorskip("transformers")
 
 from test_generate import (  # noqa: E402
     PROMPTS,
+    TAPS,
     _chi_square_pvalue,
     _exact_joint,
     _marginal,
@@ -101,6 +105,41 @@ def test_a_cycle_commits_up_to_block_size_plus_one():
     assert Counter(a for row in out.acceptance_lengths for a in row)[W + 1] > 0
     plain = spec_generate(target, make_draft(VOCAB, block_size=W, backend="chunked"), PROMPTS, max_new_tokens=NEW)
     assert max(a for row in plain.acceptance_lengths for a in row) == W
+
+
+@pytest.mark.parametrize("mode", ["absorbing", "mixed"])
+def test_every_block_is_drafted_from_exactly_the_committed_context(mode, monkeypatch):
+    """The draft's cache after blocks of W + 1 verified tokens: every cycle's draft hidden states equal one
+    training-path forward over the committed tokens' taps with a plan anchored at the committed length (tokens
+    past it are invisible), so the wider blocks' taps land at the right positions, also after a whole block
+    (the last proposal's taps) was accepted. One row, so each cycle's committed tokens are known."""
+    target = qwen3_target(vocab=VOCAB, mode=mode)
+    draft = dspark_draft(VOCAB, W, "rnn")
+    seen = []
+    walk = dspark.dspark_walk
+
+    def recording_walk(body, hidden, anchor_ids, *args, **kwargs):
+        seen.append(hidden.clone())
+        return walk(body, hidden, anchor_ids, *args, **kwargs)
+
+    monkeypatch.setattr(dspark, "dspark_walk", recording_walk)
+    prompt = PROMPTS[1]
+    out = spec_generate(target, draft, [prompt], max_new_tokens=NEW)
+    generated, cycles = out.generated(0), out.acceptance_lengths[0]
+    assert len(seen) == len(cycles) and (mode != "absorbing" or W + 1 in cycles)
+    start = 0
+    for hidden, committed in zip(seen, cycles):
+        context = prompt + generated[:start]  # committed; the anchor generated[start] sits at len(context)
+        filler = [VOCAB - 2] * W  # past the block: invisible to it
+        ids = torch.tensor([context + [generated[start]] + filler])
+        block = torch.tensor([[generated[start]] + [draft.config.mask_token_id] * (W - 1)])
+        plan = DFlashBatchPlan.from_anchors(torch.tensor([[len(context)]]), block_size=W, seq_length=ids.shape[1])
+        with torch.no_grad():
+            states = target(ids, output_hidden_states=True).hidden_states
+            taps = torch.cat([states[i + 1] for i in TAPS], dim=-1)
+            expected = draft(taps, target.get_input_embeddings()(block)[:, None], plan)[:, 0]
+        torch.testing.assert_close(hidden, expected, atol=1e-5, rtol=1e-5)
+        start += committed
 
 
 # ================================================================================== the confidence threshold
