@@ -64,8 +64,12 @@ def build_parser() -> ArgumentParser:
         "--draft", required=True,
         help="HF draft directory (config.json + model.safetensors), or a megatron torch_dist checkpoint of "
         "the trainer (its --save directory, newest checkpoint, or one iter_* directory); the variant (any "
-        "registered one: DFlash, DFlash 2, Domino, JetSpec, ...) comes from the config.",
+        "registered one: DFlash, DFlash 2, Domino, JetSpec, DSpark, ...) comes from the config.",
     )
+    parser.add_argument("--confidence-threshold", type=float, default=None,
+                        help="drafts with a confidence head (DSpark) only: stop each drafted block at the first slot "
+                        "whose cumulative predicted acceptance falls below this, in [0, 1] (default: off, every "
+                        "slot proposes; a run's --dflash-confidence-threshold is its value to try).")
     parser.add_argument("--prompts", default=None,
                         help="JSONL file of prompts (input_ids, text/prompt or messages lines; default with "
                         "the embedded tiny target: examples/prompts_tiny_target.jsonl).")
@@ -112,6 +116,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         parser.error("--top-p must be in (0, 1]")
     if args.top_k < 0:
         parser.error("--top-k must be >= 0")
+    if args.confidence_threshold is not None and not 0 <= args.confidence_threshold <= 1:
+        parser.error("--confidence-threshold must be in [0, 1]")
     try:
         check_paths(args)
     except UsageError as err:
@@ -367,6 +373,7 @@ class _Run:
         import torch
 
         from megatron_dflash.target.families import target_keeps_kv_cache
+        from megatron_dflash.variants.registry import variant_of
 
         self.args = args
         self.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -382,6 +389,12 @@ class _Run:
             raise UsageError(f"--target {args.target}: cannot load a causal LM ({type(err).__name__}: "
                              f"{str(err).splitlines()[0] if str(err) else ''}).") from None
         self.draft = load_draft(args.draft, self.device, dtype, args.attention_backend)
+        self.variant = variant_of(self.draft)
+        if args.confidence_threshold is not None:  # a draft without a confidence head: a usage error, now
+            try:
+                self.variant.propose_fn(self.draft, args.confidence_threshold)
+            except ValueError as err:
+                raise UsageError(f"--confidence-threshold: {err}") from None
         # Plain decoding as the target serves it: HF `generate` (with whatever cache the model keeps, also one
         # that speculative decoding cannot roll back); a model without one (NeMo's K3) is recomputed per token.
         self.target_kv_cache = target_keeps_kv_cache(self.target.config)
@@ -403,7 +416,7 @@ class _Run:
         return spec_generate(
             self.target, self.draft, batch, max_new_tokens=a.max_new_tokens, stop_token_ids=self.stop_tokens,
             generator=self.generator, attention_backend=a.attention_backend,
-            temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
+            temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, confidence_threshold=a.confidence_threshold,
         )
 
     def warm_up(self) -> None:
@@ -543,6 +556,9 @@ def _settings(run: _Run) -> dict:
         "target_kv_cache": run.target_kv_cache,  # False: spec_generate recomputes the target every cycle
         "baseline": "generate" if run.baseline is autoregressive_greedy else "recomputed",
         "block_size": run.draft.config.block_size,
+        # draft tokens a block verifies at most (DSpark: every slot proposes, block_size)
+        "proposals_per_block": run.variant.proposals_per_block(run.draft.config.block_size),
+        "confidence_threshold": args.confidence_threshold,
         "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature,
         "top_p": args.top_p,

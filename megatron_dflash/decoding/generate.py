@@ -11,18 +11,25 @@ One decoding cycle per batch:
    `output_multiplier` / `final_logit_softcapping`, exactly as in training). DFlash 2 drafts
    walk their candidate selector instead of taking each slot's argmax or sample, Domino drafts
    their GRU head: a variant with a proposer (`variants.registry`, its `propose_block`) picks its
-   tokens itself from the whole block's hidden states.
-2. **Verify.** The target runs once over the `W` block tokens (with its KV cache; a target
-   without one, over the committed tokens and the block, see below). Greedy: the longest prefix of
-   draft tokens equal to the target's argmax is accepted, plus the target's own token at the
-   first mismatch (the bonus). Sampling: lossless rejection sampling (accept draft token `x`
-   with probability `min(1, p(x) / q(x))`, on rejection sample from `max(p - q, 0)`), so the
-   emitted tokens follow the target's distribution exactly.
+   tokens itself from the whole block's hidden states. A variant whose every slot proposes
+   (`Variant.proposes_every_slot`, DSpark: slot `k` predicts the token at `n + k + 1`) gives `T = W`
+   tokens, the others `T = W - 1`; a DSpark row may stop early at a confidence threshold
+   (`confidence_threshold`), its block then holding fewer proposals.
+2. **Verify.** The target runs once over the block `[last token, d_1 .. d_T]` (`T + 1` tokens at
+   positions `n .. n + T`; with its KV cache; a target without one, over the committed tokens and
+   the block, see below). Greedy: the longest prefix of draft tokens equal to the target's argmax is
+   accepted, plus the target's own token at the first mismatch (the bonus). Sampling: lossless
+   rejection sampling (accept draft token `x` with probability `min(1, p(x) / q(x))`, on rejection
+   sample from `max(p - q, 0)`), so the emitted tokens follow the target's distribution exactly.
+   Rows that proposed fewer tokens than the block holds accept none of their padding, and take the
+   target's token after their last proposal as the bonus.
 3. **Commit.** The anchor and the accepted tokens become context: their target taps
    (`hidden_states[i + 1]` for `i` in `target_layer_ids`) go to the next draft forward, which
    turns them into context features `hidden_norm(fc(taps))` and writes each layer's
    `k_proj`/`v_proj` of them (k_norm and RoPE at their positions) into the draft KV cache before
-   its block attends. The bonus token is the next anchor.
+   its block attends. The bonus token is the next anchor. The draft's cache holds committed
+   positions only (the verified slots past a row's accepted ones are scratch, hidden and later
+   overwritten), so it grows with what is committed, whatever the width of the verify block.
 
 The target's side (`decoding.target_side`) comes in two kinds, chosen by its family
 (`target.families.target_keeps_kv_cache`, docs/design.md §17 Target families), never by its class:
@@ -38,8 +45,8 @@ dropped from the batch; their outputs are frozen. The draft cache is indexed by 
 block's visibility is simply "context positions `< n`" (`BlockVisibility` with `anchor = n`), also
 for sliding-window layers.
 
-Shapes: B batch (rows still decoding), W block size, T = W - 1 drafted slots, H hidden,
-V vocabulary, L cache length, Hq / Hkv query / KV heads, D head_dim.
+Shapes: B batch (rows still decoding), W block size, T drafted tokens of a block (`W - 1`, or `W` when
+every slot proposes), H hidden, V vocabulary, L cache length, Hq / Hkv query / KV heads, D head_dim.
 """
 
 from __future__ import annotations
@@ -279,29 +286,38 @@ def _check_pair(target: nn.Module, draft: DraftBody) -> None:
         )
 
 
-def _propose(propose, hidden, anchor_ids, head, embedding, temperature, generator):
+def _propose(propose, hidden, anchor_ids, head, embedding, temperature, generator, proposals=None):
     """Call a draft's `propose_block` hook and check what it returns.
 
     The hook gets the whole block's draft hidden states `hidden [B, W, H]` (slot 0 included: a
-    variant may propose from slots 0..W-2), the block's slot-0 tokens `anchor_ids [B]`, the
-    target's output layer as an `OutputHead` (TP=1), the target's input embedding module (the
-    draft applies its own `input_embedding_scale`), the temperature (0: greedy) and the generator.
-    It returns `(tokens [B, W-1] int64, draft_probs)`: `draft_probs [B, W-1, V]` (V the head's
-    width) is the distribution each token was drawn from (it may depend on the tokens drawn
-    before it), required when sampling; None when greedy.
+    variant may propose from slots 0..W-2, or from every slot), the block's slot-0 tokens
+    `anchor_ids [B]`, the target's output layer as an `OutputHead` (TP=1), the target's input
+    embedding module (the draft applies its own `input_embedding_scale`), the temperature (0: greedy)
+    and the generator. It returns `(tokens [B, T] int64, draft_probs)` or `(tokens, draft_probs,
+    lengths)`, `T = proposals` (default `W - 1`, `Variant.proposals_per_block`): `draft_probs [B, T, V]`
+    (V the head's width) is the distribution each token was drawn from (it may depend on the tokens
+    drawn before it), required when sampling; None when greedy. `lengths [B]` (None: all `T`) is how
+    many of its tokens each row proposes (a proposer that stops blocks early); the rest is padding.
+
+    Returns:
+        `(tokens [B, T], draft_probs or None, lengths [B] or None)`.
     """
     B, W, _ = hidden.shape
-    tokens, probs = propose(hidden, anchor_ids, head, embedding, temperature, generator)
-    if tuple(tokens.shape) != (B, W - 1):
-        raise ValueError(f"propose_block returned tokens of shape {tuple(tokens.shape)}, expected {(B, W - 1)}.")
-    if probs is not None and tuple(probs.shape) != (B, W - 1, head.local_vocab_size):
+    T = W - 1 if proposals is None else proposals
+    out = propose(hidden, anchor_ids, head, embedding, temperature, generator)
+    tokens, probs, lengths = (*out, None) if len(out) == 2 else out
+    if tuple(tokens.shape) != (B, T):
+        raise ValueError(f"propose_block returned tokens of shape {tuple(tokens.shape)}, expected {(B, T)}.")
+    if probs is not None and tuple(probs.shape) != (B, T, head.local_vocab_size):
         raise ValueError(
             f"propose_block returned draft_probs of shape {tuple(probs.shape)}, expected "
-            f"{(B, W - 1, head.local_vocab_size)}."
+            f"{(B, T, head.local_vocab_size)}."
         )
     if temperature > 0 and probs is None:
         raise ValueError("propose_block must return its proposal distributions when sampling (temperature > 0).")
-    return tokens.to(torch.int64), probs
+    if lengths is not None and (tuple(lengths.shape) != (B,) or bool(((lengths < 0) | (lengths > T)).any())):
+        raise ValueError(f"propose_block returned lengths {lengths.tolist()}, expected {B} counts in [0, {T}].")
+    return tokens.to(torch.int64), probs, None if lengths is None else lengths.to(torch.int64)
 
 
 # ================================================================================== spec_generate
@@ -331,6 +347,7 @@ def spec_generate(
     attention_mask: Optional[torch.Tensor] = None,
     pad_token_id: Optional[int] = None,
     attention_backend: str = "chunked",
+    confidence_threshold: Optional[float] = None,
 ) -> SpecDecodeOutput:
     """Generate with `target`, drafting blocks with `draft` (speculative decoding).
 
@@ -353,11 +370,19 @@ def spec_generate(
         attention_mask: marks real tokens of a padded tensor `input_ids` (left or right padding).
         pad_token_id: pads `tokens` of the result (default: the target's pad, else eos, else 0).
         attention_backend: the draft's block attention backend ("chunked": exact, any shape).
+        confidence_threshold: drafts with a confidence head (DSpark) only; None (default): off. A row
+            stops proposing at the first slot whose cumulative confidence (product of the slots'
+            `sigmoid(confidence logit)`) is below it; lossless, only the acceptance per cycle changes.
+
+    A DSpark draft proposes from every slot (`Variant.proposes_every_slot`, each token drawn given the one
+    before it): its blocks verify `W + 1` tokens, a cycle commits up to `W + 1` (other variants: `W`).
 
     Returns:
         `SpecDecodeOutput`: tokens, lengths and acceptance statistics.
     """
     _check_draft(draft)
+    if confidence_threshold is not None:  # refused now, before any forward: another variant, no head, a bad value
+        variant_of(draft).propose_fn(draft, confidence_threshold)
     _check_sampling(temperature, top_p, top_k, max_new_tokens)
     _check_pair(target, draft)
     prompts = _prompt_list(input_ids, attention_mask)
@@ -388,6 +413,7 @@ def spec_generate(
             target, draft, prompts, rows, stats, device=device, max_new_tokens=max_new_tokens,
             temperature=temperature, top_p=top_p, top_k=top_k, stop_set=stop_set,
             generator=generator, sampling=sampling, W=W, attention_backend=attention_backend,
+            confidence_threshold=confidence_threshold,
         )
 
     lengths = [prompt_lengths[b] + len(rows.generated[b]) for b in range(B0)]
@@ -421,7 +447,7 @@ def _default_pad(config) -> int:
 
 def _decode(
     target, draft, prompts, rows: _Rows, stats, *, device, max_new_tokens, temperature, top_p, top_k,
-    stop_set, generator, sampling, W, attention_backend,
+    stop_set, generator, sampling, W, attention_backend, confidence_threshold=None,
 ) -> None:
     """Prefill + draft/verify cycles; fills `rows` (per original row) and `stats`.
 
@@ -432,9 +458,11 @@ def _decode(
         device=device, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
         stop_set=stop_set, generator=generator, sampling=sampling, W=W, attention_backend=attention_backend,
     )
-    verifier = target_side(target, draft.config.target_layer_ids, draft.config.mask_token_id, W)
+    side = _DraftSide.of(target, draft, confidence_threshold)
+    # the widest verify block: the anchor and every proposal
+    verifier = target_side(target, draft.config.target_layer_ids, draft.config.mask_token_id, side.proposals + 1)
     try:
-        _cycles(verifier, _DraftSide.of(target, draft), prompts, rows, stats, settings)
+        _cycles(verifier, side, prompts, rows, stats, settings)
     finally:
         verifier.close()
 
@@ -471,9 +499,10 @@ class _DraftSide:
     """The draft and the target modules it proposes with: the target's input embedding and output layer (as
     an `OutputHead`), and the variant's proposer.
 
-    ``propose`` (DFlash 2's selector walk, Domino's `propose_block`): ``propose(hidden [B, W, H], anchor_ids
-    [B], head, embedding, temperature, generator) -> (tokens [B, W-1], draft_probs [B, W-1, V] or None)``, see
-    `_propose`; None: each slot proposes its own token.
+    ``propose`` (DFlash 2's selector walk, Domino's `propose_block`, DSpark's Markov walk): ``propose(hidden
+    [B, W, H], anchor_ids [B], head, embedding, temperature, generator) -> (tokens [B, T], draft_probs [B, T, V]
+    or None[, lengths [B] or None])``, see `_propose`; None: each slot proposes its own token. ``proposals``:
+    ``T``, the tokens a block proposes (`Variant.proposals_per_block`).
     """
 
     draft: DraftBody
@@ -481,16 +510,19 @@ class _DraftSide:
     head_layer: nn.Module
     head: OutputHead
     propose: Optional[Callable]
+    proposals: int
 
     @classmethod
-    def of(cls, target: nn.Module, draft: DraftBody) -> "_DraftSide":
+    def of(cls, target: nn.Module, draft: DraftBody, confidence_threshold: Optional[float] = None) -> "_DraftSide":
         head_layer = target.get_output_embeddings()
+        variant = variant_of(draft)
         return cls(
             draft=draft,
             embedding=target.get_input_embeddings(),
             head_layer=head_layer,
             head=OutputHead.from_config(head_layer, draft.config),
-            propose=variant_of(draft).propose_fn(draft),
+            propose=variant.propose_fn(draft, confidence_threshold),
+            proposals=variant.proposals_per_block(draft.config.block_size),
         )
 
 
@@ -519,17 +551,17 @@ def _cycles(verifier, side: _DraftSide, prompts, rows: _Rows, stats, settings: _
     `target_side.CachedTarget` or `RecomputedTarget`: `prefill`, `verify`, `commit`, `select_rows`)."""
     state = _prefill(verifier, side.draft, prompts, rows, stats, settings)
     while _drop_finished_rows(state, verifier, settings.device):
-        block, draft_probs = _draft_block(state, side, stats, settings)
-        # ---- verify: the target over the block at positions committed .. committed + W - 1 ----
-        target_logits, block_taps = verifier.verify(block, state.committed)  # [B, W, V], [B, W, taps*H]
+        block, draft_probs, lengths = _draft_block(state, side, stats, settings)
+        # ---- verify: the target over the block [anchor, d_1 .. d_T] at positions committed .. committed + T ----
+        target_logits, block_taps = verifier.verify(block, state.committed)  # [B, T+1, V], [B, T+1, taps*H]
         stats["target"] += 1
         if settings.sampling:
             accepted, bonus = rejection_verify(
-                block[:, 1:], settings.target_dist(target_logits), draft_probs, settings.generator
+                block[:, 1:], settings.target_dist(target_logits), draft_probs, settings.generator, lengths
             )
         else:
-            accepted, bonus = greedy_verify(block[:, 1:], target_logits)
-        # ---- commit: anchor + accepted become context (all W verified slots go to the draft's
+            accepted, bonus = greedy_verify(block[:, 1:], target_logits, lengths)
+        # ---- commit: anchor + accepted become context (all T + 1 verified slots go to the draft's
         # next forward; those past the accepted ones are scratch); the bonus is the next anchor ----
         state.new_context, state.new_start = block_taps, state.committed
         verifier.commit(accepted)
@@ -585,15 +617,17 @@ def _drop_finished_rows(state: _DecodeState, verifier, device) -> bool:
 
 def _draft_block(
     state: _DecodeState, side: _DraftSide, stats, settings: _DecodeSettings
-) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """One draft forward: ``(block [B, W] int64, draft_probs [B, W-1, V] or None)``, slot 0 the anchor
-    ``state.last``, slots 1.. the proposals (with the distributions they were drawn from when sampling)."""
+) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """One draft forward over ``[anchor, MASK, ..]`` (``W`` slots): ``(block [B, 1 + T] int64, draft_probs
+    [B, T, V] or None, lengths [B] or None)``, slot 0 the anchor ``state.last``, then the ``T`` proposals (with
+    the distributions they were drawn from when sampling). With per-row ``lengths`` (a proposer that stops
+    early) the block is as wide as the longest row's proposals; a shorter row's slots past its own are padding."""
     cfg = side.draft.config
     W, device = settings.W, settings.device
     B = len(state.row_ids)
-    block = torch.full((B, W), cfg.mask_token_id, dtype=torch.int64, device=device)
-    block[:, 0] = state.last
-    embedded = side.embedding(block)
+    inputs = torch.full((B, W), cfg.mask_token_id, dtype=torch.int64, device=device)
+    inputs[:, 0] = state.last
+    embedded = side.embedding(inputs)
     if isinstance(embedded, tuple):
         embedded = embedded[0]
     scale = float(cfg.input_embedding_scale)
@@ -606,30 +640,36 @@ def _draft_block(
     hidden = side.draft(state.new_context, embedded[:, None], plan, state.draft_cache, settings.attention_backend)
     hidden = hidden[:, 0]  # [B, W, H]
     stats["draft"] += 1
-    draft_probs = None
+    draft_probs = lengths = None
     if side.propose is not None:
         temperature = settings.temperature if settings.sampling else 0.0
-        path, draft_probs = _propose(
-            side.propose, hidden, state.last, side.head, side.embedding, temperature, settings.generator
+        path, draft_probs, lengths = _propose(
+            side.propose, hidden, state.last, side.head, side.embedding, temperature, settings.generator,
+            side.proposals,
         )
-        block[:, 1:] = path
+        if lengths is not None:  # verify no slot that every row left out
+            width = int(lengths.max())
+            path = path[:, :width]
+            draft_probs = None if draft_probs is None else draft_probs[:, :width]
     else:
-        # The head's full width (columns past the draft's vocab_size are -inf), so draft and
-        # target distributions share one index space.
-        draft_logits = side.head.local_logits(hidden[:, 1:].to(side.head_layer.weight.dtype))  # [B, T, V]
+        # The proposing slots (1..W-1, or all of them when every slot proposes) through the head's full
+        # width (columns past the draft's vocab_size are -inf), so draft and target distributions share
+        # one index space.
+        slots = hidden[:, W - side.proposals:].to(side.head_layer.weight.dtype)
+        draft_logits = side.head.local_logits(slots)  # [B, T, V]
         if settings.sampling:
             draft_probs = torch.softmax(draft_logits / settings.temperature, dim=-1)
-            block[:, 1:] = sample(draft_probs, settings.generator)
+            path = sample(draft_probs, settings.generator)
         else:
-            block[:, 1:] = draft_logits.argmax(dim=-1)
-    return block, draft_probs
+            path = draft_logits.argmax(dim=-1)
+    return torch.cat([state.last[:, None].to(torch.int64), path], dim=1), draft_probs, lengths
 
 
 def _record_produced(
     rows: _Rows, state: _DecodeState, block: torch.Tensor, accepted: torch.Tensor, bonus: torch.Tensor,
     settings: _DecodeSettings,
 ) -> None:
-    """Each batch row's accepted tokens of ``block [B, W]`` (``accepted [B]`` of them) and its ``bonus [B]``
+    """Each batch row's accepted tokens of ``block [B, 1 + T]`` (``accepted [B]`` of them) and its ``bonus [B]``
     token, cut at ``max_new_tokens`` and after a stop token, appended to its original row in `rows`; marks
     which batch rows go on."""
     max_new_tokens = settings.max_new_tokens

@@ -7,6 +7,10 @@
 * `rejection_verify`: speculative sampling (accept draft token ``x`` with probability ``min(1, p(x) / q(x))``,
   on rejection draw from ``max(p - q, 0)``), so the emitted tokens follow the target's distribution exactly.
 
+Both take each row's number of proposals (``lengths [B]``, None: all ``T``) for blocks whose rows stopped
+proposing early (a DSpark draft's confidence threshold): a row's slots past its length are padding, never
+accepted, and a row that accepts all its proposals gets the target's own token after them, as a full block.
+
 Shapes: B batch, T drafted slots of a block, V vocabulary.
 """
 
@@ -55,19 +59,24 @@ def sample(probs: torch.Tensor, generator: Optional[torch.Generator]) -> torch.T
     return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
 
 
-def greedy_verify(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def greedy_verify(
+    draft_tokens: torch.Tensor, target_logits: torch.Tensor, lengths: Optional[torch.Tensor] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy acceptance.
 
     Args:
         draft_tokens: `[B, T]` tokens of slots `1..T`.
         target_logits: `[B, T + 1, V]` target logits over the block; entry `j` predicts slot `j + 1`.
+        lengths: `[B]` proposals per row (None: `T`); slots past them are never accepted.
     Returns:
         `(accepted [B], bonus [B])`: the longest prefix of draft tokens equal to the target's
-        argmax, and the target's argmax right after it.
+        argmax (at most `lengths`), and the target's argmax right after it.
     """
     posterior = target_logits.argmax(dim=-1)  # [B, T + 1]
     matches = draft_tokens == posterior[:, :-1]
     accepted = matches.to(torch.int64).cumprod(dim=1).sum(dim=1)
+    if lengths is not None:
+        accepted = torch.minimum(accepted, lengths)
     bonus = posterior.gather(1, accepted[:, None])[:, 0]
     return accepted, bonus
 
@@ -77,6 +86,7 @@ def rejection_verify(
     target_probs: torch.Tensor,
     draft_probs: torch.Tensor,
     generator: Optional[torch.Generator] = None,
+    lengths: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Lossless rejection sampling of a drafted block (speculative sampling).
 
@@ -87,11 +97,12 @@ def rejection_verify(
             `j` is the distribution of the token after slot `j`.
         draft_probs: `[B, T, V]` the proposal distributions.
         generator: RNG of the uniforms and the residual draw.
+        lengths: `[B]` proposals per row (None: `T`): a row's tokens past them are padding, never accepted.
     Returns:
         `(accepted [B], next_token [B])`. Token `t` is accepted with probability
         `min(1, p(x)/q(x))` while all before it were; at the first rejection the next token is
         drawn from `normalise(max(p - q, 0))` (from `p` if that is all zero); when everything
-        is accepted it is drawn from `p` after the last slot (the bonus).
+        (all of the row's `lengths`) is accepted it is drawn from `p` after the last one (the bonus).
     """
     B, T = draft_tokens.shape
     p_x = target_probs[:, :T].gather(-1, draft_tokens[..., None])[..., 0]
@@ -99,9 +110,13 @@ def rejection_verify(
     u = torch.rand(p_x.shape, generator=generator, device=p_x.device, dtype=p_x.dtype)
     # u < p/q without the division (q(x) > 0 for a drawn token; p(x) = 0 always rejects).
     accepted = (u * q_x < p_x).to(torch.int64).cumprod(dim=1).sum(dim=1)
+    proposed = torch.full_like(accepted, T) if lengths is None else lengths
+    accepted = torch.minimum(accepted, proposed)
     rows = torch.arange(B, device=draft_tokens.device)
     p_next = target_probs[rows, accepted]  # [B, V]
-    q_next = draft_probs[rows, accepted.clamp(max=T - 1)] * (accepted < T).to(draft_probs.dtype)[:, None]
+    # A rejection: the residual against the rejected token's proposal; all proposals accepted: p itself.
+    rejected = (accepted < proposed).to(draft_probs.dtype)[:, None]
+    q_next = draft_probs[rows, accepted.clamp(max=T - 1)] * rejected if T > 0 else torch.zeros_like(p_next)
     residual = (p_next - q_next).clamp_min(0)
     total = residual.sum(dim=-1, keepdim=True)
     residual = torch.where(total > 0, residual / total.clamp_min(torch.finfo(residual.dtype).tiny), p_next)

@@ -15,8 +15,8 @@
 Both answer `prefill(prompts, lengths)`, `verify(block, committed)`, `commit(accepted)`,
 `select_rows(index)` and `close()`.
 
-Shapes: B batch (rows still decoding), W block size, H hidden, V vocabulary, L cache length, S longest
-prompt, Hkv KV heads, D head_dim.
+Shapes: B batch (rows still decoding), W verify block size (the widest: the anchor and every proposal),
+H hidden, V vocabulary, L cache length, S longest prompt, Hkv KV heads, D head_dim.
 """
 
 from __future__ import annotations
@@ -118,10 +118,10 @@ def _compact_target_cache(cache, valid: torch.Tensor) -> Optional[torch.Tensor]:
 
 
 class CachedTarget:
-    """The target with a HF KV cache (Qwen3, Llama, ...): a verify forward runs over the `W` block
-    slots only, attending to the cache.
+    """The target with a HF KV cache (Qwen3, Llama, ...): a verify forward runs over the block's
+    slots only (at most `W`, `block_size`: the widest verify block), attending to the cache.
 
-    The cache stays rectangular: every verify appends `W` slots to every row, rejected slots become
+    The cache stays rectangular: every verify appends the block's slots to every row, rejected slots become
     holes that a 2-D attention mask (`valid [B, L]`) hides, and every row gets explicit position
     ids. Tail holes common to all rows are cropped each cycle; the cache is compacted when holes
     dominate. Prompts are left-padded, so each row's last prompt token is the last column.
@@ -132,6 +132,7 @@ class CachedTarget:
         self.target_layer_ids = list(target_layer_ids)
         self.pad_id = pad_id
         self.W = block_size
+        self.width = block_size  # slots of the block verified last (a block may be narrower than W)
         self.cache_arg = _cache_argument(target)
         self.cache = _make_target_cache(target)
         self.valid: Optional[torch.Tensor] = None  # [B, L] which cache slots hold committed tokens
@@ -170,6 +171,7 @@ class CachedTarget:
     def verify(self, block: torch.Tensor, committed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`(logits [B, W, V] fp32, taps [B, W, taps*H])` of `block [B, W]` at positions `committed + j`."""
         B, W = block.shape
+        self.width = W
         attn_mask = torch.cat([self.valid, torch.ones(B, W, dtype=torch.bool, device=block.device)], dim=1)
         out = self.target(
             input_ids=block,
@@ -183,7 +185,7 @@ class CachedTarget:
 
     def commit(self, accepted: torch.Tensor) -> None:
         """Slots `0..accepted` of the last verified block stay; the rest become holes."""
-        new_slots = torch.arange(self.W, device=accepted.device)[None, :] <= accepted[:, None]  # [B, W]
+        new_slots = torch.arange(self.width, device=accepted.device)[None, :] <= accepted[:, None]  # [B, width]
         valid = torch.cat([self.valid, new_slots], dim=1)
         # Keep the cache small: crop common tail holes, compact when holes dominate.
         used = valid.any(dim=0).nonzero()

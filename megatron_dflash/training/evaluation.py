@@ -3,7 +3,8 @@
 * `validation_loss`: loss, accuracy and teacher-forced block acceptance on `--eval-iters` global batches of
   the validation data, through the training step (`step.StepRunner`, no gradient);
 * `acceptance_length`: greedy speculative decoding (`decoding.generate.spec_generate`) of the held-out
-  prompts on rank 0, summarised by `decoding.metric.decode_summary`, the tool's definition;
+  prompts on rank 0, with the run's decoding settings (`VariantOptions.decode`: DSpark's
+  `--dflash-confidence-threshold`), summarised by `decoding.metric.decode_summary`, the tool's definition;
 * `acceptance_line` / `decode_record`: its console line (the tool prints the same) and its
   metrics.jsonl / TensorBoard values.
 """
@@ -51,9 +52,11 @@ def validation_loss(runner: StepRunner, dataset, job: Job) -> dict:
 
 @torch.no_grad()
 def acceptance_length(target_model, draft, prompts: list, job: Job, batch_size: int = 8) -> dict:
-    """Greedy speculative decoding of `prompts`: mean committed tokens per target forward."""
+    """Greedy speculative decoding of `prompts`: mean committed tokens per target forward, with the run's decoding
+    settings (its variant's `options.decode_kwargs`, e.g. DSpark's confidence threshold)."""
 
     lengths, generated = [], []
+    settings = job.variant.options.decode_kwargs(job.variant_options)
     was_training = draft.training
     draft.eval()
     try:
@@ -62,7 +65,7 @@ def acceptance_length(target_model, draft, prompts: list, job: Job, batch_size: 
                                 max_new_tokens=job.args.dflash_eval_max_new_tokens,
                                 stop_token_ids=None if job.args.dflash_eval_ignore_eos else (job.stop_token_ids or None),
                                 pad_token_id=job.pad_token_id,
-                                attention_backend="chunked")
+                                attention_backend="chunked", **settings)
             lengths += [list(row) for row in out.acceptance_lengths]
             generated += [int(n) for n in out.num_generated]
     finally:

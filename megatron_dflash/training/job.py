@@ -271,6 +271,7 @@ def prepare_job(
     tokenizer = _checked_tokenizer(tokenizer_dir, int(text_config["vocab_size"]))
     config = _draft_config(args, family, variant, options, target_config, tokenizer, tokenizer_dir)
     _check_sequence_length(args, config)
+    _check_decode_settings(variant, options, config)
     run_dir, export_dir = _resolve_outputs(args, env)
     eval_prompts, skip = _evaluation_prompts(args, tokenizer, target_dir, export_dir, int(text_config["vocab_size"]),
                                              log)
@@ -385,6 +386,17 @@ def _draft_config(args, family: TargetFamily, variant: Variant, options, target_
             raise
         raise ArgumentError(f"draft configuration: {err}") from None
     return config
+
+
+def _check_decode_settings(variant: Variant, options, config: DFlashConfig) -> None:
+    """The run's decoding settings (`VariantOptions.decode`) that its drafter cannot use, refused before training
+    rather than at its first decode evaluation: a confidence threshold without a confidence head."""
+    threshold = variant.options.decode_kwargs(options).get("confidence_threshold")
+    if threshold is not None and not getattr(config, "enable_confidence_head", False):
+        raise ArgumentError(
+            f"--dflash-confidence-threshold={threshold} stops blocks on the confidence head's predictions, but this "
+            "draft has no confidence head; drop the threshold or train the head (--dflash-confidence-head)."
+        )
 
 
 def _check_sequence_length(args, config: DFlashConfig) -> None:

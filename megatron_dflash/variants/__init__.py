@@ -43,6 +43,8 @@ _SOURCES = {
     "ConfidenceHead": "dspark",
     "dspark_prev_tokens": "dspark",
     "dspark_walk": "dspark",
+    "DSparkWalk": "dspark",
+    "confident_lengths": "dspark",
     "JetSpecConfig": "jetspec",
     "jetspec_config": "jetspec",
     "jetspec_loss": "jetspec",

@@ -47,8 +47,9 @@ the top level) is refused.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -83,7 +84,9 @@ __all__ = [
     "DSparkBody",
     "KimiK3DSparkBody",
     "dspark_prev_tokens",
+    "DSparkWalk",
     "dspark_walk",
+    "confident_lengths",
     "read_dspark_tensors",
     "target_copy_mismatch",
     "dspark_variant_loss",
@@ -494,14 +497,39 @@ class DSparkHeads:
 
     @torch.no_grad()
     def propose_block(self, hidden: torch.Tensor, anchor_ids: torch.Tensor, head, embedding: nn.Module,
-                      temperature: float = 0.0, generator: Optional[torch.Generator] = None):
-        """The ``W - 1`` draft tokens of one block per row (this variant's decode proposer, TP=1): `dspark_walk`
-        over slots ``0..W-2`` from the anchor (slot ``k`` proposes the token at ``n + k + 1``). `embedding` is
-        not used: the Markov head embeds the previous tokens itself. Returns ``(tokens [B, W-1], probs or
-        None)``."""
-        tokens, probs, _ = dspark_walk(self, hidden[:, :-1], anchor_ids, head, temperature=temperature,
-                                       generator=generator)
-        return tokens, probs
+                      temperature: float = 0.0, generator: Optional[torch.Generator] = None, *,
+                      confidence_threshold: Optional[float] = None):
+        """The ``W`` draft tokens of one block per row (this variant's decode proposer, TP=1; the registry says
+        it proposes every slot): `dspark_walk` over slots ``0..W-1`` from the anchor, slot ``k`` proposing the
+        token at ``n + k + 1``. `embedding` is not used: the Markov head embeds the previous tokens itself.
+
+        With `confidence_threshold`, a row stops proposing at the first slot whose cumulative confidence (the
+        product of ``sigmoid(confidence logit)`` over the slots so far, the chance that the whole prefix is
+        accepted) is below it; its tokens past that are padding.
+
+        Returns:
+            ``(tokens [B, W], probs [B, W, V] or None (greedy), lengths [B] proposals per row or None (all))``.
+        """
+        walk = dspark_walk(self, hidden, anchor_ids, head, temperature=temperature, generator=generator)
+        if confidence_threshold is None:
+            return walk.tokens, walk.probs, None
+        self.check_confidence_stop(confidence_threshold)
+        return walk.tokens, walk.probs, confident_lengths(walk.confidence, confidence_threshold)
+
+    def check_confidence_stop(self, confidence_threshold: float) -> None:
+        """Raise `ValueError` unless blocks can stop at `confidence_threshold` (a confidence head, a value in
+        [0, 1])."""
+        if self.confidence_head is None:
+            raise ValueError("this DSpark draft has no confidence head (enable_confidence_head is false), so it "
+                             "cannot stop a block early; leave the confidence threshold off.")
+        value = confidence_threshold
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+            raise ValueError(f"confidence_threshold={value!r} must be a number in [0, 1] (None: off).")
+
+    def confidence_proposer(self, confidence_threshold: float):
+        """`propose_block` that stops each block at `confidence_threshold` (checked now)."""
+        self.check_confidence_stop(confidence_threshold)
+        return functools.partial(self.propose_block, confidence_threshold=float(confidence_threshold))
 
     def markov_logits(self, hidden: torch.Tensor, prev_ids: torch.Tensor, head) -> torch.Tensor:
         """fp32 ``[B, N, W, V_local]``: the head's logits of this rank's vocabulary shard plus the Markov bias
@@ -544,11 +572,23 @@ class KimiK3DSparkBody(DSparkHeads, KimiK3Body):
         self.build_dspark_heads(seed)
 
 
+class DSparkWalk(NamedTuple):
+    """One block's walk (`dspark_walk`): ``tokens [B, T]``, ``probs [B, T, V]`` (None: greedy), the corrected
+    ``logits [B, T, V]`` fp32 and the ``confidence [B, T]`` fp32 logits (None without a confidence head)."""
+
+    tokens: torch.Tensor
+    probs: Optional[torch.Tensor]
+    logits: torch.Tensor
+    confidence: Optional[torch.Tensor]
+
+
 def dspark_walk(body, hidden: torch.Tensor, anchor_ids: torch.Tensor, head, *, temperature: float = 0.0,
-                generator: Optional[torch.Generator] = None, forced_tokens: Optional[torch.Tensor] = None):
+                generator: Optional[torch.Generator] = None, forced_tokens: Optional[torch.Tensor] = None
+                ) -> DSparkWalk:
     """Left-to-right walk through one block at decoding: slot ``k``'s logits are the head's plus the Markov bias
     of the token picked for slot ``k - 1`` (the anchor for slot 0; the rnn state carried along), then its
-    argmax (below `GREEDY_TEMPERATURE_EPS`) or a sample of ``softmax(logits / temperature)``.
+    argmax (below `GREEDY_TEMPERATURE_EPS`) or a sample of ``softmax(logits / temperature)``; its confidence
+    logit reads the same previous token.
 
     Args:
         body: a DSpark body (`DSparkHeads`); hidden: ``[B, T, H]`` the proposing slots' hidden states;
@@ -557,7 +597,7 @@ def dspark_walk(body, hidden: torch.Tensor, anchor_ids: torch.Tensor, head, *, t
             tests); the returned tokens are still the picks.
 
     Returns:
-        ``(tokens [B, T], probs [B, T, V] or None (greedy), logits [B, T, V] fp32)``.
+        a `DSparkWalk`.
     """
     if head.tp_group.size() != 1:
         raise ValueError("DSpark decoding runs at TP=1 (the walk picks over the whole vocabulary); gather the "
@@ -567,12 +607,14 @@ def dspark_walk(body, hidden: torch.Tensor, anchor_ids: torch.Tensor, head, *, t
     greedy = temperature < GREEDY_TEMPERATURE_EPS
     rows = body.markov_w2_rows(head)
     previous, state = anchor_ids, None
-    tokens, probs, logits_out = [], [], []
+    tokens, probs, logits_out, confidence = [], [], [], []
     for k in range(hidden.shape[1]):
         logits = head.local_logits(hidden[:, k])
         if body.markov_head is not None:
             features, state = body.markov_head.step(previous, hidden[:, k], state)
             logits = logits + F.linear(features.to(rows.dtype), rows).float()
+        if body.confidence_head is not None:
+            confidence.append(body.confidence_logits(hidden[:, k], previous))
         logits_out.append(logits)
         if greedy:
             token = logits.argmax(dim=-1)
@@ -582,7 +624,16 @@ def dspark_walk(body, hidden: torch.Tensor, anchor_ids: torch.Tensor, head, *, t
             probs.append(q)
         tokens.append(token)
         previous = token if forced_tokens is None else forced_tokens[:, k]
-    return torch.stack(tokens, dim=1), (torch.stack(probs, dim=1) if probs else None), torch.stack(logits_out, dim=1)
+    return DSparkWalk(torch.stack(tokens, dim=1), torch.stack(probs, dim=1) if probs else None,
+                      torch.stack(logits_out, dim=1), torch.stack(confidence, dim=1) if confidence else None)
+
+
+def confident_lengths(confidence: torch.Tensor, threshold: float) -> torch.Tensor:
+    """``[B]`` slots proposed per row: those before the first slot whose cumulative confidence
+    ``prod_{j <= k} sigmoid(confidence[:, j])`` (``confidence [B, T]`` logits) is below `threshold`. The product
+    never grows, so it is the count of slots at or above the threshold."""
+    survival = torch.sigmoid(confidence.float()).cumprod(dim=1)
+    return (survival >= threshold).sum(dim=1)
 
 
 # ================================================================================== the objective

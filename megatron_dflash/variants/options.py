@@ -100,18 +100,25 @@ class VariantOptions:
     recipe_defaults: the parsed-arguments attribute of a general flag -> `(with --target, embedded job)`: the
         variant's published recipe where it differs from the general default (e.g. its block size); a value
         None keeps the general default. Applies only to flags left at their default.
+        decode: a keyword of `decoding.generate.spec_generate` -> the options field that gives it: the run's
+            decoding settings, which its decode evaluation passes (e.g. DSpark's confidence threshold).
     """
 
     options_cls: type
     flags: tuple[Flag, ...] = ()
     shared: Mapping[str, str] = field(default_factory=dict)
     recipe_defaults: Mapping[str, tuple] = field(default_factory=dict)
+    decode: Mapping[str, str] = field(default_factory=dict)
 
     def build(self, values: Mapping[str, Any]):
         """The options record of one run from the parsed (and resolved) arguments, `vars(args)`."""
         kwargs = {flag.field: values[flag.dest] for flag in self.flags}
         kwargs.update({name: values[dest] for name, dest in self.shared.items()})
         return self.options_cls(**kwargs)
+
+    def decode_kwargs(self, options) -> dict:
+        """The `spec_generate` keywords of the run's settings (`decode`)."""
+        return {keyword: getattr(options, name) for keyword, name in self.decode.items()}
 
     def config_overrides(self, options) -> dict:
         """Draft config fields the run's settings give (the architecture flags that hold a value)."""
@@ -249,7 +256,7 @@ DSPARK_OPTIONS = VariantOptions(DSparkOptions, flags=(
     "dflash_num_layers": (5, None),
     "dflash_decay_gamma": (4.0, 4.0),
     "dflash_anchors_per_sample": (512, None),
-})
+}, decode={"confidence_threshold": "confidence_threshold"})
 
 # The built-in variants a user asks for by `--dflash-variant`, in the order `--help` lists them.
 BUILT_IN_OPTIONS: dict[str, VariantOptions] = {

@@ -17,7 +17,9 @@ A `Variant` says everything the rest of the package asks of a draft variant (doc
   (`target.families.TargetFamily.draft_family`); `variant_for_draft_family` picks the variant that trains the
   requested objective on that family's body (`trains_as`);
 * **its decoding**: `proposer`, which hands `decoding.generate.spec_generate` the function that turns one
-  block's draft hidden states into draft tokens (None: each slot's own argmax or sample);
+  block's draft hidden states into draft tokens (None: each slot's own argmax or sample); how many tokens a
+  block proposes (`proposes_every_slot`: DSpark's slot 0 proposes too); `confidence_proposer`, a proposer
+  that stops a block at a confidence threshold;
 * **its capabilities**: variable prefixes (D2SD), soft targets, the target's final hidden state,
   the weight dtypes it runs in, a forced in-block direction, uniform loss weights by default.
 
@@ -95,7 +97,8 @@ __all__ = [
 
 ALL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
-# (hidden [B, W, H], anchor_ids [B], head, embedding, temperature, generator) -> (tokens [B, W-1], probs or None)
+# (hidden [B, W, H], anchor_ids [B], head, embedding, temperature, generator) -> (tokens [B, T], probs or None
+# [, lengths [B] or None]), T = `Variant.proposals_per_block(W)`; see `decoding.generate._propose`
 ProposeFn = Callable[..., tuple]
 
 
@@ -137,6 +140,12 @@ class Variant:
             alone; replaces the name test when given.
         proposer: `proposer(body) -> ProposeFn` for decoding (see `decoding.generate.spec_generate`); None: each
             slot proposes its own argmax (or sample).
+        proposes_every_slot: every slot of a block proposes a token, slot 0 (the anchor's) included: `W`
+            proposals per block, verified by the target as `[anchor, d_1 .. d_W]` (DSpark); else slots
+            `1..W-1` do (`W - 1` proposals, a verify block of `W`).
+        confidence_proposer: `confidence_proposer(body, threshold) -> ProposeFn`, the proposer that stops each
+            block at the first slot whose predicted acceptance is below `threshold` (returning each row's count;
+            it checks the body can); None: the variant has no confidence head.
         draft_family: the body family it builds (`QWEN3_DRAFT_FAMILY`, or a target family's own draft).
         trains_as: for a draft family's own form of another variant's objective, that variant's name (e.g. the
             Kimi K3 MLA draft trains as "dflash"); such a variant is not asked for by name.
@@ -166,6 +175,8 @@ class Variant:
     hf_aliases: tuple[str, ...] = ()
     hf_match: Optional[Callable[[Mapping[str, Any]], bool]] = None
     proposer: Optional[Callable[[nn.Module], ProposeFn]] = None
+    proposes_every_slot: bool = False
+    confidence_proposer: Optional[Callable[[nn.Module, float], ProposeFn]] = None
     options: VariantOptions = VariantOptions(NoOptions)
     draft_family: str = QWEN3_DRAFT_FAMILY
     trains_as: Optional[str] = None
@@ -230,9 +241,23 @@ class Variant:
             f"serve it in {allowed} (e.g. --dtype bf16)."
         )
 
-    def propose_fn(self, body: nn.Module) -> Optional[ProposeFn]:
-        """The decode proposer of `body` (None: per-slot argmax / sampling)."""
-        return None if self.proposer is None else self.proposer(body)
+    def propose_fn(self, body: nn.Module, confidence_threshold: Optional[float] = None) -> Optional[ProposeFn]:
+        """The decode proposer of `body` (None: per-slot argmax / sampling); with `confidence_threshold`, the one
+        that stops blocks early (`confidence_proposer`).
+
+        Raises:
+            ValueError: a threshold for a variant without a confidence head (or a body without one).
+        """
+        if confidence_threshold is None:
+            return None if self.proposer is None else self.proposer(body)
+        if self.confidence_proposer is None:
+            raise ValueError(f"{self.title} drafts have no confidence head, so a confidence threshold cannot stop "
+                             "their blocks; leave it off (it is for DSpark drafts).")
+        return self.confidence_proposer(body, confidence_threshold)
+
+    def proposals_per_block(self, block_size: int) -> int:
+        """Draft tokens one block proposes: `block_size` when every slot proposes, else `block_size - 1`."""
+        return block_size if self.proposes_every_slot else block_size - 1
 
 
 def _first_architecture(data: Mapping[str, Any]) -> str:
@@ -454,6 +479,10 @@ def _propose_block(body: nn.Module) -> ProposeFn:
     return body.propose_block
 
 
+def _confidence_proposer(body: nn.Module, threshold: float) -> ProposeFn:
+    return body.confidence_proposer(threshold)
+
+
 for _variant in (
     Variant(
         name="dflash", title="DFlash", config_cls=DFlashConfig, body_cls=DFlashBody,
@@ -488,14 +517,15 @@ for _variant in (
     Variant(
         name="dspark", title="DSpark", config_cls=DSparkConfig, body_cls=DSparkBody,
         architecture=DSPARK_ARCHITECTURE, hf_match=is_dspark_hf_config, loss=_dspark_loss, options=DSPARK_OPTIONS,
-        proposer=_propose_block, needs_final_hidden=True, hf_tensors=read_dspark_tensors, supports_dpace=True,
-        anchor_lookahead=1,
+        proposer=_propose_block, proposes_every_slot=True, confidence_proposer=_confidence_proposer,
+        needs_final_hidden=True, hf_tensors=read_dspark_tensors, supports_dpace=True, anchor_lookahead=1,
     ),
     Variant(
         name="kimi_k3_dspark", title="DSpark (Kimi K3 MLA draft)", config_cls=KimiK3DSparkConfig,
         body_cls=KimiK3DSparkBody, architecture=KIMI_K3_DSPARK_ARCHITECTURE, loss=_dspark_loss,
         options=DSPARK_OPTIONS, draft_family=KIMI_K3_DRAFT_FAMILY, trains_as="dspark", needs_final_hidden=True,
-        proposer=_propose_block, hf_tensors=read_dspark_tensors, supports_dpace=True, anchor_lookahead=1,
+        proposer=_propose_block, proposes_every_slot=True, confidence_proposer=_confidence_proposer,
+        hf_tensors=read_dspark_tensors, supports_dpace=True, anchor_lookahead=1,
     ),
 ):
     register_variant(_variant)

@@ -234,9 +234,9 @@ def test_proposals_match_reference_decoder(dflash2, mode, causal, tmp_path, monk
     ours: list[list[int]] = []
     verify = generate.greedy_verify
 
-    def record_ours(draft_tokens, target_logits):
+    def record_ours(draft_tokens, target_logits, *rest):
         ours.append(draft_tokens[0].tolist())
-        return verify(draft_tokens, target_logits)
+        return verify(draft_tokens, target_logits, *rest)
 
     monkeypatch.setattr(generate, "greedy_verify", record_ours)
     for prompt in PROMPTS:

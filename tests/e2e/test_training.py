@@ -491,12 +491,12 @@ def test_dspark_trains_and_starts_from_a_nemo_drafter_with_the_target_copies(tin
     common = ["--train-iters", "1", "--lr-warmup-iters", "0", "--micro-batch-size", "4", "--global-batch-size", "4",
               "--dflash-eval-prompts", "0", "--dflash-variant", "dspark", "--dflash-markov-rank", "8",
               "--dflash-markov-head-type", "rnn"]
-    first = _run(_base(tiny_target, tmp_path / "first", *common))
+    first = run_training(training_argv(tiny_target, tmp_path / "first", *common))
     assert first.iterations == 1 and math.isfinite(first.losses[0])
-    target = _safetensors(tiny_target)
+    target = safetensors_of(tiny_target)
     embedding = target["model.embed_tokens.weight"]
     head = target.get("lm_head.weight", embedding)  # tied: the head is the embedding
-    drafter = _safetensors(tmp_path / "first" / "hf")
+    drafter = safetensors_of(tmp_path / "first" / "hf")
 
     def with_copies(name, lm_head):
         directory = tmp_path / name
@@ -508,17 +508,59 @@ def test_dspark_trains_and_starts_from_a_nemo_drafter_with_the_target_copies(tin
     wrong = head.clone()
     wrong[5, 3] += 0.5
     with pytest.raises(ArgumentError) as info:
-        _run(_base(tiny_target, tmp_path / "wrong", *common, "--dflash-init-from", with_copies("nemo_wrong", wrong)))
+        run_training(training_argv(tiny_target, tmp_path / "wrong", *common, "--dflash-init-from", with_copies("nemo_wrong", wrong)))
     message = str(info.value)
     assert "the drafter's lm_head.weight" in message and "is not the target's own" in message and "\n" not in message
-    same = _run(_base(tiny_target, tmp_path / "same", *common, "--dflash-init-from", with_copies("nemo", head)))
+    same = run_training(training_argv(tiny_target, tmp_path / "same", *common, "--dflash-init-from", with_copies("nemo", head)))
     assert same.iterations == 1 and math.isfinite(same.losses[0])
 
 
 def test_dspark_trains_with_dpace(tiny_target, tmp_path, capsys):
     """--dflash-loss-weighting dpace reaches DSpark's loss (the recipe's decay is not applied with it)."""
-    run = _run(_base(tiny_target, tmp_path / "dpace", "--train-iters", "2", "--micro-batch-size", "2",
+    run = run_training(training_argv(tiny_target, tmp_path / "dpace", "--train-iters", "2", "--micro-batch-size", "2",
                      "--global-batch-size", "4", "--dflash-eval-prompts", "0", "--dflash-variant", "dspark",
                      "--dflash-markov-rank", "8", "--dflash-loss-weighting", "dpace"))
     assert run.iterations == 2 and all(math.isfinite(x) and x > 0.0 for x in run.losses)
     assert "loss weights dpace (alpha 0.5, / weight_sum)" in capsys.readouterr().out
+
+
+def test_a_dspark_run_decodes_in_training_and_in_the_evaluation_tool(tiny_target, tmp_path, monkeypatch):
+    """A DSpark run with --dflash-confidence-threshold: its decode evaluation passes the run's threshold to
+    `spec_generate`, and the tool decodes its HF export and its torch_dist checkpoint alike, every slot
+    proposing (a cycle commits up to block size + 1), losslessly (the target's own greedy output)."""
+    from megatron_dflash.decoding import generate
+
+    thresholds = []
+    spec_generate = generate.spec_generate
+
+    def recording(*args, **kwargs):
+        thresholds.append(kwargs.get("confidence_threshold"))
+        return spec_generate(*args, **kwargs)
+
+    monkeypatch.setattr("megatron_dflash.training.evaluation.spec_generate", recording)
+    save, prompts = tmp_path / "ckpt", tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"input_ids": ids}) + "\n" for ids in ([3, 10, 20], [5, 6], [7, 8, 9, 11])))
+    result = run_training(training_argv(tiny_target, tmp_path, "--dflash-variant", "dspark", "--train-iters", "2",
+                        "--micro-batch-size", "4", "--global-batch-size", "4", "--save", str(save),
+                        "--dflash-confidence-threshold", "0.05", "--dflash-eval-prompts", str(prompts),
+                        "--dflash-eval-max-new-tokens", "8", "--dflash-eval-ignore-eos"))
+    assert result.final_acceptance is not None and thresholds and set(thresholds) == {0.05}
+    evaluate_acceptance = evaluate_module()
+    reports = []
+    for draft in (tmp_path / "hf", save):
+        out = tmp_path / f"report-{len(reports)}.json"
+        assert evaluate_acceptance.main([
+            "--target", tiny_target, "--draft", str(draft), "--prompts", str(prompts), "--max-new-tokens", "12",
+            "--batch-size", "2", "--ignore-eos", "--device", "cpu", "--confidence-threshold", "0.05",
+            "--output", str(out)]) == 0
+        reports.append(json.loads(out.read_text()))
+    for report in reports:
+        assert report["settings"]["proposals_per_block"] == report["settings"]["block_size"] == 8
+        assert report["summary"]["greedy_outputs_identical_fraction"] == 1.0
+        assert all(1 <= a <= 9 for p in report["prompts"] for a in p["acceptance_lengths"])
+    assert [p["generated_ids"] for p in reports[0]["prompts"]] == [p["generated_ids"] for p in reports[1]["prompts"]]
+    assert reports[0]["summary"]["mean_acceptance_length"] == reports[1]["summary"]["mean_acceptance_length"]
+    with pytest.raises(ArgumentError, match="this draft has no confidence head"):
+        prepare_job(parse_args(training_argv(tiny_target, tmp_path / "no-head", "--dflash-variant", "dspark",
+                                     "--no-dflash-confidence-head", "--dflash-confidence-threshold", "0.5")),
+                    1, cuda=False)

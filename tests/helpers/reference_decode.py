@@ -197,9 +197,11 @@ def draft_block_hidden(
 
 def _decode(
     target, draft, prompts, rows: _Rows, stats, *, device, max_new_tokens, temperature, top_p, top_k,
-    stop_set, generator, sampling, W, attention_backend,
+    stop_set, generator, sampling, W, attention_backend, confidence_threshold=None,
 ) -> None:
-    """Prefill + draft/verify cycles; fills `rows` (per original row) and `stats`."""
+    """Prefill + draft/verify cycles; fills `rows` (per original row) and `stats`. The old loop verifies blocks
+    of `W` (slot 0 the anchor): it has no confidence threshold, and no variant whose every slot proposes."""
+    assert confidence_threshold is None, "the old decode path has no confidence threshold"
     cfg = draft.config
     B = len(prompts)
     lengths = torch.tensor([len(p) for p in prompts], dtype=torch.int64, device=device)
@@ -290,7 +292,7 @@ def _decode(
         stats["draft"] += 1
         draft_probs = None
         if propose is not None:
-            path, draft_probs = _propose(
+            path, draft_probs, _ = _propose(
                 propose, hidden, last, head, embedding, temperature if sampling else 0.0, generator
             )
             block[:, 1:] = path

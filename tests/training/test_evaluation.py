@@ -18,6 +18,7 @@ def test_training_evaluation_and_the_tool_share_one_decode_metric(monkeypatch):
     import torch
 
     from megatron_dflash.training import evaluation
+    from megatron_dflash.variants.registry import get_variant
 
     cycles, generated = [[3, 2], [], [4]], [6, 0, 5]  # the second prompt's decoding ended at once
 
@@ -25,8 +26,10 @@ def test_training_evaluation_and_the_tool_share_one_decode_metric(monkeypatch):
         return types.SimpleNamespace(acceptance_lengths=cycles, num_generated=torch.tensor(generated))
 
     monkeypatch.setattr(evaluation, "spec_generate", fake_spec_generate)
+    dflash = get_variant("dflash")
     job = types.SimpleNamespace(args=types.SimpleNamespace(dflash_eval_max_new_tokens=8, dflash_eval_ignore_eos=True),
-                                stop_token_ids=None, pad_token_id=0)
+                                stop_token_ids=None, pad_token_id=0, variant=dflash,
+                                variant_options=dflash.options.options_cls())
     trained = evaluation.acceptance_length(None, torch.nn.Linear(1, 1), [[1], [2], [3]], job)
     assert trained["tokens_per_target_forward"] == 11 / 6  # 3 prefills + 3 verify cycles
     tool = evaluate_module()

@@ -28,6 +28,7 @@ from megatron_dflash.variants.dspark import (
     DSparkConfig,
     KimiK3DSparkBody,
     KimiK3DSparkConfig,
+    confident_lengths,
     dspark_prev_tokens,
     dspark_walk,
 )
@@ -279,8 +280,9 @@ def test_a_head_of_another_vocabulary_split_is_refused():
 
 @pytest.mark.parametrize("form", ["gated", "rnn"])
 def test_the_decode_walk_fed_the_true_tokens_gives_the_training_logits(form):
-    """The walk over slots 0..W-2 from the anchor, fed the true tokens, computes the teacher-forced corrected
-    logits of training, row by row and block by block (the rnn state carried the same way)."""
+    """The walk over every slot ``0..W-1`` from the anchor (decoding proposes W tokens per block), fed the true
+    tokens, computes the teacher-forced corrected logits and confidence logits of training, row by row and block
+    by block (the rnn state carried the same way); the proposer returns the walk's picks."""
     body = our_body(form)
     taps, blocks, plan = random_body_inputs(body.config, ANCHORS, SEQ, 3)
     ids, head = input_ids(body.config), OutputHead(target_head(body.config), body.config.vocab_size)
@@ -288,15 +290,32 @@ def test_the_decode_walk_fed_the_true_tokens_gives_the_training_logits(form):
         hidden = body(taps, blocks, plan)
         prev = dspark_prev_tokens(ids, plan)
         expected = body.markov_logits(hidden, prev, head)
+        expected_confidence = body.confidence_logits(hidden, prev)
         B, N, W, H = hidden.shape
-        flat = hidden.reshape(B * N, W, H)[:, :-1]
-        tokens, probs, logits = dspark_walk(body, flat, prev[:, :, 0].reshape(-1), head,
-                                            forced_tokens=prev[:, :, 1:].reshape(B * N, W - 1))
-    assert probs is None and torch.equal(tokens, logits.argmax(-1))
-    error = (logits.view(B, N, W - 1, -1) - expected[:, :, :-1]).abs().max().item()
-    assert error <= TOL, error
-    free = dspark_walk(body, flat, prev[:, :, 0].reshape(-1), head)[2]
-    assert not torch.allclose(free[:, 1:], logits[:, 1:])  # its own picks, not the true tokens, when free
+        flat, anchors = hidden.reshape(B * N, W, H), prev[:, :, 0].reshape(-1)
+        # slot k's true token is slot k + 1's previous token; the last slot's is never fed back
+        forced = torch.cat([prev[:, :, 1:], prev[:, :, -1:]], dim=2).reshape(B * N, W)
+        walk = dspark_walk(body, flat, anchors, head, forced_tokens=forced)
+        tokens, probs, lengths = body.propose_block(flat, anchors, head, None)
+    assert walk.probs is None and torch.equal(walk.tokens, walk.logits.argmax(-1))
+    for name, got, want in (("logits", walk.logits.view(B, N, W, -1), expected),
+                            ("confidence", walk.confidence.view(B, N, W), expected_confidence)):
+        error = (got - want).abs().max().item()
+        assert error <= TOL, f"{name}: {error}"
+    assert walk.logits.shape[1] == W == tokens.shape[1] and probs is None and lengths is None
+    free = dspark_walk(body, flat, anchors, head)
+    assert torch.equal(tokens, free.tokens)
+    assert not torch.allclose(free.logits[:, 1:], walk.logits[:, 1:])  # its own picks, not the true tokens, when free
+
+
+def test_the_confidence_threshold_counts_the_slots_before_survival_drops():
+    """Per row, the slots before the first whose cumulative product of sigmoid(confidence) is below the
+    threshold; a threshold at the survival itself keeps that slot."""
+    confidence = torch.tensor([[2.0, 0.0, -1.0, 3.0], [-3.0, 5.0, 5.0, 5.0], [9.0, 9.0, 9.0, 9.0]])
+    survival = torch.sigmoid(confidence).cumprod(dim=1)
+    assert confident_lengths(confidence, 0.3).tolist() == [2, 0, 4]  # 0.88, 0.44, 0.118 ...; 0.047; ~1
+    assert confident_lengths(confidence, float(survival[0, 2])).tolist() == [3, 0, 4]
+    assert confident_lengths(confidence, 0.0).tolist() == [4, 4, 4]
 
 
 # ------------------------------------------------------------------------------ registry and recipe
@@ -307,6 +326,9 @@ def test_registry_forms_and_flags():
     assert dspark.needs_final_hidden and dspark.architecture == "Qwen3DSparkModel"
     assert variant_for_draft_family(dspark, "kimi_k3").name == "kimi_k3_dspark"
     assert variant_for_draft_family(dspark, "qwen3") is dspark
+    # every slot proposes: the published block-7 drafter is served with 7 speculative tokens
+    assert dspark.proposals_per_block(7) == get_variant("kimi_k3_dspark").proposals_per_block(7) == 7
+    assert get_variant("dflash").proposals_per_block(7) == get_variant("domino").proposals_per_block(7) == 6
     assert dspark.config_overrides(dspark.options.options_cls(markov_head_type="rnn", confidence_head=False)) == {
         "markov_rank": 256, "markov_head_type": "rnn", "enable_confidence_head": False,
         "confidence_head_with_markov": True}
