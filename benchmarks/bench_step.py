@@ -1,10 +1,11 @@
-"""One full DFlash training step: megatron-dflash against NeMo AutoModel 0.7.0's DFlash trainer.
+"""One full DFlash (or DSpark) training step: megatron-dflash against NeMo AutoModel 0.7.0's trainer.
 
 Examples:
     python benchmarks/bench_step.py                                # S = 1024, 2048, 4096; anchors S/4; block 16
     python benchmarks/bench_step.py --seq 2048 --rounds 5 --steps 3
     python benchmarks/bench_step.py --profile 2048                 # our step's operator profile at S=2048
     python benchmarks/bench_step.py --layer                        # one draft layer, S=4096, 512 anchors
+    python benchmarks/bench_step.py --variant dspark --seq 2048 --vocab 151936   # the DSpark step, block 7
 
 Both sides run the same step on identical shapes, random weights and random tokens (batch 1, every token
 supervised): the frozen target's forward with its layer taps, the draft's forward, the decay-weighted block
@@ -19,7 +20,25 @@ cross entropy over the target's frozen LM head, the backward, one AdamW step.
           backward -> AdamW.
 
 Both targets are the same randomly initialised 4-layer Qwen3 (transformers, SDPA), tapped at layers 0 and 2;
-both drafts have 2 layers of the target's width. Every (side, size) runs in its own fresh process, and the
+both drafts have 2 layers of the target's width (``--draft-layers``).
+
+``--variant dspark``: one full DSpark training step (defaults: block 7, 5 draft layers, decay 4, Markov rank 256
+of the vanilla form, the confidence head reading ``W1[prev]``, loss weights CE 0.1, L1 0.9, BCE 1.0, as in the
+published recipe), anchors S/4 (512 at S=2048), every token supervised:
+
+    ours  `HFTarget` with the final hidden state (no early stop after the last tap: the L1 term distils to the
+          target's distribution) -> `embed_blocks` -> `DSparkBody` -> the ``dspark`` variant's loss adapter
+          (`dspark_variant_loss`: Markov features, confidence logits, `dspark_loss`, the fused chunked kernel
+          over the target's frozen LM head, ``--loss-chunk`` slots per chunk) -> backward -> AdamW.
+    nemo  NeMo AutoModel's `HFDSparkTargetModel.generate_batch` (the whole causal LM, its logits included;
+          hooks capture the taps and the final norm's output) -> `DSparkTrainerModule.forward` (its
+          `Qwen3DSparkModel` built as its recipe builds a Qwen3 draft, with its frozen copies of the target's
+          embedding and LM head; its own anchor sampling; SDPA with the dense block mask instead of its recipe's
+          flex attention, which has no CPU backward; the draft's ``[B, N, W, V]`` logits plus the Markov bias,
+          the target's ``[B, N, W, V]`` logits at the aligned positions, `compute_dspark_loss`) -> backward ->
+          AdamW over the trainable parameters.
+
+The anchors differ in position (each side samples its own), not in number. Every (side, size) runs in its own fresh process, and the
 rounds alternate which side goes first, so neither side profits from a warmer machine or allocator.
 
 Reported per side and size: median wall time of a step, median process CPU time of a step (all threads;
@@ -72,10 +91,12 @@ TARGET_LAYER_IDS = [0, 2]
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--variant", choices=["dflash", "dspark"], default="dflash",
+                        help="the step compared: DFlash (default) or DSpark (against NeMo's DSparkTrainerModule)")
     parser.add_argument("--layer", action="store_true", help="one draft layer forward+backward, not the step")
     parser.add_argument("--seq", type=int, nargs="+", default=None, help="default 1024 2048 4096 (--layer: 4096)")
     parser.add_argument("--anchor-ratio", type=int, default=None, help="anchors = seq / this (default 4, --layer: 8)")
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--block-size", type=int, default=None, help="default 16 (dspark: 7)")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--intermediate", type=int, default=768)
     parser.add_argument("--heads", type=int, default=4)
@@ -83,8 +104,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--target-layers", type=int, default=4)
-    parser.add_argument("--draft-layers", type=int, default=2)
-    parser.add_argument("--decay-gamma", type=float, default=7.0)
+    parser.add_argument("--draft-layers", type=int, default=None, help="default 2 (dspark: 5)")
+    parser.add_argument("--decay-gamma", type=float, default=None, help="default 7 (dspark: 4)")
+    parser.add_argument("--markov-rank", type=int, default=256, help="dspark: the Markov head's rank")
+    parser.add_argument("--loss-chunk", type=int, default=1024, help="ours: predicted slots per loss chunk")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (one process per side per round)")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per process (after one warm-up step)")
@@ -99,6 +122,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.seq = [4096] if args.layer else [1024, 2048, 4096]
     if args.anchor_ratio is None:
         args.anchor_ratio = 8 if args.layer else 4
+    dspark = args.variant == "dspark"
+    if dspark and args.layer:
+        parser.error("--layer times a DFlash draft layer; DSpark's layers are DFlash's (run it without --variant).")
+    for name, dflash_default, dspark_default in (("block_size", 16, 7), ("draft_layers", 2, 5),
+                                                 ("decay_gamma", 7.0, 4.0)):
+        if getattr(args, name) is None:
+            setattr(args, name, dspark_default if dspark else dflash_default)
     return args
 
 
@@ -223,6 +253,94 @@ def build_nemo(args, seq: int):
     return step
 
 
+def build_ours_dspark(args, seq: int):
+    """Our DSpark step, as `training.step` runs it: the target's forward to its final hidden state, the blocks,
+    `DSparkBody`, the variant's loss adapter (`objectives.dspark_loss`, fused), backward, AdamW."""
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    from megatron_dflash.objectives.dflash_loss import embed_blocks
+    from megatron_dflash.plan.batch_plan import build_dflash_batch_plan
+    from megatron_dflash.target.taps import HFTarget
+    from megatron_dflash.variants.dspark import DSparkBody, DSparkConfig
+    from megatron_dflash.variants.registry import get_variant
+
+    torch.manual_seed(0)
+    model = _hf_target(args, seq)
+    config = DSparkConfig(
+        hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.draft_layers,
+        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
+        block_size=args.block_size, mask_token_id=args.vocab - 1, vocab_size=args.vocab,
+        num_target_layers=args.target_layers, target_layer_ids=TARGET_LAYER_IDS, markov_rank=args.markov_rank,
+        markov_head_type="vanilla", enable_confidence_head=True, confidence_head_with_markov=args.markov_rank > 0,
+    )
+    target = HFTarget.from_config(model, config)
+    body = DSparkBody(config).train()
+    variant = get_variant("dspark")
+    optimizer = torch.optim.AdamW(body.parameters(), lr=1e-4)
+    input_ids, mask = _inputs(args, seq)
+    anchors = seq // args.anchor_ratio
+
+    def step(index: int):
+        plan = build_dflash_batch_plan(mask, torch.tensor([0]), anchors_per_sample=anchors,
+                                       block_size=args.block_size, optimizer_step=index, seed=0)
+        out = target(input_ids, need_final_hidden=True)
+        with torch.no_grad():
+            blocks = embed_blocks(input_ids, plan, target.embedding, mask_token_id=config.mask_token_id)
+        hidden = body(out.taps, blocks, plan)
+        loss = variant.loss(body, hidden, plan, input_ids, target.output_head, decay_gamma=args.decay_gamma,
+                            chunk_slots=args.loss_chunk, final_hidden=out.final_hidden, input_mask=mask)
+        (loss.loss_sum / loss.weight_sum.clamp(min=1e-12)).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def build_nemo_dspark(args, seq: int):
+    """NeMo AutoModel's DSpark step as its recipe (``train_dspark.py``) builds it for a Qwen3 target: the draft
+    config from the target's, the draft's frozen copies of the target's embedding and LM head, the target
+    wrapper's hooks, `DSparkTrainerModule` (its recipe's loss weights), backward, AdamW."""
+    import torch
+    from transformers import Qwen3Config
+
+    _import_nemo()
+    from nemo_automodel.components.speculative.dspark.core import DSparkTrainerModule
+    from nemo_automodel.components.speculative.dspark.draft_qwen3 import Qwen3DSparkModel
+    from nemo_automodel.components.speculative.dspark.target import HFDSparkTargetModel
+
+    torch.manual_seed(0)
+    model = _hf_target(args, seq)
+    target = HFDSparkTargetModel(model, TARGET_LAYER_IDS)
+    values = model.config.to_dict()
+    values.update(
+        architectures=["Qwen3DSparkModel"], num_hidden_layers=args.draft_layers, max_window_layers=args.draft_layers,
+        layer_types=["full_attention"] * args.draft_layers, num_target_layers=args.target_layers,
+        target_layer_ids=TARGET_LAYER_IDS, block_size=args.block_size, num_anchors=seq // args.anchor_ratio,
+        mask_token_id=args.vocab - 1, markov_rank=args.markov_rank, markov_head_type="vanilla",
+        enable_confidence_head=True, confidence_head_with_markov=args.markov_rank > 0, tie_word_embeddings=False,
+    )
+    draft_config = Qwen3Config.from_dict(values)
+    draft_config._attn_implementation = "sdpa"  # its flex-attention path has no CPU backward
+    draft = Qwen3DSparkModel(draft_config).train()
+    draft.initialize_embeddings_and_head(embed_tokens=target.get_input_embeddings(),
+                                         lm_head=target.get_output_embeddings(), freeze=True)
+    trainer = DSparkTrainerModule(draft, loss_decay_gamma=args.decay_gamma, ce_loss_alpha=0.1, l1_loss_alpha=0.9,
+                                  confidence_head_alpha=1.0)
+    optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=1e-4)
+    input_ids, mask = _inputs(args, seq)
+
+    def step(index: int):
+        batch = target.generate_batch(input_ids, attention_mask=mask.long(), loss_mask=mask.long())
+        metrics = trainer(batch.input_ids, batch.target_hidden_states, batch.loss_mask,
+                          target_last_hidden_states=batch.target_last_hidden_states)
+        metrics.loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
 def _draft_config(args):
     sys.path.insert(0, str(ROOT))
     from megatron_dflash.draft.config import DFlashConfig
@@ -327,13 +445,20 @@ def build_nemo_layer(args, seq: int):
     return step
 
 
+def _builders(args) -> dict:
+    if args.layer:
+        return {"ours": build_ours_layer, "nemo": build_nemo_layer}
+    if args.variant == "dspark":
+        return {"ours": build_ours_dspark, "nemo": build_nemo_dspark}
+    return {"ours": build_ours, "nemo": build_nemo}
+
+
 def worker(args) -> dict:
     import torch
 
     torch.set_num_threads(args.threads)
     seq = args.worker_seq
-    builders = {"ours": build_ours_layer, "nemo": build_nemo_layer} if args.layer else {"ours": build_ours, "nemo": build_nemo}
-    step = builders[args.worker](args, seq)
+    step = _builders(args)[args.worker](args, seq)
     import psutil
 
     rss_before = psutil.Process().memory_info().rss
@@ -383,7 +508,7 @@ def profile_ours(args, seq: int) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     torch.set_num_threads(args.threads)
-    step = (build_ours_layer if args.layer else build_ours)(args, seq)
+    step = _builders(args)["ours"](args, seq)
     step(0)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step(1)
@@ -399,7 +524,8 @@ def profile_ours(args, seq: int) -> None:
 def run_worker(args, side: str, seq: int, count_flops: bool = False) -> dict:
     command = [sys.executable, __file__, "--worker", side, "--worker-seq", str(seq)]
     for name in ("anchor_ratio", "block_size", "hidden", "intermediate", "heads", "kv_heads", "head_dim", "vocab",
-                 "target_layers", "draft_layers", "decay_gamma", "threads", "steps"):
+                 "target_layers", "draft_layers", "decay_gamma", "threads", "steps", "variant", "markov_rank",
+                 "loss_chunk"):
         command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     if args.layer:
         command.append("--layer")
@@ -439,7 +565,9 @@ def main(argv=None) -> None:
     if args.profile is not None:
         profile_ours(args, args.profile)
         return
-    what = "one draft layer forward+backward" if args.layer else f"draft {args.draft_layers} layers"
+    what = "one draft layer forward+backward" if args.layer else f"{args.variant} draft {args.draft_layers} layers"
+    if args.variant == "dspark":
+        what += f", Markov rank {args.markov_rank} (vanilla), confidence head"
     print(f"# {what}: batch 1, anchors S/{args.anchor_ratio}, block {args.block_size}, hidden "
           f"{args.hidden}, target {args.target_layers} layers, vocab {args.vocab}, fp32, {args.threads} threads, "
           f"{args.rounds} alternating rounds x {args.steps} steps")

@@ -429,7 +429,9 @@ class MarkovHead(nn.Module):
                 "with the same tensor-parallel group (megatron's vocabulary padding to 128 * TP)."
             )
         weight = self.markov_w2.weight
-        return F.pad(weight, (0, 0, 0, (end - start) - weight.shape[0]))
+        padding = (end - start) - weight.shape[0]
+        # No padding rows (a vocabulary that is a multiple of 128 * TP): the weight itself, not a [V, r] copy.
+        return F.pad(weight, (0, 0, 0, padding)) if padding else weight
 
     def extra_repr(self) -> str:
         return (f"vocab_size={self.vocab_size}, markov_rank={self.markov_rank}, head_type={self.head_type}, "
