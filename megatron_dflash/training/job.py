@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from ..data.chat import load_chat_template
 from ..data.prompts import PromptError, read_prompt_file, tokenize_prompt, unknown_token_warning
 from ..draft.config import DFlashConfig
 from ..embedded_job.synthetic_corpus import conversations
@@ -269,6 +270,11 @@ def prepare_job(
     _check_target_config(args, target_dir, target_config)
     tokenizer_dir = args.tokenizer or target_dir
     tokenizer = _checked_tokenizer(tokenizer_dir, int(text_config["vocab_size"]))
+    if args.chat_template is not None:  # the data and the evaluation prompts render with it
+        try:
+            tokenizer.chat_template = load_chat_template(args.chat_template)
+        except (OSError, ValueError) as err:
+            raise ArgumentError(f"--chat-template {args.chat_template}: {err}") from None
     config = _draft_config(args, family, variant, options, target_config, tokenizer, tokenizer_dir)
     _check_sequence_length(args, config)
     run_dir, export_dir = _resolve_outputs(args, env)
