@@ -397,8 +397,12 @@ def write_records(path: str, records: Iterable[NormalizedRecord], *, style: str 
     tmp = f"{path}.tmp{os.getpid()}"
     kind = _file_kind(path)
     if kind == "parquet":
-        datasets = need_datasets(f"{path} (Parquet)")
-        datasets.Dataset.from_list(rows).to_parquet(tmp)
+        need_datasets(f"{path} (Parquet)")
+        import pyarrow as pa  # comes with datasets
+        import pyarrow.parquet as pq
+
+        columns = sorted({key for row in rows for key in row})  # from_pylist would take the first row's
+        pq.write_table(pa.Table.from_pylist([{key: row.get(key) for key in columns} for row in rows]), tmp)
     else:
         with open(tmp, "w", encoding="utf-8") as f:
             if kind == "json":
