@@ -453,7 +453,9 @@ def test_chat_text_and_indexed_data(tiny_target, tmp_path):
 
 def test_sharegpt_data_with_the_chat_options(tiny_target, tmp_path):
     """A ShareGPT JSON-array file with a bad record trains 2 steps with --bad-records skip, a chat template given
-    by file, template kwargs, --reasoning and --loss-turns; args.json records the chat options."""
+    by file, template kwargs, --reasoning and --loss-turns, and validates on it (loss and the acceptance of its
+    prompts); args.json records the chat options."""
+    from megatron_dflash.common.errors import DataError
     from megatron_dflash.embedded_job.synthetic_corpus import conversations
 
     sharegpt = {"user": "human", "assistant": "gpt"}
@@ -468,20 +470,30 @@ def test_sharegpt_data_with_the_chat_options(tiny_target, tmp_path):
     run_dir = tmp_path / "run"
     argv = ["--target", tiny_target, *TINY_DRAFT, "--no-progress-bar", "--seq-length", "64", "--train-iters", "2",
             "--micro-batch-size", "4", "--dflash-anchors-per-sample", "4", "--lr-warmup-iters", "0",
-            "--dflash-eval-prompts", "0", "--data-format", "chat", "--train-data", str(tmp_path / "sharegpt.json"),
+            "--eval-iters", "1", "--dflash-eval-max-new-tokens", "4", "--dflash-eval-ignore-eos",
+            "--data-format", "chat", "--train-data", str(tmp_path / "sharegpt.json"),
+            "--valid-data", str(tmp_path / "sharegpt.json"),
             "--bad-records", "skip", "--max-bad-fraction", "0.1", "--chat-template", str(template),
             "--chat-template-kwargs", '{"enable_thinking": false}', "--reasoning", "drop", "--loss-turns", "last",
             "--dflash-export", str(run_dir / "hf")]
     result = run_training(argv)
     assert result.iterations == 2 and all(math.isfinite(x) for x in result.losses)
+    # validation loss, and acceptance on the held-out chats' prompts (rendered with the kwargs too)
+    assert len(result.validation) == 1 and result.final_acceptance is not None
     args = json.loads((run_dir / "args.json").read_text())
     assert (args["chat_template"], args["chat_template_kwargs"], args["reasoning"], args["loss_turns"],
             args["bad_records"], args["max_bad_fraction"]) == (str(template), '{"enable_thinking": false}', "drop",
                                                                "last", "skip", 0.1)
-    # the kwarg reached the template: without it the template refuses every record
-    bad = argv[: argv.index("--chat-template-kwargs")] + argv[argv.index("--chat-template-kwargs") + 2:]
-    with pytest.raises(Exception, match=r"sharegpt\.json\[0\]: the chat template refuses the conversation"):
-        run_training(bad[:-1] + [str(tmp_path / "run2" / "hf")] + ["--bad-records", "fail"])
+    # the kwarg reached the template, of the prompts and of the data: without it the template refuses them
+    k = argv.index("--chat-template-kwargs")
+    bad = argv[:k] + argv[k + 2:-1] + [str(tmp_path / "run2" / "hf"), "--bad-records", "fail"]
+    with pytest.raises(ArgumentError, match=r"--valid-data: .*sharegpt\.json\[0\]: cannot tokenise the prompt "
+                                            r"\(TemplateError: thinking is not off\)"):
+        run_training(bad)
+    v = bad.index("--valid-data")
+    with pytest.raises(DataError, match=r"sharegpt\.json\[0\]: the chat template refuses the conversation "
+                                        r"\(TemplateError: thinking is not off\)"):
+        run_training(bad[:v] + bad[v + 2:] + ["--dflash-eval-prompts", "0"])
 
 
 def test_start_from_a_drafter_or_a_release_checkpoint(tiny_target, tmp_path):
