@@ -1,8 +1,10 @@
-"""Chat records: rendering with the tokenizer's chat template, the assistant loss mask, the roles a record may
+"""Chat records: rendering with the tokenizer's chat template and the chat options (`ChatOptions`: template
+kwargs, what becomes of thinking, the turns the loss covers), the assistant loss mask, the roles a record may
 use and the check of a record's messages (docs/design.md §8 Data path).
 
-The assistant mask comes from the template's ``{% generation %}`` markers when it has them (and the tokenizer
-is a fast one), otherwise from rendering prefixes of the conversation (``assistant_mask_from_prefixes``).
+The assistant spans come from the template's ``{% generation %}`` markers when it has them (and the tokenizer
+is a fast one), otherwise from rendering prefixes of the conversation (``assistant_mask_from_prefixes``);
+the thinking inside a span from rendering the turn with its thinking and no answer (``--reasoning mask``).
 Nothing here loads torch.
 """
 
