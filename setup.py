@@ -25,7 +25,10 @@ setup(
     ],
     extras_require={
         # scipy: the statistical test of speculative sampling (chi-square against the target's distribution)
-        "test": ["pytest>=8", "hypothesis>=6", "scipy"],
+        # datasets: Parquet and save_to_disk data (the data tests of those formats skip without it)
+        "test": ["pytest>=8", "hypothesis>=6", "scipy", "datasets"],
+        # Parquet and save_to_disk training data (data/formats.py reads them through datasets)
+        "data": ["datasets"],
         # GPU only. Never install on CPU machines: its meta package breaks megatron imports.
         "te": ["transformer-engine[pytorch]"],
         # The published readers and writers of drafters, for parity checks: the z-lab reference

@@ -1,20 +1,29 @@
-"""Chat records: rendering with the tokenizer's chat template, the assistant loss mask, the roles a record may
+"""Chat records: rendering with the tokenizer's chat template and the chat options (`ChatOptions`: template
+kwargs, what becomes of thinking, the turns the loss covers), the assistant loss mask, the roles a record may
 use and the check of a record's messages (docs/design.md §8 Data path).
 
-The assistant mask comes from the template's ``{% generation %}`` markers when it has them (and the tokenizer
-is a fast one), otherwise from rendering prefixes of the conversation (``assistant_mask_from_prefixes``).
+The assistant spans come from the template's ``{% generation %}`` markers when it has them (and the tokenizer
+is a fast one), otherwise from rendering prefixes of the conversation (``assistant_mask_from_prefixes``);
+the thinking inside a span from rendering the turn with its thinking and no answer (``--reasoning mask``).
 Nothing here loads torch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
-from typing import Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from ..common.errors import DataError
 
 __all__ = [
+    "REASONING_MODES",
+    "LOSS_TURNS",
+    "ChatOptions",
+    "load_chat_template",
+    "prepare_messages",
+    "render_chat",
     "tokenize_chat",
     "template_has_generation_markers",
     "assistant_mask_from_prefixes",
@@ -52,9 +61,83 @@ def template_has_generation_markers(tokenizer) -> bool:
     return bool(_GENERATION_TAG.search(_chat_template_of(tokenizer)))
 
 
-def _render_ids(tokenizer, messages: list, *, add_generation_prompt: bool) -> list[int]:
+REASONING_MODES = ("train", "mask", "drop")
+"""What becomes of an assistant's thinking (``reasoning_content``, ``<think>...</think>`` in its content):
+trained on like the answer, kept in the input but out of the loss, or removed before rendering."""
+
+LOSS_TURNS = ("all", "last")
+"""Which assistant turns the loss covers: every one, or only the last."""
+
+_THINK_BLOCK = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatOptions:
+    """How a chat becomes tokens and a loss mask (docs/design.md §8 Data path).
+
+    ``template_kwargs`` go to every ``apply_chat_template`` call (e.g. ``{"enable_thinking": False}``);
+    ``reasoning`` is one of `REASONING_MODES`, ``loss_turns`` one of `LOSS_TURNS`; ``assistant_mask`` as
+    ``tokenize_chat`` documents. A chat template given by file is set on the tokenizer itself
+    (`load_chat_template`), so every rendering of the job (data, evaluation prompts) uses it.
+    """
+
+    template_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    reasoning: str = "train"
+    loss_turns: str = "all"
+    assistant_mask: str = "auto"
+
+    def __post_init__(self):
+        if self.reasoning not in REASONING_MODES:
+            raise ValueError(f"reasoning must be one of {', '.join(REASONING_MODES)}, got {self.reasoning!r}.")
+        if self.loss_turns not in LOSS_TURNS:
+            raise ValueError(f"loss_turns must be one of {', '.join(LOSS_TURNS)}, got {self.loss_turns!r}.")
+        if self.assistant_mask not in ("auto", "template", "prefix"):
+            raise ValueError(f"assistant_mask must be 'auto', 'template' or 'prefix', got {self.assistant_mask!r}.")
+        if not isinstance(self.template_kwargs, Mapping):
+            raise ValueError(f"template_kwargs must be a JSON object, got {type(self.template_kwargs).__name__}.")
+
+
+def load_chat_template(path: str) -> str:
+    """The Jinja chat template in file ``path`` (a ``.jinja`` file, or a tokenizer_config-style JSON file with
+    a ``chat_template`` string)."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if path.endswith(".json"):
+        text = json.loads(text).get("chat_template")
+        if not isinstance(text, str):
+            raise ValueError(f"{path}: no 'chat_template' string in the JSON file.")
+    if not text.strip():
+        raise ValueError(f"{path}: the chat template is empty.")
+    return text
+
+
+def prepare_messages(messages: list, reasoning: str = "train") -> list:
+    """The messages to render: with ``reasoning="drop"`` the assistants' ``reasoning_content`` and
+    ``<think>...</think>`` blocks are removed; otherwise ``messages`` as they are (the template renders the
+    thinking its way)."""
+    if reasoning != "drop":
+        return messages
+    out = []
+    for message in messages:
+        if message.get("role") == "assistant":
+            message = {k: v for k, v in message.items() if k != "reasoning_content"}
+            if isinstance(message.get("content"), str):
+                message["content"] = _THINK_BLOCK.sub("", message["content"])
+        out.append(message)
+    return out
+
+
+def render_chat(tokenizer, messages: list, options: Optional[ChatOptions] = None, *,
+                add_generation_prompt: bool = False) -> str:
+    """The chat template's text of ``messages`` (prepared for ``options.reasoning``) with the options' kwargs."""
+    options = options or ChatOptions()
+    return tokenizer.apply_chat_template(prepare_messages(messages, options.reasoning), tokenize=False,
+                                         add_generation_prompt=add_generation_prompt, **options.template_kwargs)
+
+
+def _render_ids(tokenizer, messages: list, *, add_generation_prompt: bool, kwargs: Mapping = None) -> list[int]:
     out = tokenizer.apply_chat_template(
-        messages, tokenize=True, return_dict=True, add_generation_prompt=add_generation_prompt
+        messages, tokenize=True, return_dict=True, add_generation_prompt=add_generation_prompt, **(kwargs or {})
     )
     return [int(t) for t in out["input_ids"]]
 
@@ -83,61 +166,117 @@ def _boundary(full: list[int], prefix: list[int], what: str) -> int:
     )
 
 
-def assistant_mask_from_prefixes(tokenizer, messages: list, input_ids: Sequence[int]) -> list[int]:
-    """Assistant mask of ``input_ids`` (the rendering of ``messages``) for templates without markers.
+def _assistant_span(tokenizer, messages: list, i: int, full: list[int], kwargs: Mapping) -> tuple[int, int]:
+    """[start, end) of assistant message ``i`` in ``full``: from the end of ``messages[:i]`` rendered with the
+    generation prompt (the assistant header) to the end of ``messages[:i + 1]`` rendered without it, so it
+    covers the content and the end-of-turn tokens the template emits after it, like ``{% generation %}``."""
+    if i == 0:
+        # No prefix to render (templates refuse empty conversations): the content starts where the
+        # rendering with an empty content first differs from the full one.
+        start = _common_prefix(full, _render_ids(tokenizer, [dict(messages[0], content="")],
+                                                 add_generation_prompt=False, kwargs=kwargs))
+    else:
+        start = _boundary(full, _render_ids(tokenizer, messages[:i], add_generation_prompt=True, kwargs=kwargs),
+                          f"messages[:{i}] with the generation prompt")
+    end = _boundary(full, _render_ids(tokenizer, messages[: i + 1], add_generation_prompt=False, kwargs=kwargs),
+                    f"messages[:{i + 1}]")
+    return start, end
 
-    Assistant message ``i`` spans from the end of ``messages[:i]`` rendered with the generation prompt
-    (the assistant header) to the end of ``messages[:i + 1]`` rendered without it, so it covers the
-    content and the end-of-turn tokens the template emits after it, like ``{% generation %}`` does.
-    """
+
+def _assistant_indices(messages: list, loss_turns: str) -> list[int]:
+    indices = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
+    return indices[-1:] if loss_turns == "last" else indices
+
+
+def assistant_mask_from_prefixes(tokenizer, messages: list, input_ids: Sequence[int], *,
+                                 kwargs: Optional[Mapping] = None, loss_turns: str = "all") -> list[int]:
+    """Assistant mask of ``input_ids`` (the rendering of ``messages``) for templates without markers, by
+    rendering prefixes of the conversation (`_assistant_span`); ``loss_turns="last"`` renders and marks only
+    the last assistant message (whose prefixes a template renders as in the whole chat even when it renders
+    earlier turns differently once later ones follow, like Qwen3 dropping earlier thinking)."""
     full = [int(t) for t in input_ids]
     mask = [0] * len(full)
-    for i, message in enumerate(messages):
-        if message.get("role") != "assistant":
-            continue
-        if i == 0:
-            # No prefix to render (templates refuse empty conversations): the content starts where the
-            # rendering with an empty content first differs from the full one.
-            start = _common_prefix(full, _render_ids(tokenizer, [dict(message, content="")],
-                                                     add_generation_prompt=False))
-        else:
-            start = _boundary(full, _render_ids(tokenizer, messages[:i], add_generation_prompt=True),
-                              f"messages[:{i}] with the generation prompt")
-        end = _boundary(full, _render_ids(tokenizer, messages[: i + 1], add_generation_prompt=False),
-                        f"messages[:{i + 1}]")
+    for i in _assistant_indices(messages, loss_turns):
+        start, end = _assistant_span(tokenizer, messages, i, full, kwargs or {})
         for j in range(start, end):
             mask[j] = 1
     return mask
 
 
-def tokenize_chat(tokenizer, messages: list, *, assistant_mask: str = "auto") -> tuple[list[int], list[int]]:
-    """Token ids of a chat and its assistant mask (1 on assistant tokens).
+def _runs(mask: Sequence[int]) -> list[tuple[int, int]]:
+    """[start, end) of every run of ones in ``mask``."""
+    runs, start = [], None
+    for j, m in enumerate(list(mask) + [0]):
+        if m and start is None:
+            start = j
+        elif not m and start is not None:
+            runs.append((start, j))
+            start = None
+    return runs
+
+
+def _reasoning_end(tokenizer, messages: list, i: int, full: list[int], span: tuple[int, int], kwargs: Mapping) -> int:
+    """Where the answer of assistant message ``i`` starts in ``full``: the end of what the template renders for
+    the message with its thinking (``reasoning_content``, or its content up to the last ``</think>``) and no
+    answer. The thinking the template renders, its tags included, lies in ``[span[0], that)``."""
+    message = messages[i]
+    content = message.get("content") or ""
+    cut = content.rfind("</think>")
+    probe = dict(message, content=content[: cut + len("</think>")] if cut >= 0 else "")
+    lcp = _common_prefix(full, _render_ids(tokenizer, messages[:i] + [probe], add_generation_prompt=False,
+                                           kwargs=kwargs))
+    return min(max(lcp, span[0]), span[1])
+
+
+def tokenize_chat(tokenizer, messages: list, *, assistant_mask: Optional[str] = None,
+                  options: Optional[ChatOptions] = None) -> tuple[list[int], list[int]]:
+    """Token ids of a chat and its loss mask (1 on the assistant tokens the loss covers).
 
     Args:
         tokenizer: a HF tokenizer with a chat template.
-        messages: ``[{"role": ..., "content": ...}, ...]``.
+        messages: ``[{"role": ..., "content": ..., "reasoning_content"?: ...}, ...]``.
         assistant_mask: ``"template"`` uses the template's ``{% generation %}`` markers
             (``return_assistant_tokens_mask``); ``"prefix"`` computes the spans by tokenising prefixes of
             the conversation; ``"auto"`` picks ``"template"`` when the template has markers and the
-            tokenizer is a fast one, ``"prefix"`` otherwise.
+            tokenizer is a fast one, ``"prefix"`` otherwise. Overrides ``options.assistant_mask``.
+        options: `ChatOptions`: the template kwargs, what becomes of thinking (``reasoning``: dropped before
+            rendering, or with ``"mask"`` rendered but out of the loss) and which turns the loss covers.
     """
-    if assistant_mask not in ("auto", "template", "prefix"):
-        raise ValueError(f"assistant_mask must be 'auto', 'template' or 'prefix', got {assistant_mask!r}.")
-    if assistant_mask == "auto":
+    options = options or ChatOptions()
+    if assistant_mask is not None:
+        options = dataclasses.replace(options, assistant_mask=assistant_mask)
+    kwargs, mode = dict(options.template_kwargs), options.assistant_mask
+    messages = prepare_messages(messages, options.reasoning)
+    if mode == "auto":
         markers = template_has_generation_markers(tokenizer)
-        assistant_mask = "template" if markers and getattr(tokenizer, "is_fast", False) else "prefix"
-    if assistant_mask == "template":
+        mode = "template" if markers and getattr(tokenizer, "is_fast", False) else "prefix"
+    if mode == "template":
         if not template_has_generation_markers(tokenizer):
             raise ValueError(
                 "assistant_mask='template' needs {% generation %} markers in the chat template; "
                 "use assistant_mask='prefix' (or 'auto')."
             )
         out = tokenizer.apply_chat_template(
-            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, **kwargs
         )
-        return [int(t) for t in out["input_ids"]], [int(m) for m in out["assistant_masks"]]
-    ids = _render_ids(tokenizer, messages, add_generation_prompt=False)
-    return ids, assistant_mask_from_prefixes(tokenizer, messages, ids)
+        ids, mask = [int(t) for t in out["input_ids"]], [int(m) for m in out["assistant_masks"]]
+        indices = _assistant_indices(messages, "all")
+        spans = _runs(mask)
+        if len(spans) != len(indices):
+            raise ValueError(f"the template's generation markers give {len(spans)} assistant spans for "
+                             f"{len(indices)} assistant messages; use assistant_mask='prefix'.")
+        spans = dict(zip(indices, spans))
+    else:
+        ids = _render_ids(tokenizer, messages, add_generation_prompt=False, kwargs=kwargs)
+        spans = {i: _assistant_span(tokenizer, messages, i, ids, kwargs)
+                 for i in _assistant_indices(messages, options.loss_turns)}
+    mask = [0] * len(ids)
+    for i in _assistant_indices(messages, options.loss_turns):
+        start, end = spans[i]
+        if options.reasoning == "mask":
+            start = _reasoning_end(tokenizer, messages, i, ids, (start, end), kwargs)
+        mask[start:end] = [1] * (end - start)
+    return ids, mask
 
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")

@@ -1,16 +1,17 @@
-"""The datasets: chat / text JSONL, Megatron indexed, and the embedded job's synthetic chats
-(docs/design.md §8 Data path).
+"""The datasets: chat / text records (any file format of `data.formats`), Megatron indexed, and the embedded
+job's synthetic chats (docs/design.md §8 Data path).
 
 Each is a map-style dataset of `data.samples.Sample` (token ids, loss mask, stable sample ID), a pure
-function of its files / seed. A JSONL record is checked when the file is scanned and again when it is read;
-whatever is wrong with it is one `DataError` line naming the file and line. At most ``record_budget
+function of its files / seed. A record is checked when the data is scanned and again when it is read;
+whatever is wrong with it is one `DataError` line naming the file and line (or index); bad records are
+skipped or fatal by `BadRecords`. At most ``record_budget
 (seq_length)`` characters of a record are tokenised.
 """
 
 from __future__ import annotations
 
 import abc
-import json
+import dataclasses
 import os
 from typing import Any, Callable, Optional
 
@@ -19,15 +20,19 @@ import torch
 
 from ..common.errors import DataError
 from ..embedded_job.synthetic_corpus import conversations
-from .chat import chat_roles, check_messages, tokenize_chat, unicode_problem
+from .chat import ChatOptions, chat_roles, check_messages, render_chat, tokenize_chat, unicode_problem
+from .formats import BAD_RECORD_MODES, DEFAULT_MAX_BAD_FRACTION, NormalizedRecord, normalize_record, open_records
 from .samples import Sample, check_seq_length, stable_sample_id
 
 __all__ = [
     "CHARS_PER_TOKEN",
     "record_budget",
     "one_line_error",
-    "ChatJSONLDataset",
-    "TextJSONLDataset",
+    "BAD_RECORD_MODES",
+    "DEFAULT_MAX_BAD_FRACTION",
+    "BadRecords",
+    "ChatDataset",
+    "TextDataset",
     "IndexedDataset",
     "SyntheticChatDataset",
 ]
@@ -50,7 +55,7 @@ def record_budget(seq_length: int) -> int:
     is a generous upper bound of what ``seq_length`` tokens cover: BPE vocabularies average about 4
     characters per token on English prose and fewer on code and other scripts; only text made mostly of
     long runs (whitespace, repeated punctuation, words unknown to a word-level vocabulary) averages more,
-    and a cut that leaves such a record short of ``seq_length`` tokens is reported (``_JSONLDataset``).
+    and a cut that leaves such a record short of ``seq_length`` tokens is reported (``_RecordDataset``).
     """
     return CHARS_PER_TOKEN * seq_length
 
@@ -104,8 +109,30 @@ def _cut_chat(messages: list, budget: int) -> list:
 
 
 # --------------------------------------------------------------------------------------------------
-# JSONL datasets
+# Record datasets: chat and text records of any file format
 # --------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class BadRecords:
+    """The policy for records a dataset cannot use (not one of the formats, a message without a role, an
+    empty conversation, content that is not a string, a turn order the chat template refuses).
+
+    ``mode="fail"`` stops at the first one with its one-line error (file and line); ``"skip"`` names each
+    (the first `SHOWN_BAD_RECORDS` of them, then their count) and leaves it out, unless more than
+    ``max_fraction`` of the records are bad: then the data is refused (a converter that went wrong)."""
+
+    mode: str = "fail"
+    max_fraction: float = DEFAULT_MAX_BAD_FRACTION
+
+    def __post_init__(self):
+        if self.mode not in BAD_RECORD_MODES:
+            raise ValueError(f"bad records: mode must be one of {', '.join(BAD_RECORD_MODES)}, got {self.mode!r}.")
+        if not 0.0 <= self.max_fraction <= 1.0:
+            raise ValueError(f"bad records: max_fraction must be in [0, 1], got {self.max_fraction!r}.")
+
+
+SHOWN_BAD_RECORDS = 10
 
 
 def _make_sample(ids, mask, sample_id: int, seq_length: int) -> Sample:
@@ -120,176 +147,199 @@ def one_line_error(err: BaseException, limit: int = 200) -> str:
     return f"{type(err).__name__}: {text[:limit]}{'...' if len(text) > limit else ''}"
 
 
-class _JSONLDataset(torch.utils.data.Dataset, abc.ABC):
-    """Map-style dataset over the non-blank lines of a JSONL file.
+class _RecordDataset(torch.utils.data.Dataset, abc.ABC):
+    """Map-style dataset over the records of a data file or directory (`data.formats.open_records`).
 
-    The file is scanned once at construction: every line is parsed and checked against the format (clear
-    ``file:line`` `DataError`s before training starts), and only byte offsets are kept, so memory stays
-    small. Reading a sample parses and checks its line again and tokenises at most ``record_budget
-    (seq_length)`` characters of it; whatever fails in there (the JSON parser, the chat template, the
-    tokenizer) is a `DataError` naming the file and line, so a training loop meets one kind of error only.
-    A record cut to the budget is reported through ``log``, once per record.
+    The records are scanned once at construction: every one is decoded, put in the one form
+    (`formats.normalize_record`) and checked against the dataset's format, so its errors are clear
+    ``file:line`` (``file[index]``) `DataError`s before training starts, and the bad ones are skipped or
+    fatal by ``bad_records`` (`BadRecords`). Only indices are kept (a JSONL file: byte offsets), so memory
+    stays small. Reading a sample decodes and checks its record again and tokenises at most ``record_budget
+    (seq_length)`` characters of it; whatever fails in there (the chat template, the tokenizer) is a
+    `DataError` naming the record, so a training loop meets one kind of error only. A record cut to the budget
+    is reported through ``log``, once per record. Sample IDs hash the record's index in its path (the index
+    among the non-blank lines of a JSONL file, bad records counted, so skipping one moves no other ID).
     """
 
-    kind = "jsonl"
+    kind = "records"
 
-    def __init__(self, path: str, seq_length: int, name: Optional[str] = None, log: Callable[[str], Any] = print):
+    def __init__(self, path: str, seq_length: int, name: Optional[str] = None, log: Callable[[str], Any] = print,
+                 bad_records: Optional[BadRecords] = None):
         self.path = os.fspath(path)
         self.seq_length = check_seq_length(seq_length)
         self.log = log
+        self.bad_records = bad_records or BadRecords()
         self._reported_cuts: set[int] = set()
-        if not os.path.isfile(self.path):
-            raise FileNotFoundError(f"{type(self).__name__}: {self.path} does not exist (or is not a file).")
-        self.name = name if name is not None else os.path.basename(self.path)
-        offsets, lines = [], []
-        with open(self.path, "rb") as f:
-            lineno, offset = 0, 0
-            for raw in f:
-                lineno += 1
-                if raw.strip():
-                    self._validate(self._parse(raw, lineno), lineno)
-                    offsets.append(offset)
-                    lines.append(lineno)
-                offset += len(raw)
-        if not offsets:
+        if not os.path.exists(self.path):
+            raise FileNotFoundError(f"{type(self).__name__}: {self.path} does not exist.")
+        self.name = name if name is not None else os.path.basename(os.path.normpath(self.path))
+        self.source = open_records(self.path)
+        self._indices = np.asarray(self._scan(), dtype=np.int64)
+
+    def _scan(self) -> list[int]:
+        """Indices (in the source) of the usable records; the bad ones by `self.bad_records`."""
+        kept, bad = [], []
+        for index in range(len(self.source)):
+            try:
+                self._check(self.source.record(index), self.source.where(index))
+                kept.append(index)
+            except DataError as err:
+                if self.bad_records.mode == "fail":
+                    raise
+                bad.append(str(err))
+        total = len(self.source)
+        for message in bad[:SHOWN_BAD_RECORDS]:
+            self.log(f"[data] skipped: {message}")
+        if len(bad) > SHOWN_BAD_RECORDS:
+            self.log(f"[data] skipped {len(bad) - SHOWN_BAD_RECORDS} more bad records of {self.path}.")
+        if bad and len(bad) > self.bad_records.max_fraction * total:
+            raise DataError(f"{self.path}: {len(bad)} of {total} records are bad ({len(bad) / total:.1%}, more than "
+                            f"--max-bad-fraction {self.bad_records.max_fraction:g}); the first: {bad[0]}")
+        if bad:
+            self.log(f"[data] {self.path}: skipped {len(bad)} bad records of {total}.")
+        if not kept:
             raise DataError(f"{type(self).__name__}: {self.path} has no samples (empty or only blank lines).")
-        self._offsets = np.asarray(offsets, dtype=np.int64)
-        self._lines = np.asarray(lines, dtype=np.int64)
+        return kept
 
-    def _where(self, lineno: int) -> str:
-        return f"{self.path}:{lineno}"
-
-    def _parse(self, raw: bytes, lineno: int) -> Any:
-        try:
-            record = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            detail = f"{err.msg} at column {err.colno}" if isinstance(err, json.JSONDecodeError) else str(err)
-            raise DataError(f"{self._where(lineno)}: invalid JSON ({detail}).") from None
-        except RecursionError:
-            raise DataError(f"{self._where(lineno)}: invalid JSON (nested deeper than the JSON parser can "
-                            "read).") from None
-        if not isinstance(record, dict):
-            raise DataError(f"{self._where(lineno)}: expected a JSON object, got {type(record).__name__}.")
-        return record
+    def _check(self, record: Any, where: str) -> NormalizedRecord:
+        normalized = normalize_record(record, where)
+        self._validate(normalized, where)
+        return normalized
 
     @abc.abstractmethod
-    def _validate(self, record: dict, lineno: int) -> None:
-        """Raise `DataError` (naming the file and line) if `record` is not a sample of this format."""
+    def _validate(self, record: NormalizedRecord, where: str) -> None:
+        """Raise `DataError` (naming ``where``) if ``record`` is not a sample of this dataset."""
 
     @abc.abstractmethod
-    def _sample(self, index: int, raw: bytes, record: dict, lineno: int) -> Sample:
-        """The sample of the checked ``record`` (line ``lineno``, bytes ``raw``) at ``index``."""
+    def _sample(self, index: int, raw: bytes, record: NormalizedRecord, where: str) -> Sample:
+        """The sample of the checked ``record`` (named ``where``, bytes ``raw``) at source index ``index``."""
 
     def __len__(self) -> int:
-        return len(self._offsets)
+        return len(self._indices)
 
     def __getitem__(self, index: int) -> Sample:
         n = len(self)
         if not -n <= index < n:
             raise IndexError(f"index {index} out of range for {type(self).__name__} of {n} samples")
-        index %= n
-        lineno = int(self._lines[index])
+        source_index = int(self._indices[index % n])
+        where = self.source.where(source_index)
         try:
-            with open(self.path, "rb") as f:
-                f.seek(int(self._offsets[index]))
-                raw = f.readline()
-            record = self._parse(raw, lineno)
-            self._validate(record, lineno)  # the file may have changed since the scan
-            return self._sample(index, raw, record, lineno)
+            raw = self.source.raw(source_index)
+            record = self._check(self.source.record(source_index), where)  # the file may have changed
+            return self._sample(source_index, raw, record, where)
         except DataError:
             raise
         except Exception as err:  # the template's, the tokenizer's, ...: this record, named
-            raise DataError(f"{self._where(lineno)}: cannot tokenise the record ({one_line_error(err)}).") from err
+            raise DataError(f"{where}: cannot tokenise the record ({one_line_error(err)}).") from err
 
     def sample_id(self, index: int, raw: bytes) -> int:
         return stable_sample_id(self.kind, self.name, index, raw.rstrip(b"\r\n"))
 
-    def _report_cut(self, index: int, lineno: int, what: str, kept_chars: int, tokens: int) -> None:
+    def _report_cut(self, index: int, where: str, what: str, kept_chars: int, tokens: int) -> None:
         """Say (once per record) that ``what`` was cut to ``kept_chars`` characters and gave ``tokens`` tokens."""
         if index in self._reported_cuts:
             return
         self._reported_cuts.add(index)
         short = (f"; they give only {tokens} of the {self.seq_length} tokens a sample holds (more than "
                  f"{CHARS_PER_TOKEN} characters per token)" if tokens < self.seq_length else "")
-        self.log(f"[data] {self._where(lineno)}: {what} cut to {kept_chars} characters before tokenising "
+        self.log(f"[data] {where}: {what} cut to {kept_chars} characters before tokenising "
                  f"({CHARS_PER_TOKEN} per token of seq_length {self.seq_length}){short}.")
 
-
-class ChatJSONLDataset(_JSONLDataset):
-    """Chats, one ``{"messages": [{"role": ..., "content": ...}, ...]}`` per line.
-
-    ``role`` is one of ``chat_roles(tokenizer)`` (system, user, assistant, and tool when the template
-    names it) and ``content`` a string; any other record is a `DataError` naming its file and line.
-    Tokenised with the tokenizer's chat template; the loss mask covers the assistant turns (see
-    ``tokenize_chat`` for ``assistant_mask``); truncated to ``seq_length`` tokens, of which at most
-    ``record_budget(seq_length)`` characters are rendered (see ``_cut_chat``).
-    Sample ID: ``stable_sample_id("chat", name, index, line)`` with ``name`` the file's base name.
-    """
-
-    kind = "chat"
-
-    def __init__(self, path: str, tokenizer, seq_length: int, *, name: Optional[str] = None,
-                 messages_key: str = "messages", assistant_mask: str = "auto", log: Callable[[str], Any] = print):
-        self.tokenizer = tokenizer
-        self.messages_key = messages_key
-        self.assistant_mask = assistant_mask
-        self.roles = chat_roles(tokenizer)  # and fail early without a template
-        super().__init__(path, seq_length, name, log)
-
-    def _validate(self, record: dict, lineno: int) -> None:
-        check_messages(record.get(self.messages_key), f"{self._where(lineno)} ('{self.messages_key}')", self.roles)
-
-    def _sample(self, index: int, raw: bytes, record: dict, lineno: int) -> Sample:
-        messages = record[self.messages_key]
-        kept = _cut_chat(messages, record_budget(self.seq_length))
-        ids, mask = tokenize_chat(self.tokenizer, kept, assistant_mask=self.assistant_mask)
-        if not ids:
-            raise DataError(f"{self._where(lineno)}: the chat renders to no tokens.")
-        if kept is not messages:
-            chars = sum(len(m["content"]) for m in messages)
-            self._report_cut(index, lineno, f"the chat's {chars} characters of content in {len(messages)} messages",
-                             sum(len(m["content"]) for m in kept), len(ids))
-        return _make_sample(ids, mask, self.sample_id(index, raw), self.seq_length)
-
-
-class TextJSONLDataset(_JSONLDataset):
-    """Plain text, one ``{"text": ...}`` per line; loss on every token; truncated to ``seq_length``, of which
-    at most ``record_budget(seq_length)`` characters are tokenised (see ``_cut_text``).
-
-    ``append_eos`` ends each document with the tokenizer's EOS (when it has one), so packed documents
-    are separated like Megatron's ``--append-eod`` (not a cut one: it does not end there).
-    Sample ID: ``stable_sample_id("text", name, index, line)``.
-    """
-
-    kind = "text"
-
-    def __init__(self, path: str, tokenizer, seq_length: int, text_key: str = "text", *,
-                 name: Optional[str] = None, append_eos: bool = True, log: Callable[[str], Any] = print):
-        self.tokenizer = tokenizer
-        self.text_key = text_key
-        self.append_eos = append_eos
-        super().__init__(path, seq_length, name, log)
-
-    def _validate(self, record: dict, lineno: int) -> None:
-        text = record.get(self.text_key)
-        if not isinstance(text, str):
-            raise DataError(f"{self._where(lineno)}: no text (expected a string under '{self.text_key}').")
-        problem = unicode_problem(text)
-        if problem is not None:
-            raise DataError(f"{self._where(lineno)}: the text {problem}.")
-
-    def _sample(self, index: int, raw: bytes, record: dict, lineno: int) -> Sample:
-        text = record[self.text_key]
+    def _text_sample(self, index: int, raw: bytes, text: str, where: str) -> Sample:
+        """A text record's sample: loss on every token, EOS at the end of a whole document (``append_eos``)."""
         kept = _cut_text(text, record_budget(self.seq_length))
         ids = [int(t) for t in self.tokenizer(kept)["input_ids"]]
         eos = getattr(self.tokenizer, "eos_token_id", None)
         if self.append_eos and eos is not None and len(kept) == len(text) and (not ids or ids[-1] != eos):
             ids.append(int(eos))
         if not ids:
-            raise DataError(f"{self._where(lineno)}: the text tokenises to no tokens.")
+            raise DataError(f"{where}: the text tokenises to no tokens.")
         if len(kept) < len(text):
-            self._report_cut(index, lineno, f"the text of {len(text)} characters", len(kept), len(ids))
+            self._report_cut(index, where, f"the text of {len(text)} characters", len(kept), len(ids))
         return _make_sample(ids, [1] * len(ids), self.sample_id(index, raw), self.seq_length)
+
+
+def _check_text(text: str, where: str) -> None:
+    problem = unicode_problem(text)
+    if problem is not None:
+        raise DataError(f"{where}: the text {problem}.")
+
+
+class ChatDataset(_RecordDataset):
+    """Chats and text, the format detected per record (`data.formats`): OpenAI ``messages``, ShareGPT
+    ``conversations`` or plain ``text``, in JSONL, JSON-array, Parquet or ``save_to_disk`` files.
+
+    A chat's roles are those of ``chat_roles(tokenizer)`` (system, user, assistant, and tool when the template
+    names it) and its contents strings; it must render with the chat template (a template that refuses the
+    turn order makes the record bad). Tokenised by ``tokenize_chat`` with ``options`` (`ChatOptions`: template
+    kwargs, thinking, the turns the loss covers); truncated to ``seq_length`` tokens, of which at most
+    ``record_budget(seq_length)`` characters are rendered (see ``_cut_chat``). A text record is a text sample
+    (loss on every token, as in `TextDataset`).
+    Sample ID: ``stable_sample_id("chat", name, index, record)`` with ``name`` the path's base name and
+    ``record`` the JSONL line (or the record's canonical JSON).
+    """
+
+    kind = "chat"
+
+    def __init__(self, path: str, tokenizer, seq_length: int, *, name: Optional[str] = None,
+                 options: Optional[ChatOptions] = None, append_eos: bool = True,
+                 bad_records: Optional[BadRecords] = None, log: Callable[[str], Any] = print):
+        self.tokenizer = tokenizer
+        self.options = options or ChatOptions()
+        self.append_eos = append_eos
+        self.roles = chat_roles(tokenizer)  # and fail early without a template
+        super().__init__(path, seq_length, name, log, bad_records)
+
+    def _validate(self, record: NormalizedRecord, where: str) -> None:
+        if not record.is_chat:
+            return _check_text(record.text, where)
+        check_messages(record.messages, f"{where} ('{record.style}')", self.roles)
+        try:
+            render_chat(self.tokenizer, _cut_chat(record.messages, record_budget(self.seq_length)), self.options)
+        except Exception as err:  # raise_exception() of a template that refuses the turn order, ...
+            raise DataError(f"{where}: the chat template refuses the conversation ({one_line_error(err)}).") from None
+        return None
+
+    def _sample(self, index: int, raw: bytes, record: NormalizedRecord, where: str) -> Sample:
+        if not record.is_chat:
+            return self._text_sample(index, raw, record.text, where)
+        messages = record.messages
+        kept = _cut_chat(messages, record_budget(self.seq_length))
+        ids, mask = tokenize_chat(self.tokenizer, kept, options=self.options)
+        if not ids:
+            raise DataError(f"{where}: the chat renders to no tokens.")
+        if kept is not messages:
+            chars = sum(len(m["content"]) for m in messages)
+            self._report_cut(index, where, f"the chat's {chars} characters of content in {len(messages)} messages",
+                             sum(len(m["content"]) for m in kept), len(ids))
+        return _make_sample(ids, mask, self.sample_id(index, raw), self.seq_length)
+
+
+class TextDataset(_RecordDataset):
+    """Plain text, ``{"text": ...}`` records of any file format (`data.formats`); loss on every token; truncated
+    to ``seq_length``, of which at most ``record_budget(seq_length)`` characters are tokenised (see ``_cut_text``).
+
+    ``append_eos`` ends each document with the tokenizer's EOS (when it has one), so packed documents
+    are separated like Megatron's ``--append-eod`` (not a cut one: it does not end there).
+    Sample ID: ``stable_sample_id("text", name, index, record)``.
+    """
+
+    kind = "text"
+
+    def __init__(self, path: str, tokenizer, seq_length: int, *, name: Optional[str] = None,
+                 append_eos: bool = True, bad_records: Optional[BadRecords] = None,
+                 log: Callable[[str], Any] = print):
+        self.tokenizer = tokenizer
+        self.append_eos = append_eos
+        super().__init__(path, seq_length, name, log, bad_records)
+
+    def _validate(self, record: NormalizedRecord, where: str) -> None:
+        if record.is_chat:
+            raise DataError(f"{where}: no text (a {record.style} chat; use --data-format chat for chats).")
+        _check_text(record.text, where)
+
+    def _sample(self, index: int, raw: bytes, record: NormalizedRecord, where: str) -> Sample:
+        return self._text_sample(index, raw, record.text, where)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -362,13 +412,14 @@ class SyntheticChatDataset(torch.utils.data.Dataset):
 
     kind = "synthetic-chat"
 
-    def __init__(self, seed: int, count: int, tokenizer, seq_length: int, *, assistant_mask: str = "auto"):
+    def __init__(self, seed: int, count: int, tokenizer, seq_length: int, *, assistant_mask: str = "auto",
+                 options: Optional[ChatOptions] = None):
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise ValueError(f"SyntheticChatDataset: count must be an int >= 1, got {count!r}.")
         self.seed = int(seed)
         self.tokenizer = tokenizer
         self.seq_length = check_seq_length(seq_length)
-        self.assistant_mask = assistant_mask
+        self.options = dataclasses.replace(options or ChatOptions(), assistant_mask=assistant_mask)
         self.chats = list(conversations(self.seed, count))
 
     def __len__(self) -> int:
@@ -379,5 +430,5 @@ class SyntheticChatDataset(torch.utils.data.Dataset):
         if not -n <= index < n:
             raise IndexError(f"index {index} out of range for SyntheticChatDataset of {n} chats")
         index %= n
-        ids, mask = tokenize_chat(self.tokenizer, self.chats[index], assistant_mask=self.assistant_mask)
+        ids, mask = tokenize_chat(self.tokenizer, self.chats[index], options=self.options)
         return _make_sample(ids, mask, stable_sample_id(self.kind, self.seed, index), self.seq_length)

@@ -24,6 +24,7 @@ __all__ = [
     "PromptError",
     "PromptRecord",
     "read_prompt_file",
+    "read_data_prompts",
     "tokenize_prompt",
     "load_prompt_ids",
     "unknown_token_fraction",
@@ -77,12 +78,39 @@ def read_prompt_file(path: str, limit: Optional[int] = None) -> list[PromptRecor
     return records
 
 
+def read_data_prompts(path: str, limit: Optional[int] = None) -> list[PromptRecord]:
+    """The first ``limit`` records of training-format data (any file and record format of `data.formats`) as
+    prompts: chats as ``messages``, text as ``text``; the records no format reads are left out (the data's own
+    check names them)."""
+    from ..common.errors import DataError  # here, not at the top: see _tokenize_text_or_chat
+    from .formats import normalize_record, open_records
+
+    try:
+        source = open_records(path)
+    except (DataError, OSError) as err:
+        raise PromptError(str(err)) from None
+    records: list[PromptRecord] = []
+    for index in range(len(source)):
+        where = source.where(index)
+        try:
+            record = normalize_record(source.record(index), where)
+        except DataError:
+            continue
+        records.append(PromptRecord({"messages": record.messages} if record.is_chat else {"text": record.text}, where))
+        if limit is not None and len(records) >= limit:
+            break
+    if not records:
+        raise PromptError(f"{path} holds no prompt.")
+    return records
+
+
 TokenizerSource = Union[Any, Callable[[], Any]]
 
 
-def tokenize_prompt(item: PromptRecord, tokenizer: TokenizerSource) -> list[int]:
+def tokenize_prompt(item: PromptRecord, tokenizer: TokenizerSource, template_kwargs: Optional[dict] = None) -> list[int]:
     """Token ids of one prompt. `tokenizer` may be a zero-argument callable that loads it (only
-    called for text and chat lines, so `input_ids` files need no tokenizer)."""
+    called for text and chat lines, so `input_ids` files need no tokenizer); ``template_kwargs`` go to the
+    chat template (``--chat-template-kwargs``)."""
     record, where = item.record, item.where
     if "input_ids" in record:
         ids = record["input_ids"]
@@ -90,14 +118,14 @@ def tokenize_prompt(item: PromptRecord, tokenizer: TokenizerSource) -> list[int]
             raise PromptError(f"{where}: 'input_ids' must be a list of integers.")
     else:
         tok = tokenizer() if callable(tokenizer) and not hasattr(tokenizer, "encode") else tokenizer
-        ids = _tokenize_text_or_chat(record, where, tok)
+        ids = _tokenize_text_or_chat(record, where, tok, template_kwargs or {})
     ids = [int(t) for t in ids]
     if not ids:
         raise PromptError(f"{where}: the prompt has no tokens.")
     return ids
 
 
-def _tokenize_text_or_chat(record: dict, where: str, tok) -> list:
+def _tokenize_text_or_chat(record: dict, where: str, tok, template_kwargs: dict) -> list:
     """Token ids of a `text` / `prompt` or `messages` prompt. Chats are checked like training chats
     (`data.chat.check_messages`: roles the template renders, string contents, valid Unicode); whatever the template
     or the tokenizer raises on the prompt is a `PromptError` naming it."""
@@ -116,7 +144,8 @@ def _tokenize_text_or_chat(record: dict, where: str, tok) -> list:
             check_messages(messages, where, chat_roles(tok))
             if messages[-1].get("role") == "assistant":
                 messages = messages[:-1]  # the prompt is everything before the answer
-            out = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=True)
+            out = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=True,
+                                          **template_kwargs)
             return out["input_ids"]
         text = record.get("text", record.get("prompt"))
         if not isinstance(text, str):

@@ -16,12 +16,15 @@ sequence-length / learning-rate defaults are that job's; set them for real runs.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 from typing import Mapping, Optional, Sequence
 
 from ..common.cli import ArgumentParser, UsageError, require_dir, require_file
 from ..common.errors import RunError
+from ..data.chat import LOSS_TURNS, REASONING_MODES
+from ..data.formats import BAD_RECORD_MODES, DEFAULT_MAX_BAD_FRACTION
 from ..variants.options import BUILT_IN_OPTIONS, Flag, declared_options
 
 __all__ = [
@@ -33,6 +36,7 @@ __all__ = [
     "parse_args",
     "validate_args",
     "check_input_paths",
+    "chat_template_kwargs",
     "parse_layer_ids",
     "RunDefault",
     "resolve_run_defaults",
@@ -156,11 +160,31 @@ def _add_data_arguments(p: argparse.ArgumentParser) -> None:
     """The "data" options of `build_parser`."""
     g = p.add_argument_group("data")
     g.add_argument("--data-path", nargs="+", default=None,
-                   help="training data: a JSONL file (chat/text) or an indexed-dataset prefix (indexed).")
-    g.add_argument("--train-data", default=None, help="training JSONL file (chat/text) or indexed prefix.")
-    g.add_argument("--valid-data", default=None, help="validation JSONL file (chat/text) or indexed prefix.")
+                   help="training data: a data file or directory (chat/text) or an indexed-dataset prefix (indexed).")
+    g.add_argument("--train-data", default=None,
+                   help="training data: a JSONL, JSON-array or Parquet file, a directory of them or one written by "
+                   "datasets' save_to_disk (chat/text), or an indexed-dataset prefix (indexed).")
+    g.add_argument("--valid-data", default=None, help="validation data, as --train-data.")
     g.add_argument("--data-format", choices=DATA_FORMATS, default=None,
-                   help="default: synthetic when no data path is given and --target is not set.")
+                   help="chat: each record an OpenAI 'messages', ShareGPT 'conversations' or plain 'text' record, "
+                   "detected per record; text: 'text' records only; indexed; synthetic. Default: synthetic when no "
+                   "data path is given and --target is not set.")
+    g.add_argument("--bad-records", choices=BAD_RECORD_MODES, default="fail",
+                   help="a record that cannot be used (not a format, no role, empty, non-string content, a turn "
+                   "order the chat template refuses): stop with its file:line (fail) or skip it, named (skip).")
+    g.add_argument("--max-bad-fraction", type=float, default=DEFAULT_MAX_BAD_FRACTION,
+                   help="with --bad-records skip: the data is refused when more than this fraction of its records "
+                   "are bad.")
+    g.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template file (.jinja, or a JSON file with 'chat_template') used instead of "
+                   "the tokenizer's, for the data and the evaluation prompts.")
+    g.add_argument("--chat-template-kwargs", default=None,
+                   help='a JSON object passed to apply_chat_template, e.g. \'{"enable_thinking": false}\'.')
+    g.add_argument("--reasoning", choices=REASONING_MODES, default="train",
+                   help="assistant thinking (reasoning_content, <think>...</think>): trained on (train), in the "
+                   "input but out of the loss (mask), or removed (drop).")
+    g.add_argument("--loss-turns", choices=LOSS_TURNS, default="all",
+                   help="the assistant turns the loss covers: every one (all) or only the last (last).")
     g.add_argument("--pack-sequences", action="store_true", help="pack several documents per row.")
     g.add_argument("--synthetic-train-samples", type=int, default=20000)
     g.add_argument("--synthetic-valid-samples", type=int, default=256)
@@ -326,7 +350,8 @@ def check_input_paths(args: argparse.Namespace) -> None:
         if path is None:
             continue
         if fmt != "indexed":
-            require_file(flag, path, "JSONL file")
+            if not os.path.exists(path):
+                raise UsageError(f"{flag} {path}: no such data file or directory.")
             continue
         missing = [path + s for s in (".bin", ".idx") if not os.path.isfile(path + s)]
         if missing:
@@ -334,6 +359,8 @@ def check_input_paths(args: argparse.Namespace) -> None:
                 f"{flag} {path}: --data-format indexed expects the Megatron indexed dataset prefix "
                 f"({path}.bin and {path}.idx); missing {', '.join(missing)}."
             )
+    if getattr(args, "chat_template", None) is not None:
+        require_file("--chat-template", args.chat_template, "chat template file")
     if args.target is not None:
         require_dir("--target", args.target, "HF model directory", must_contain="config.json")
     if args.tokenizer is not None:
@@ -377,6 +404,7 @@ def validate_args(
     _check_optimizer_and_schedule(args)
     _check_checkpoints_and_logging(args)
     fmt = _resolve_data(args)
+    _check_chat_options(args)
     _check_target_and_draft(args, cuda)
     _check_eval_prompts(args, fmt)
     args.use_cuda = bool(cuda)
@@ -487,6 +515,28 @@ def _check_checkpoints_and_logging(args: argparse.Namespace) -> None:
     if args.wandb_project is not None and not _module_available("wandb"):
         raise ArgumentError("--wandb-project is set but the 'wandb' package is not installed (pip install wandb).")
 
+
+
+def chat_template_kwargs(args: argparse.Namespace) -> dict:
+    """``--chat-template-kwargs`` decoded (an empty dict when not given); `ArgumentError` unless a JSON object."""
+    text = getattr(args, "chat_template_kwargs", None)
+    if text is None:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ArgumentError(f"--chat-template-kwargs is not JSON ({err.msg} at column {err.colno}): give a JSON "
+                            'object, e.g. \'{"enable_thinking": false}\'.') from None
+    if not isinstance(value, dict):
+        raise ArgumentError(f"--chat-template-kwargs must be a JSON object, got {type(value).__name__}.")
+    return value
+
+
+def _check_chat_options(args: argparse.Namespace) -> None:
+    """The chat and bad-record options (`data.chat.ChatOptions`, `data.datasets.BadRecords`)."""
+    chat_template_kwargs(args)
+    if not 0.0 <= args.max_bad_fraction <= 1.0:
+        raise ArgumentError(f"--max-bad-fraction must be in [0, 1], got {args.max_bad_fraction}.")
 
 
 def _resolve_data(args: argparse.Namespace) -> str:

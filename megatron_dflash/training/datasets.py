@@ -6,11 +6,19 @@ from __future__ import annotations
 
 from ..common.errors import DataError
 from ..data import datasets as data
-from .arguments import EMBEDDED_SYNTHETIC_HELDOUT_SEED, EMBEDDED_SYNTHETIC_TRAIN_SEED, ArgumentError
+from ..data.chat import ChatOptions
+from .arguments import EMBEDDED_SYNTHETIC_HELDOUT_SEED, EMBEDDED_SYNTHETIC_TRAIN_SEED, ArgumentError, chat_template_kwargs
 from .data_checks import check_indexed_token_range, check_something_to_learn
 from .job import Job
 
-__all__ = ["build_datasets", "check_training_data"]
+__all__ = ["build_datasets", "chat_options", "check_training_data"]
+
+
+def chat_options(args) -> ChatOptions:
+    """The run's `ChatOptions` (``--chat-template-kwargs``, ``--reasoning``, ``--loss-turns``); the template given
+    by ``--chat-template`` is the tokenizer's already (`training.job`)."""
+    return ChatOptions(template_kwargs=chat_template_kwargs(args), reasoning=args.reasoning,
+                       loss_turns=args.loss_turns)
 
 
 def build_datasets(job: Job):
@@ -18,19 +26,20 @@ def build_datasets(job: Job):
 
     args, tok = job.args, job.tokenizer
     fmt = args.data_format
+    bad = data.BadRecords(args.bad_records, args.max_bad_fraction)
 
     def one(path):
         if fmt == "chat":
-            return data.ChatJSONLDataset(path, tok, args.seq_length)
+            return data.ChatDataset(path, tok, args.seq_length, options=chat_options(args), bad_records=bad)
         if fmt == "text":
-            return data.TextJSONLDataset(path, tok, args.seq_length)
+            return data.TextDataset(path, tok, args.seq_length, bad_records=bad)
         return data.IndexedDataset(path, args.seq_length)
 
     if fmt == "synthetic":
         train = data.SyntheticChatDataset(EMBEDDED_SYNTHETIC_TRAIN_SEED, args.synthetic_train_samples, tok,
-                                          args.seq_length)
+                                          args.seq_length, options=chat_options(args))
         valid = data.SyntheticChatDataset(EMBEDDED_SYNTHETIC_HELDOUT_SEED, args.synthetic_valid_samples, tok,
-                                          args.seq_length)
+                                          args.seq_length, options=chat_options(args))
         return train, valid
     try:
         train = one(args.train_path)

@@ -14,7 +14,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from ..data.prompts import PromptError, read_prompt_file, tokenize_prompt, unknown_token_warning
+from ..data.chat import load_chat_template
+from ..data.prompts import PromptError, read_data_prompts, read_prompt_file, tokenize_prompt, unknown_token_warning
 from ..draft.config import DFlashConfig
 from ..embedded_job.synthetic_corpus import conversations
 from ..embedded_job.tiny_target import (
@@ -31,6 +32,7 @@ from .arguments import (
     DRAFT_CONFIG_FLAGS,
     EMBEDDED_SYNTHETIC_HELDOUT_SEED,
     ArgumentError,
+    chat_template_kwargs,
     draft_config_overrides,
     resolve_decay_gamma,
     run_variant,
@@ -208,16 +210,18 @@ def _resolve_mask_token(args, tokenizer, tokenizer_dir: str) -> int:
 # ------------------------------------------------------------------------------------------ evaluation
 
 
-def load_eval_prompts(path: str, tokenizer, limit: Optional[int] = None, log=None) -> list[list[int]]:
+def load_eval_prompts(path: str, tokenizer, limit: Optional[int] = None, log=None, *,
+                      template_kwargs: Optional[dict] = None, from_data: bool = False) -> list[list[int]]:
     """Token ids of every prompt in a JSONL file, in the format of `megatron_dflash.data.prompts`
-    (`input_ids`, `text` / `prompt` or `messages` lines; chats get the generation prompt).
-    `log` (when given) receives a warning for each prompt that is mostly unknown tokens."""
+    (`input_ids`, `text` / `prompt` or `messages` lines; chats get the generation prompt), or with
+    ``from_data`` of training data (`data.prompts.read_data_prompts`). ``template_kwargs`` go to the chat
+    template. `log` (when given) receives a warning for each prompt that is mostly unknown tokens."""
 
     try:
-        items = read_prompt_file(path, limit)
-        prompts = [tokenize_prompt(item, tokenizer) for item in items]
+        items = read_data_prompts(path, limit) if from_data else read_prompt_file(path, limit)
+        prompts = [tokenize_prompt(item, tokenizer, template_kwargs) for item in items]
     except PromptError as err:
-        raise ArgumentError(f"--dflash-eval-prompts: {err}") from None
+        raise ArgumentError(f"{'--valid-data' if from_data else '--dflash-eval-prompts'}: {err}") from None
     if log is not None:
         for item, ids in zip(items, prompts):
             warning = unknown_token_warning(ids, tokenizer, item.where)
@@ -269,6 +273,11 @@ def prepare_job(
     _check_target_config(args, target_dir, target_config)
     tokenizer_dir = args.tokenizer or target_dir
     tokenizer = _checked_tokenizer(tokenizer_dir, int(text_config["vocab_size"]))
+    if args.chat_template is not None:  # the data and the evaluation prompts render with it
+        try:
+            tokenizer.chat_template = load_chat_template(args.chat_template)
+        except (OSError, ValueError) as err:
+            raise ArgumentError(f"--chat-template {args.chat_template}: {err}") from None
     config = _draft_config(args, family, variant, options, target_config, tokenizer, tokenizer_dir)
     _check_sequence_length(args, config)
     _check_decode_settings(variant, options, config)
@@ -450,7 +459,8 @@ def _evaluation_prompts(args, tokenizer, target_dir: str, export_dir: str, vocab
         source = str(DEFAULT_SYNTHETIC_EVAL_PROMPTS)
     if source is None and args.data_format == "chat" and args.valid_data:
         # the prompts of the first held-out chats (everything before their last assistant turn)
-        eval_prompts = load_eval_prompts(args.valid_data, tokenizer, limit=DEFAULT_SYNTHETIC_EVAL_PROMPTS)
+        eval_prompts = load_eval_prompts(args.valid_data, tokenizer, limit=DEFAULT_SYNTHETIC_EVAL_PROMPTS,
+                                         template_kwargs=chat_template_kwargs(args), from_data=True)
     elif source is None:
         skip = "no --dflash-eval-prompts given (nor chat --valid-data to take prompts from)"
     elif source.strip().lstrip("-").isdigit():
@@ -460,7 +470,7 @@ def _evaluation_prompts(args, tokenizer, target_dir: str, export_dir: str, vocab
         else:
             eval_prompts = synthetic_eval_prompts(tokenizer, n)
     else:
-        eval_prompts = load_eval_prompts(source, tokenizer, log=log)
+        eval_prompts = load_eval_prompts(source, tokenizer, log=log, template_kwargs=chat_template_kwargs(args))
     if eval_prompts is not None and args.target_backend != "hf":
         skip = ("the target runs as a megatron model (--target-backend megatron); measure acceptance with "
                 f"tools/evaluate_acceptance.py --target {target_dir} --draft {export_dir}")

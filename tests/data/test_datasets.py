@@ -16,10 +16,10 @@ import torch
 from megatron_dflash.data.chat import tokenize_chat
 from megatron_dflash.data.datasets import (
     CHARS_PER_TOKEN,
-    ChatJSONLDataset,
+    ChatDataset,
     IndexedDataset,
     SyntheticChatDataset,
-    TextJSONLDataset,
+    TextDataset,
     record_budget,
 )
 from megatron_dflash.data.samples import stable_sample_id
@@ -44,7 +44,7 @@ def test_chat_jsonl_dataset(tmp_path, tok, tok_plain):
     chats = [MULTI_TURN, *sc.conversations(3, 3)]
     lines = [{"messages": m} for m in chats]
     path = _write_jsonl(tmp_path / "chat.jsonl", lines[:2] + ["   "] + lines[2:])  # a blank line is skipped
-    ds = ChatJSONLDataset(path, tok, seq_length=64)
+    ds = ChatDataset(path, tok, seq_length=64)
     assert len(ds) == 4
     for i, messages in enumerate(chats):
         s = ds[i]
@@ -52,59 +52,59 @@ def test_chat_jsonl_dataset(tmp_path, tok, tok_plain):
         assert s.input_ids.dtype == torch.int64 and s.loss_mask.dtype == torch.bool
         assert s.input_ids.tolist() == ids[:64] and s.loss_mask.tolist() == [bool(m) for m in mask[:64]]
     # Same data through the fallback template.
-    plain = ChatJSONLDataset(path, tok_plain, seq_length=64)
+    plain = ChatDataset(path, tok_plain, seq_length=64)
     assert all(torch.equal(plain[i].loss_mask, ds[i].loss_mask) for i in range(len(ds)))
     # Truncation.
-    short = ChatJSONLDataset(path, tok, seq_length=10)
+    short = ChatDataset(path, tok, seq_length=10)
     assert len(short[0]) == 10 and short[0].input_ids.tolist() == ds[0].input_ids[:10].tolist()
     # IDs: unique, reproducible, the documented hash of (kind, name, index, line), and path-independent.
     ids = [ds[i].sample_id for i in range(len(ds))]
     assert len(set(ids)) == len(ids) and all(0 <= x < 2**63 for x in ids)
-    assert ids == [ChatJSONLDataset(path, tok, seq_length=64)[i].sample_id for i in range(len(ds))]
+    assert ids == [ChatDataset(path, tok, seq_length=64)[i].sample_id for i in range(len(ds))]
     assert ids[0] == stable_sample_id("chat", "chat.jsonl", 0, json.dumps(lines[0]).encode())
     os.makedirs(tmp_path / "moved")
     moved = _write_jsonl(tmp_path / "moved" / "chat.jsonl", lines)
-    assert ids == [ChatJSONLDataset(moved, tok, seq_length=64)[i].sample_id for i in range(len(ds))]
+    assert ids == [ChatDataset(moved, tok, seq_length=64)[i].sample_id for i in range(len(ds))]
 
 
 def test_jsonl_errors(tmp_path, tok):
     with pytest.raises(FileNotFoundError, match="nope.jsonl"):
-        ChatJSONLDataset(str(tmp_path / "nope.jsonl"), tok, 32)
+        ChatDataset(str(tmp_path / "nope.jsonl"), tok, 32)
     bad = _write_jsonl(tmp_path / "bad.jsonl", [{"messages": MULTI_TURN}, '{"messages": [', "{}"])
     with pytest.raises(ValueError, match=r"bad\.jsonl:2: invalid JSON"):
-        ChatJSONLDataset(bad, tok, 32)
-    nomsg = _write_jsonl(tmp_path / "nomsg.jsonl", [{"messages": MULTI_TURN}, {"text": "hi"}])
-    with pytest.raises(ValueError, match=r"nomsg\.jsonl:2 .*no messages"):
-        ChatJSONLDataset(nomsg, tok, 32)
+        ChatDataset(bad, tok, 32)
+    nomsg = _write_jsonl(tmp_path / "nomsg.jsonl", [{"messages": MULTI_TURN}, {"body": "hi"}])
+    with pytest.raises(ValueError, match=r"nomsg\.jsonl:2: a record holds exactly one of 'messages'"):
+        ChatDataset(nomsg, tok, 32)
     emptymsg = _write_jsonl(tmp_path / "emptymsg.jsonl", [{"messages": []}])
-    with pytest.raises(ValueError, match=r"emptymsg\.jsonl:1 .*no messages"):
-        ChatJSONLDataset(emptymsg, tok, 32)
+    with pytest.raises(ValueError, match=r"emptymsg\.jsonl:1: no messages"):
+        ChatDataset(emptymsg, tok, 32)
     notobj = _write_jsonl(tmp_path / "list.jsonl", ["[1, 2]"])
     with pytest.raises(ValueError, match=r"list\.jsonl:1: expected a JSON object"):
-        ChatJSONLDataset(notobj, tok, 32)
+        ChatDataset(notobj, tok, 32)
     empty = _write_jsonl(tmp_path / "empty.jsonl", ["", "  "])
     with pytest.raises(ValueError, match="no samples"):
-        ChatJSONLDataset(empty, tok, 32)
+        ChatDataset(empty, tok, 32)
     with pytest.raises(ValueError, match="no samples"):
-        TextJSONLDataset(empty, tok, 32)
+        TextDataset(empty, tok, 32)
     notext = _write_jsonl(tmp_path / "notext.jsonl", [{"text": "a b"}, {"body": "a"}])
-    with pytest.raises(ValueError, match=r"notext\.jsonl:2: no text"):
-        TextJSONLDataset(notext, tok, 32)
+    with pytest.raises(ValueError, match=r"notext\.jsonl:2: a record holds exactly one of"):
+        TextDataset(notext, tok, 32)
     with pytest.raises(ValueError, match="seq_length"):
-        TextJSONLDataset(notext, tok, 0)
+        TextDataset(notext, tok, 0)
 
 
 def test_text_jsonl_dataset(tmp_path, tok):
     texts = ["the cat is red", "count from 1 to 5 .", "a b c d e f g h i j"]
-    path = _write_jsonl(tmp_path / "text.jsonl", [{"body": t} for t in texts])
-    ds = TextJSONLDataset(path, tok, seq_length=8, text_key="body")
+    path = _write_jsonl(tmp_path / "text.jsonl", [{"text": t} for t in texts])
+    ds = TextDataset(path, tok, seq_length=8)
     assert len(ds) == 3
     for i, text in enumerate(texts):
         s = ds[i]
         expected = (tok(text)["input_ids"] + [tok.eos_token_id])[:8]
         assert s.input_ids.tolist() == expected
         assert s.loss_mask.all() and len(s) == len(expected)
-    no_eos = TextJSONLDataset(path, tok, seq_length=8, text_key="body", append_eos=False)
+    no_eos = TextDataset(path, tok, seq_length=8, append_eos=False)
     assert no_eos[0].input_ids.tolist() == tok(texts[0])["input_ids"]
     assert len({ds[i].sample_id for i in range(3)}) == 3
 
@@ -137,12 +137,12 @@ def test_hostile_chat_records_are_one_line_data_errors(tmp_path, tok, case):
     record, what = HOSTILE_CHATS[case]
     path = _write_jsonl(tmp_path / "chats.jsonl", [GOOD_CHAT, "", record, GOOD_CHAT])
     with pytest.raises(DataError) as info:
-        ChatJSONLDataset(path, tok, 32)
+        ChatDataset(path, tok, 32)
     message = str(info.value)
     assert "\n" not in message and len(message) < 300, message
     assert re.match(rf"{re.escape(path)}:3\b.*{what}", message), message  # line 3: 1-based, blank lines count
     # a record that was fine when the file was scanned and is not any more when it is read: the same error
-    ds = ChatJSONLDataset(_write_jsonl(tmp_path / "later.jsonl", [GOOD_CHAT, "", GOOD_CHAT]), tok, 32)
+    ds = ChatDataset(_write_jsonl(tmp_path / "later.jsonl", [GOOD_CHAT, "", GOOD_CHAT]), tok, 32)
     _write_jsonl(tmp_path / "later.jsonl", [GOOD_CHAT, "", record])
     with pytest.raises(DataError, match=rf"later\.jsonl:3\b.*{what}"):
         ds[1]
@@ -155,7 +155,7 @@ def test_hostile_text_records_are_one_line_data_errors(tmp_path, tok):
                          ('{"text": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested deeper than")):
         path = _write_jsonl(tmp_path / "texts.jsonl", [{"text": "the cat"}, record])
         with pytest.raises(DataError, match=rf"^{re.escape(path)}:2: .*{what}"):
-            TextJSONLDataset(path, tok, 32)
+            TextDataset(path, tok, 32)
 
 
 def test_whatever_fails_while_tokenising_a_record_names_it(tmp_path, tok):
@@ -166,9 +166,13 @@ def test_whatever_fails_while_tokenising_a_record_names_it(tmp_path, tok):
     strict.chat_template = "{% if messages | length > 3 %}{{ raise_exception('at most 3 turns') }}{% endif %}" + \
         sc.CHAT_TEMPLATE
     path = _write_jsonl(tmp_path / "chats.jsonl", [{"messages": MULTI_TURN[:2]}, GOOD_CHAT])
-    ds = ChatJSONLDataset(path, strict, 32)
+    with pytest.raises(DataError, match=rf"^{re.escape(path)}:2: the chat template refuses the conversation "
+                                        r"\(TemplateError: at most"):
+        ChatDataset(path, strict, 32)  # refused when the data is scanned, before training
+    ds = ChatDataset(_write_jsonl(tmp_path / "later.jsonl", [{"messages": MULTI_TURN[:2]}] * 2), strict, 32)
     assert len(ds[0]) > 0
-    with pytest.raises(DataError, match=rf"^{re.escape(path)}:2: cannot tokenise the record \(TemplateError: at most"):
+    _write_jsonl(tmp_path / "later.jsonl", [{"messages": MULTI_TURN[:2]}, GOOD_CHAT])  # changed since the scan
+    with pytest.raises(DataError, match=r"later\.jsonl:2: the chat template refuses the conversation \(TemplateE"):
         ds[1]
 
     class Refusing:  # a tokenizer that raises on some input, like a real one on text it cannot encode
@@ -180,7 +184,7 @@ def test_whatever_fails_while_tokenising_a_record_names_it(tmp_path, tok):
             return tok(text)
 
     path = _write_jsonl(tmp_path / "texts.jsonl", [{"text": "the cat"}, {"text": "the dog"}])
-    ds = TextJSONLDataset(path, Refusing(), 32)
+    ds = TextDataset(path, Refusing(), 32)
     assert len(ds[0]) > 0
     with pytest.raises(DataError, match=rf"^{re.escape(path)}:2: cannot tokenise the record \(TypeError: TextEncode"):
         ds[1]
@@ -262,7 +266,7 @@ def test_text_cut_to_the_budget_keeps_the_tokens_of_the_whole_text(tmp_path, tok
     path = _write_jsonl(tmp_path / "long.jsonl", [{"text": t} for t in texts])
     for seq_length in (16, 57, 100):
         said = []
-        ds = TextJSONLDataset(path, tok_bpe, seq_length, log=said.append)
+        ds = TextDataset(path, tok_bpe, seq_length, log=said.append)
         for i, text in enumerate(texts):
             whole = tok_bpe(text)["input_ids"]
             assert len(whole) > seq_length and len(text) > record_budget(seq_length)
@@ -288,7 +292,7 @@ def test_chat_cut_to_the_budget_keeps_tokens_and_mask(tmp_path, tok, tok_plain, 
     for tokenizer in (tok, tok_plain, tok_bpe):
         for seq_length in (48, 100):
             said = []
-            ds = ChatJSONLDataset(path, tokenizer, seq_length, log=said.append)
+            ds = ChatDataset(path, tokenizer, seq_length, log=said.append)
             for i, chat in enumerate(chats):
                 ids, mask = tokenize_chat(tok if tokenizer is tok_plain else tokenizer, chat)  # the whole chat
                 assert ds[i].input_ids.tolist() == ids[:seq_length]
@@ -313,7 +317,7 @@ def test_a_huge_record_is_tokenised_only_to_the_budget(tmp_path, tok, monkeypatc
     monkeypatch.setattr(type(tok), "apply_chat_template", spy_render)
     path = _write_jsonl(tmp_path / "huge.jsonl", [{"messages": chat}])
     said = []
-    sample = ChatJSONLDataset(path, tok, 48, log=said.append)[0]
+    sample = ChatDataset(path, tok, 48, log=said.append)[0]
     budget = record_budget(48)
     assert seen and all(n <= budget // CHARS_PER_TOKEN and chars <= budget for n, chars in seen), seen
     assert sample.input_ids.tolist() == tokenize_chat(tok, chat[:2])[0][:48]
@@ -330,7 +334,7 @@ def test_a_huge_record_is_tokenised_only_to_the_budget(tmp_path, tok, monkeypatc
     unknown = "x" * 100_000  # one word the vocabulary does not know: one token, however long
     path = _write_jsonl(tmp_path / "huge_text.jsonl", [{"text": text}, {"text": unknown}])
     said = []
-    ds = TextJSONLDataset(path, Spy(), 48, log=said.append)
+    ds = TextDataset(path, Spy(), 48, log=said.append)
     assert ds[0].input_ids.tolist() == tok(text)["input_ids"][:48] and max(seen) <= budget
     assert ds[1].input_ids.tolist() == [tok.unk_token_id]  # not followed by EOS: the record does not end there
     assert len(said) == 2 and f"huge_text.jsonl:2: the text of 100000 characters cut to {budget} characters" in said[1]

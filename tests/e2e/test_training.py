@@ -58,6 +58,12 @@ VALIDATION_CASES = [
     (["--dflash-eval-prompts", "/nonexistent.jsonl"], 1, "--dflash-eval-prompts /nonexistent.jsonl: no such JSONL prompt file."),
     (["--target", "/nonexistent-target", "--data-format", "synthetic"], 1, "--target /nonexistent-target: no such HF model directory."),
     (["--load", __file__], 1, f"--load {__file__}: not a directory."),  # absent: from scratch, see below
+    (["--data-format", "chat", "--train-data", "/nonexistent-dir"], 1,
+     "--train-data /nonexistent-dir: no such data file or directory."),
+    (["--chat-template", "/nonexistent.jinja"], 1, "--chat-template /nonexistent.jinja: no such chat template file."),
+    (["--chat-template-kwargs", "{enable_thinking: false}"], 1, "--chat-template-kwargs is not JSON"),
+    (["--chat-template-kwargs", "[1]"], 1, "--chat-template-kwargs must be a JSON object, got list."),
+    (["--max-bad-fraction", "2"], 1, "--max-bad-fraction must be in [0, 1], got 2.0."),
 ]
 
 
@@ -444,6 +450,51 @@ def test_chat_text_and_indexed_data(tiny_target, tmp_path):
         assert (len(result.validation) == 1) == (name == "chat")
         assert (result.final_acceptance is not None) == (name == "chat")
         assert os.path.isfile(tmp_path / name / "hf" / "model.safetensors")
+
+
+def test_sharegpt_data_with_the_chat_options(tiny_target, tmp_path):
+    """A ShareGPT JSON-array file with a bad record trains 2 steps with --bad-records skip, a chat template given
+    by file, template kwargs, --reasoning and --loss-turns, and validates on it (loss and the acceptance of its
+    prompts); args.json records the chat options."""
+    from megatron_dflash.common.errors import DataError
+    from megatron_dflash.embedded_job.synthetic_corpus import conversations
+
+    sharegpt = {"user": "human", "assistant": "gpt"}
+    records = [{"conversations": [{"from": sharegpt[m["role"]], "value": m["content"]} for m in c]}
+               for c in conversations(7, 24)]
+    records.insert(5, {"conversations": [{"from": "narrator", "value": "count"}]})  # skipped, named
+    (tmp_path / "sharegpt.json").write_text(json.dumps(records))
+    template = tmp_path / "template.jinja"  # the target's own template, refusing to render unless thinking is off
+    with open(os.path.join(tiny_target, "chat_template.jinja")) as f:
+        template.write_text("{% if enable_thinking is not defined or enable_thinking %}"
+                            "{{ raise_exception('thinking is not off') }}{% endif %}" + f.read())
+    run_dir = tmp_path / "run"
+    argv = ["--target", tiny_target, *TINY_DRAFT, "--no-progress-bar", "--seq-length", "64", "--train-iters", "2",
+            "--micro-batch-size", "4", "--dflash-anchors-per-sample", "4", "--lr-warmup-iters", "0",
+            "--eval-iters", "1", "--dflash-eval-max-new-tokens", "4", "--dflash-eval-ignore-eos",
+            "--data-format", "chat", "--train-data", str(tmp_path / "sharegpt.json"),
+            "--valid-data", str(tmp_path / "sharegpt.json"),
+            "--bad-records", "skip", "--max-bad-fraction", "0.1", "--chat-template", str(template),
+            "--chat-template-kwargs", '{"enable_thinking": false}', "--reasoning", "drop", "--loss-turns", "last",
+            "--dflash-export", str(run_dir / "hf")]
+    result = run_training(argv)
+    assert result.iterations == 2 and all(math.isfinite(x) for x in result.losses)
+    # validation loss, and acceptance on the held-out chats' prompts (rendered with the kwargs too)
+    assert len(result.validation) == 1 and result.final_acceptance is not None
+    args = json.loads((run_dir / "args.json").read_text())
+    assert (args["chat_template"], args["chat_template_kwargs"], args["reasoning"], args["loss_turns"],
+            args["bad_records"], args["max_bad_fraction"]) == (str(template), '{"enable_thinking": false}', "drop",
+                                                               "last", "skip", 0.1)
+    # the kwarg reached the template, of the prompts and of the data: without it the template refuses them
+    k = argv.index("--chat-template-kwargs")
+    bad = argv[:k] + argv[k + 2:-1] + [str(tmp_path / "run2" / "hf"), "--bad-records", "fail"]
+    with pytest.raises(ArgumentError, match=r"--valid-data: .*sharegpt\.json\[0\]: cannot tokenise the prompt "
+                                            r"\(TemplateError: thinking is not off\)"):
+        run_training(bad)
+    v = bad.index("--valid-data")
+    with pytest.raises(DataError, match=r"sharegpt\.json\[0\]: the chat template refuses the conversation "
+                                        r"\(TemplateError: thinking is not off\)"):
+        run_training(bad[:v] + bad[v + 2:] + ["--dflash-eval-prompts", "0"])
 
 
 def test_start_from_a_drafter_or_a_release_checkpoint(tiny_target, tmp_path):

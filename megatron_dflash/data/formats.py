@@ -1,0 +1,414 @@
+"""Dataset files and record formats: where records come from and what a record holds (docs/design.md §8 Data
+path).
+
+Files: JSONL (one record per non-blank line), JSON arrays (``[record, ...]``), Parquet, directories written by
+the ``datasets`` library (``save_to_disk``) and directories holding such files (read in name order). Parquet
+and ``save_to_disk`` directories are read through ``datasets`` (memory-mapped Arrow), an optional dependency.
+
+Records, detected one by one (`normalize_record`):
+
+- OpenAI ``{"messages": [{"role", "content", "reasoning_content"?}, ...]}``; ``content`` a string or a list
+  of parts of which the text parts (``{"type": "text", "text": ...}``) are kept, joined;
+- ShareGPT ``{"conversations": [{"from": human|gpt|system|tool, "value": ...}, ...]}``;
+- plain ``{"text": ...}``.
+
+A record source (`open_records`) gives random access to the records of a path with a name for each
+(``file:line`` for JSONL, ``file[index]`` otherwise), so a dataset keeps offsets, never the records.
+`read_records` yields ``(source_file, line_or_index, NormalizedRecord)`` for tools; `write_records` writes
+normalized records back in any of the formats. Nothing here loads torch.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import json
+import os
+from typing import Any, Iterable, Iterator, Optional, Sequence
+
+import numpy as np
+
+from ..common.errors import DataError
+
+__all__ = [
+    "RECORD_STYLES",
+    "BAD_RECORD_MODES",
+    "DEFAULT_MAX_BAD_FRACTION",
+    "SHAREGPT_ROLES",
+    "NormalizedRecord",
+    "normalize_record",
+    "RecordSource",
+    "open_records",
+    "read_records",
+    "write_records",
+    "record_to_json",
+    "need_datasets",
+]
+
+RECORD_STYLES = ("messages", "conversations", "text")
+"""The record formats: OpenAI messages, ShareGPT conversations, plain text."""
+
+BAD_RECORD_MODES = ("fail", "skip")
+"""What a reader does with a record it cannot use: stop with its error, or skip it, named."""
+
+DEFAULT_MAX_BAD_FRACTION = 0.01
+"""With skipping: the data is refused when more than this fraction of its records are bad (a broken converter,
+not a few odd records)."""
+
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "system": "system", "tool": "tool"}
+"""ShareGPT ``from`` values and the chat role each stands for."""
+
+_TO_SHAREGPT = {"user": "human", "assistant": "gpt", "system": "system", "tool": "tool"}
+_FILE_KINDS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet"}
+
+
+@dataclasses.dataclass(frozen=True)
+class NormalizedRecord:
+    """One record in the one form the data path uses: ``messages`` (role / string content, and
+    ``reasoning_content`` when the record had one) for chats, ``text`` for plain text; ``style`` is the
+    format the record was written in (`RECORD_STYLES`)."""
+
+    style: str
+    messages: Optional[list] = None
+    text: Optional[str] = None
+
+    @property
+    def is_chat(self) -> bool:
+        return self.messages is not None
+
+
+def _kind(value) -> str:
+    return {type(None): "null", bool: "a boolean", int: "a number", float: "a number", dict: "an object",
+            list: "an array", str: "a string"}.get(type(value), type(value).__name__)
+
+
+def _content_text(content, where: str):
+    """A message's content as a string: list-of-parts content keeps its text parts, joined; anything
+    else but a string is returned as is (and refused by ``chat.check_messages`` with the message named)."""
+    if not isinstance(content, list):
+        return content
+    texts = []
+    for k, part in enumerate(content):
+        if isinstance(part, str):
+            texts.append(part)
+        elif isinstance(part, dict) and part.get("type", "text") == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        else:
+            shown = part.get("type") if isinstance(part, dict) else _kind(part)
+            raise DataError(f"{where}: content part {k} is {shown!r:.40}, not a text part ({{'type': 'text', "
+                            "'text': ...}); only text is trained on.")
+    return "".join(texts)
+
+
+def _openai_messages(messages, where: str) -> list:
+    out = []
+    for j, message in enumerate(messages):
+        if isinstance(message, dict):  # keys an Arrow table fills with null for the messages without them: gone
+            message = {k: v for k, v in message.items() if v is not None or k in ("role", "content")}
+            if "content" in message:
+                message["content"] = _content_text(message["content"], f"{where}: message {j}")
+        out.append(message)
+    return out
+
+
+def _sharegpt_messages(turns, where: str) -> list:
+    out = []
+    for j, turn in enumerate(turns):
+        if isinstance(turn, dict) and turn.get("from") is None and turn.get("role") is not None:  # ShareGPT files with OpenAI turns
+            out.extend(_openai_messages([turn], f"{where} turn {j}"))
+            continue
+        if not isinstance(turn, dict) or turn.get("from") is None:
+            raise DataError(f"{where}: turn {j} must be an object with a 'from', got {turn!r:.80}.")
+        role = SHAREGPT_ROLES.get(turn["from"]) if isinstance(turn["from"], str) else None
+        if role is None:
+            raise DataError(f"{where}: turn {j}: 'from' is {json.dumps(turn['from'])[:40]}, not one of "
+                            f"{', '.join(SHAREGPT_ROLES)}.")
+        message = {"role": role, "content": _content_text(turn.get("value"), f"{where}: turn {j}")}
+        if turn.get("reasoning_content") is not None:
+            message["reasoning_content"] = turn["reasoning_content"]
+        out.append(message)
+    return out
+
+
+def normalize_record(record: Any, where: str) -> NormalizedRecord:
+    """The `NormalizedRecord` of a decoded record, its format detected by its key (``messages``,
+    ``conversations`` or ``text``); a `DataError` naming ``where`` for anything else. Messages are only put in
+    the one form here; whether they make a chat (roles, string contents) is ``chat.check_messages``'s call."""
+    if not isinstance(record, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}.")
+    present = [key for key in RECORD_STYLES if record.get(key) is not None]
+    if len(present) != 1:
+        what = "none" if not present else " and ".join(present)
+        raise DataError(f"{where}: a record holds exactly one of 'messages' (OpenAI), 'conversations' (ShareGPT) "
+                        f"or 'text'; this one has {what}.")
+    style = present[0]
+    value = record[style]
+    if style == "text":
+        if not isinstance(value, str):
+            raise DataError(f"{where}: no text (expected a string under 'text', got {_kind(value)}).")
+        return NormalizedRecord("text", text=value)
+    if not isinstance(value, list) or not value:
+        raise DataError(f"{where}: no messages (expected a non-empty list under '{style}').")
+    messages = _openai_messages(value, where) if style == "messages" else _sharegpt_messages(value, where)
+    return NormalizedRecord(style, messages=messages)
+
+
+# --------------------------------------------------------------------------------------------------
+# Record sources: random access to the records of a path
+# --------------------------------------------------------------------------------------------------
+
+
+def need_datasets(what: str):
+    """The ``datasets`` module, or a one-line `DataError` saying what to install to read ``what``."""
+    try:
+        import datasets  # optional: only Parquet and save_to_disk directories need it
+    except ImportError:
+        raise DataError(f"reading {what} needs the 'datasets' package (and pyarrow): pip install datasets") from None
+    return datasets
+
+
+class RecordSource:
+    """The records of one path, by index: ``len``, ``where(i)`` (``file:line`` or ``file[i]``), ``raw(i)``
+    (the bytes a sample ID hashes: the JSONL line, or the record's canonical JSON) and ``record(i)`` (the
+    decoded record, a `DataError` naming it when it is not JSON)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def where(self, index: int) -> str:
+        return f"{self.path}[{index}]"
+
+    def raw(self, index: int) -> bytes:
+        return record_to_json(self.record(index)).encode("utf-8", "surrogatepass")
+
+    def record(self, index: int) -> Any:
+        raise NotImplementedError
+
+    def location(self, index: int) -> tuple[str, int]:
+        """(file, line) for JSONL, (file, index) otherwise."""
+        return self.path, index
+
+
+class _JSONLSource(RecordSource):
+    """Byte offsets of the non-blank lines; a line is read and parsed when asked for."""
+
+    def __init__(self, path: str):
+        super().__init__(path)
+        offsets, lines = [], []
+        with open(path, "rb") as f:
+            lineno, offset = 0, 0
+            for raw in f:
+                lineno += 1
+                if raw.strip():
+                    offsets.append(offset)
+                    lines.append(lineno)
+                offset += len(raw)
+        self._offsets = np.asarray(offsets, dtype=np.int64)
+        self._lines = np.asarray(lines, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self._offsets)
+
+    def location(self, index: int) -> tuple[str, int]:
+        return self.path, int(self._lines[index])
+
+    def where(self, index: int) -> str:
+        return f"{self.path}:{int(self._lines[index])}"
+
+    def raw(self, index: int) -> bytes:
+        with open(self.path, "rb") as f:
+            f.seek(int(self._offsets[index]))
+            return f.readline().rstrip(b"\r\n")
+
+    def record(self, index: int) -> Any:
+        where = self.where(index)
+        try:
+            return json.loads(self.raw(index))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            detail = f"{err.msg} at column {err.colno}" if isinstance(err, json.JSONDecodeError) else str(err)
+            raise DataError(f"{where}: invalid JSON ({detail}).") from None
+        except RecursionError:
+            raise DataError(f"{where}: invalid JSON (nested deeper than the JSON parser can read).") from None
+
+
+class _ListSource(RecordSource):
+    """A JSON array, decoded whole (JSON arrays cannot be read a record at a time)."""
+
+    def __init__(self, path: str):
+        super().__init__(path)
+        try:
+            with open(path, "rb") as f:
+                records = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
+            if isinstance(err, json.JSONDecodeError) and err.msg == "Extra data":  # JSONL named .json
+                raise DataError(f"{path}: not one JSON array (several JSON values): name a JSONL file .jsonl.") \
+                    from None
+            raise DataError(f"{path}: invalid JSON ({err}).") from None
+        if not isinstance(records, list):
+            raise DataError(f"{path}: a .json data file holds an array of records, got {_kind(records)}.")
+        self._records = records
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def record(self, index: int) -> Any:
+        return self._records[index]
+
+
+class _ArrowSource(RecordSource):
+    """A ``datasets.Dataset`` (memory-mapped Arrow): Parquet files and ``save_to_disk`` directories."""
+
+    def __init__(self, path: str, dataset):
+        super().__init__(path)
+        self._dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self._dataset)
+
+    def record(self, index: int) -> Any:
+        return self._dataset[int(index)]
+
+
+class _ConcatSource(RecordSource):
+    """The sources of a directory's files, one after the other."""
+
+    def __init__(self, path: str, sources: Sequence[RecordSource]):
+        super().__init__(path)
+        self.sources = list(sources)
+        self._starts = [0]
+        for source in self.sources:
+            self._starts.append(self._starts[-1] + len(source))
+
+    def _find(self, index: int) -> tuple[RecordSource, int]:
+        k = bisect.bisect_right(self._starts, index) - 1
+        return self.sources[k], index - self._starts[k]
+
+    def __len__(self) -> int:
+        return self._starts[-1]
+
+    def where(self, index: int) -> str:
+        source, i = self._find(index)
+        return source.where(i)
+
+    def location(self, index: int) -> tuple[str, int]:
+        source, i = self._find(index)
+        return source.location(i)
+
+    def raw(self, index: int) -> bytes:
+        source, i = self._find(index)
+        return source.raw(i)
+
+    def record(self, index: int) -> Any:
+        source, i = self._find(index)
+        return source.record(i)
+
+
+def _file_kind(path: str) -> str:
+    return _FILE_KINDS.get(os.path.splitext(path)[1].lower(), "jsonl")
+
+
+def _saved_dataset(path: str):
+    """The ``datasets.Dataset`` a ``save_to_disk`` directory holds (one split)."""
+    datasets = need_datasets(f"{path} (a directory written by datasets' save_to_disk)")
+    if os.path.isfile(os.path.join(path, "dataset_dict.json")):
+        splits = json.load(open(os.path.join(path, "dataset_dict.json"))).get("splits", [])
+        raise DataError(f"{path} holds several splits ({', '.join(splits)}): give one split's folder, e.g. "
+                        f"{os.path.join(path, splits[0] if splits else 'train')}.")
+    return datasets.load_from_disk(path)
+
+
+def open_records(path: str) -> RecordSource:
+    """The `RecordSource` of a file or directory (see the module docstring for what is read)."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        if os.path.isfile(os.path.join(path, "state.json")) or os.path.isfile(os.path.join(path, "dataset_dict.json")):
+            return _ArrowSource(path, _saved_dataset(path))
+        names = sorted(n for n in os.listdir(path) if os.path.splitext(n)[1].lower() in _FILE_KINDS)
+        if not names:
+            raise DataError(f"{path}: a data directory holds .jsonl, .json or .parquet files, or was written by "
+                            "datasets' save_to_disk; this one has none of them.")
+        return _ConcatSource(path, [open_records(os.path.join(path, n)) for n in names])
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} does not exist (expected a data file or directory).")
+    kind = _file_kind(path)
+    if kind == "parquet":
+        datasets = need_datasets(f"{path} (Parquet)")
+        return _ArrowSource(path, datasets.Dataset.from_parquet(path))
+    return _ListSource(path) if kind == "json" else _JSONLSource(path)
+
+
+def read_records(path: str, *, on_bad: str = "fail", log=print) -> Iterator[tuple[str, int, NormalizedRecord]]:
+    """``(source_file, line_or_index, NormalizedRecord)`` of every record of ``path``: the line for JSONL
+    (1-based), the index in its file otherwise. A record that is not one of the formats raises its `DataError`
+    (``on_bad="fail"``) or is reported through ``log`` and skipped (``"skip"``)."""
+    if on_bad not in ("fail", "skip"):
+        raise ValueError(f"on_bad must be 'fail' or 'skip', got {on_bad!r}.")
+    source = open_records(path)
+    for index in range(len(source)):
+        try:
+            record = normalize_record(source.record(index), source.where(index))
+        except DataError as err:
+            if on_bad == "fail":
+                raise
+            log(f"[data] skipped: {err}")
+            continue
+        file, line = source.location(index)
+        yield file, line, record
+
+
+# --------------------------------------------------------------------------------------------------
+# Writers
+# --------------------------------------------------------------------------------------------------
+
+
+def record_to_json(record: Any) -> str:
+    """A record's canonical JSON (sorted keys, no ASCII escaping): one JSONL line."""
+    return json.dumps(record, ensure_ascii=False, sort_keys=True)
+
+
+def _as_style(record: NormalizedRecord, style: str) -> dict:
+    if not record.is_chat:
+        if style != "text":
+            raise ValueError(f"a text record cannot be written as {style!r}; write it with style='text'.")
+        return {"text": record.text}
+    if style == "messages":
+        return {"messages": [dict(m) for m in record.messages]}
+    if style == "conversations":
+        turns = []
+        for m in record.messages:
+            turn = {"from": _TO_SHAREGPT[m["role"]], "value": m["content"]}
+            if m.get("reasoning_content") is not None:
+                turn["reasoning_content"] = m["reasoning_content"]
+            turns.append(turn)
+        return {"conversations": turns}
+    raise ValueError(f"a chat record is written as 'messages' or 'conversations', not {style!r}.")
+
+
+def write_records(path: str, records: Iterable[NormalizedRecord], *, style: str = "messages") -> int:
+    """Write ``records`` to ``path`` in ``style`` (`RECORD_STYLES`; text records always as ``text``), as JSONL,
+    a JSON array (``.json``) or Parquet (``.parquet``, needs ``datasets``) by the file's extension; returns
+    the count. The file is written whole: into a sibling first, renamed at the end."""
+    path = os.fspath(path)
+    rows = [_as_style(r, "text" if not r.is_chat else style) for r in records]
+    tmp = f"{path}.tmp{os.getpid()}"
+    kind = _file_kind(path)
+    if kind == "parquet":
+        need_datasets(f"{path} (Parquet)")
+        import pyarrow as pa  # comes with datasets
+        import pyarrow.parquet as pq
+
+        columns = sorted({key for row in rows for key in row})  # from_pylist would take the first row's
+        pq.write_table(pa.Table.from_pylist([{key: row.get(key) for key in columns} for row in rows]), tmp)
+    else:
+        with open(tmp, "w", encoding="utf-8") as f:
+            if kind == "json":
+                json.dump(rows, f, ensure_ascii=False, indent=1)
+                f.write("\n")
+            else:
+                f.writelines(record_to_json(row) + "\n" for row in rows)
+    os.replace(tmp, path)
+    return len(rows)
