@@ -6,7 +6,7 @@ the target in this process; `decoding/server_answers.py`, an OpenAI-compatible s
 by turn: the answer to turn `k` is part of the prompt of turn `k + 1`. A conversation that ends with a
 user turn gets an answer to it as well (a prompts-only data set).
 
-Output (docs/design.md §7 Module map, "Regenerating the answers"):
+Output (docs/design.md §8 Data path, "Regenerating the answers with the target"):
 
     OUT/manifest.json        input fingerprint, target, sampling settings, shard size, truncation policy
     OUT/shard-00000.jsonl    records [0, shard_size) in input order, then the next shard, ...
