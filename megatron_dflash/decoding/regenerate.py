@@ -238,14 +238,22 @@ def _first_difference(old, new, where: str = "") -> Optional[str]:
     return None if old == new else f"{where} (was {json.dumps(old)}, now {json.dumps(new)})"
 
 
-def check_manifest(output: str, manifest: dict) -> None:
-    """Write `output/manifest.json`, or check the one there: a rerun must regenerate the same thing."""
+def check_manifest(output: str, manifest: dict, *, rank: int = 0, wait_s: float = 600.0) -> None:
+    """Write `output/manifest.json` (rank 0), or check the one there: a rerun must regenerate the same thing.
+    The other ranks wait for rank 0's (up to `wait_s` seconds): one writer, so no rank removes another's
+    staged copy."""
     path = os.path.join(output, MANIFEST)
-    remove_stale_siblings(path)
-    if not os.path.exists(path):
-        os.makedirs(output, exist_ok=True)
-        write_file(path, json.dumps(manifest, indent=1, sort_keys=True) + "\n")
-        return
+    if rank == 0:
+        remove_stale_siblings(path)
+        if not os.path.exists(path):
+            os.makedirs(output, exist_ok=True)
+            write_file(path, json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+            return
+    deadline = time.monotonic() + wait_s
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise DataError(f"rank {rank}: rank 0 wrote no {path} in {wait_s:.0f} s; see rank 0's error.")
+        time.sleep(0.05)
     try:
         with open(path, encoding="utf-8") as f:
             old = json.load(f)
@@ -324,7 +332,8 @@ def regenerate(input_path: str, output: str, backend: Callable[[], AnswerBackend
     if shard_size < 1:
         raise ValueError(f"shard size must be at least 1, got {shard_size}.")
     records = read_records(input_path)  # the seam to the data set formats
-    check_manifest(output, build_manifest(input_path, len(records), target, settings, shard_size, drop_truncated))
+    check_manifest(output, build_manifest(input_path, len(records), target, settings, shard_size, drop_truncated),
+                   rank=rank)
     shards = range(rank, (len(records) + shard_size - 1) // shard_size, world_size)
     summary = Summary()
     todo = [k for k in shards if not os.path.exists(shard_path(output, k))]

@@ -3,6 +3,7 @@ greedy answers, whatever the batch size and the number of ranks; resumable shard
 
 from __future__ import annotations
 
+import io
 import json
 import os
 
@@ -11,7 +12,8 @@ import pytest
 from chat_server import load_tiny_target, reference_messages
 from megatron_dflash.common.errors import DataError
 from megatron_dflash.decoding.local_answers import LocalAnswers
-from megatron_dflash.decoding.regenerate import Settings, conversation_turns, read_records, regenerate, shard_path
+from megatron_dflash.decoding.regenerate import (Progress, Settings, answer_seed, conversation_turns, read_records,
+                                                 regenerate, shard_path)
 from megatron_dflash.embedded_job import synthetic_corpus as sc
 from megatron_dflash.embedded_job.tiny_target import SHIPPED_TARGET_DIR
 
@@ -87,7 +89,7 @@ def test_output_does_not_depend_on_batch_size_or_ranks(chats, tmp_path):
     one = tmp_path / "one"
     regenerate(chats, str(one), local(settings, 1), settings, target="tiny", shard_size=3)
     two = tmp_path / "two"
-    for rank in (1, 0):
+    for rank in (0, 1):
         regenerate(chats, str(two), local(settings, 3), settings, target="tiny", shard_size=3, rank=rank, world_size=2)
     assert files_of(one) == files_of(two)
     greedy = tmp_path / "greedy"
@@ -141,3 +143,28 @@ def test_a_manifest_of_other_settings_is_refused(chats, tmp_path, change, field)
     with pytest.raises(DataError, match=f"another {field}"):
         regenerate(args.pop("input"), str(tmp_path), local(settings, 4, calls), args.pop("settings"), **args)
     assert calls == []
+
+
+def test_seeds_depend_on_the_record_and_turn_only():
+    seeds = {answer_seed(0, rid, turn) for rid in ("0", "1", "chat-0") for turn in (0, 1)}
+    assert len(seeds) == 6 and answer_seed(0, "1", 1) == answer_seed(0, "1", 1) != answer_seed(1, "1", 1)
+
+
+def test_chat_template_kwargs_reach_the_template():
+    """Thinking mode: `--chat-template-kwargs` is passed to the template when a prompt is rendered."""
+    answers = LocalAnswers(SHIPPED_TARGET_DIR, Settings(chat_template_kwargs={"enable_thinking": True}))
+    answers.tokenizer.chat_template = sc.CHAT_TEMPLATE + "{% if enable_thinking %}think{% endif %}"
+    messages = [{"role": "user", "content": "count from 1 to 3"}]
+    assert answers.prompt_text(messages).endswith("<|assistant|> think")
+    answers.settings = Settings()
+    assert answers.prompt_text(messages).endswith("<|assistant|> ")
+
+
+def test_progress_says_records_and_tokens_per_second():
+    stream = io.StringIO()
+    progress = Progress(8, "rank 1: ", stream)
+    progress.update(0, 50)
+    assert stream.getvalue() == ""  # not a terminal: a line per shard only
+    progress.update(4, 30, force=True)
+    line = stream.getvalue()
+    assert line.startswith("rank 1: [") and " 4/8 records " in line and "records/s" in line and "tokens/s" in line

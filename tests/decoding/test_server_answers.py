@@ -11,7 +11,7 @@ import pytest
 
 from chat_server import ChatServer, load_tiny_target
 from megatron_dflash.decoding.local_answers import LocalAnswers
-from megatron_dflash.decoding.regenerate import Settings, regenerate, shard_path
+from megatron_dflash.decoding.regenerate import Request, Settings, regenerate, shard_path
 from megatron_dflash.decoding.server_answers import ServerAnswers, chat_completions_url
 from megatron_dflash.embedded_job import synthetic_corpus as sc
 from megatron_dflash.embedded_job.tiny_target import SHIPPED_TARGET_DIR
@@ -103,3 +103,10 @@ def test_a_refused_request_is_not_retried(target, chats, tmp_path):
         summary = regenerate(chats, str(tmp_path), server_backend(server.url), SETTINGS, target="tiny", shard_size=3)
     assert len(summary.failed) == 8 and server.count == 8
     assert all("HTTP 400" in reason for _, reason in summary.failed)
+
+
+def test_the_request_carries_the_settings_and_thinking_mode():
+    settings = Settings(max_new_tokens=7, temperature=0.6, top_p=0.9, seed=1, chat_template_kwargs={"enable_thinking": True})
+    body = ServerAnswers("http://h:1", "m", settings).body(Request([{"role": "user", "content": "q"}], 42, "r"))
+    assert body == {"model": "m", "messages": [{"role": "user", "content": "q"}], "max_tokens": 7, "temperature": 0.6,
+                    "top_p": 0.9, "seed": 42, "n": 1, "chat_template_kwargs": {"enable_thinking": True}}

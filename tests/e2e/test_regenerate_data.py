@@ -14,7 +14,7 @@ import time
 import pytest
 
 from chat_server import ChatServer, load_tiny_target
-from entry_points import child_env
+from entry_points import child_env, regenerate_module
 from megatron_dflash.embedded_job import synthetic_corpus as sc
 from megatron_dflash.embedded_job.tiny_target import SHIPPED_TARGET_DIR
 from repo_paths import REPO_ROOT
@@ -91,3 +91,16 @@ def test_two_torchrun_ranks_write_what_one_rank_writes(chats, tmp_path):
     assert two.returncode == 0, two.stderr
     assert "rank 0: 12 records in 3 new shards" in two.stderr and "rank 1: 12 records in 3 new shards" in two.stderr
     assert every_file(tmp_path / "two") == every_file(tmp_path / "one")
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--target", "t", "--server", "http://h:1", "--model", "m"], "pass exactly one of --target"),
+    (["--server", "http://h:1"], "--server needs --model"),
+    (["--target", "t", "--chat-template-kwargs", "[1]"], "--chat-template-kwargs must be a JSON object"),
+    (["--target", "t", "--shard-size", "0"], "--shard-size must be at least 1"),
+])
+def test_a_bad_command_line_is_one_line_and_status_2(chats, tmp_path, capsys, extra, message):
+    with pytest.raises(SystemExit) as stop:
+        regenerate_module().main(["--input", chats, "--output", str(tmp_path / "out"), *extra])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1 and message in err and not (tmp_path / "out").exists()
