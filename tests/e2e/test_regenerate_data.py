@@ -85,8 +85,7 @@ def test_two_torchrun_ranks_write_what_one_rank_writes(chats, tmp_path):
     one = subprocess.run([sys.executable, TOOL, *args, "--output", str(tmp_path / "one")], env=env,
                          capture_output=True, text=True)
     assert one.returncode == 0, one.stderr
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                          "--master-port", str(29500 + os.getpid() % 1000), TOOL, *args,
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", TOOL, *args,
                           "--output", str(tmp_path / "two")], env=env, capture_output=True, text=True)
     assert two.returncode == 0, two.stderr
     assert "rank 0: 12 records in 3 new shards" in two.stderr and "rank 1: 12 records in 3 new shards" in two.stderr
