@@ -29,7 +29,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-from megatron_dflash.common.cli import ArgumentParser, UsageError, quiet_dependency_warnings, report_failure, require_dir, require_file, usage_error  # noqa: E402,E501
+from megatron_dflash.common.cli import ArgumentParser, UsageError, quiet_dependency_warnings, report_failure, report_interrupt, require_dir, require_file, usage_error  # noqa: E402,E501
 from megatron_dflash.common.errors import DataError  # noqa: E402
 from megatron_dflash.decoding.regenerate import Settings, regenerate  # noqa: E402  (no torch)
 
@@ -121,6 +121,8 @@ def main(argv=None) -> int:
     except (DataError, ValueError, OSError) as err:
         report_failure(PROG, err)
         return 2
+    except KeyboardInterrupt:  # the shards written so far stay; the same command resumes
+        return report_interrupt(PROG, "; run the same command again to resume")
     who = f"rank {rank}: " if world > 1 else ""
     print(f"{PROG}: {who}{summary.records_written} records in {summary.shards_written} new shards "
           f"({summary.shards_skipped} already done), {summary.truncated} answers cut at --max-new-tokens "
