@@ -18,6 +18,15 @@ def evaluate_module():
     return evaluate_acceptance
 
 
+def regenerate_module():
+    sys.path.insert(0, os.path.join(REPO_ROOT, "tools"))
+    try:
+        import regenerate_data
+    finally:
+        sys.path.pop(0)
+    return regenerate_data
+
+
 def child_env(**overrides) -> dict:
     """The environment of a fresh shell (an in-process entry point may have quieted this one), the checkout
     first on PYTHONPATH, and `overrides` (e.g. OMP_NUM_THREADS="1")."""

@@ -1,0 +1,354 @@
+"""Regeneration of a chat data set's answers with the target, resumable, in numbered shards.
+
+A draft learns the target's distribution best from the target's own answers. `regenerate` strips
+the assistant turns of every conversation and asks an answer back end (`decoding/local_answers.py`,
+the target in this process; `decoding/server_answers.py`, an OpenAI-compatible server) for them, turn
+by turn: the answer to turn `k` is part of the prompt of turn `k + 1`. A conversation that ends with a
+user turn gets an answer to it as well (a prompts-only data set).
+
+Output (docs/design.md §8 Data path, "Regenerating the answers with the target"):
+
+    OUT/manifest.json        input fingerprint, target, sampling settings, shard size, truncation policy
+    OUT/shard-00000.jsonl    records [0, shard_size) in input order, then the next shard, ...
+    OUT/shard-00003.failed.json   a shard some of whose records kept failing (their ids and errors)
+
+Every record keeps its other fields and gets `finish_reason` ("stop", or "length" when an answer was cut
+at `max_new_tokens`; the conversation then ends with that answer) and `generation` (the settings). A
+shard is written whole (`common.atomic.write_file`) or not at all; shard `k` belongs to rank
+`k % world_size`, so ranks never share a file. A rerun skips the shards on disk, redoes the others, and
+refuses an output directory whose manifest differs (one line naming the field). Per-answer seeds come
+from (seed, record id, turn), never from a rank, a batch or a position in a batch, so the output does not
+depend on how many ranks or how large batches were.
+
+Records are read and written through `read_records` / `write_records` (OpenAI `messages` JSONL): the one
+seam to the data set formats. No torch here: a rerun whose shards are all done, and the server back end,
+start in a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+import time
+from typing import Callable, Optional, Protocol, Sequence
+
+from ..common.atomic import remove_stale_siblings, write_file
+from ..common.errors import DataError
+
+__all__ = [
+    "MANIFEST", "MANIFEST_FORMAT", "Settings", "Request", "Answer", "RequestFailed", "AnswerBackend",
+    "Summary", "read_records", "write_records", "record_id", "answer_seed", "conversation_turns",
+    "shard_path", "build_manifest", "check_manifest", "regenerate", "Progress",
+]
+
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = "megatron-dflash regenerated chats v1"
+ASSISTANT = "assistant"
+FINISH_REASONS = ("stop", "length")
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """How the answers are generated; all of it goes into the manifest and onto every record."""
+
+    max_new_tokens: int = 512
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    seed: int = 0
+    chat_template_kwargs: Optional[dict] = None  # e.g. {"enable_thinking": true}
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One answer to generate: the conversation so far (ends with a non-assistant turn) and its seed."""
+
+    messages: list
+    seed: int
+    name: str  # the record id and the turn, for messages
+
+
+@dataclasses.dataclass(frozen=True)
+class Answer:
+    text: str
+    finish_reason: str  # "stop" or "length"
+    tokens: int  # generated tokens (with the stop token)
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestFailed:
+    """A request that failed for good (after the back end's retries): the reason, one line."""
+
+    reason: str
+
+
+class AnswerBackend(Protocol):
+    def answer(self, requests: Sequence[Request]) -> list:
+        """One `Answer` or `RequestFailed` per request, in order."""
+
+
+# ------------------------------------------------------------------------------ the records seam
+
+
+def read_records(path: str) -> list[dict]:
+    """The chat records of `path` (OpenAI `messages` JSONL: one object per non-blank line)."""
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataError(f"{path}:{line_no}: not JSON ({err.msg}); one chat object per line expected.")
+            if not isinstance(record, dict) or not isinstance(record.get("messages"), list) or not record["messages"]:
+                raise DataError(f"{path}:{line_no}: expected an object with a non-empty 'messages' list.")
+            for j, m in enumerate(record["messages"]):
+                if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                    raise DataError(f"{path}:{line_no}: message {j} must have a string 'role' and 'content'.")
+            records.append(record)
+    return records
+
+
+def write_records(path: str, records: Sequence[dict]) -> None:
+    """Publish `records` as the JSONL file `path`, whole or not at all."""
+    write_file(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+
+
+# ------------------------------------------------------------------------------ conversations
+
+
+def record_id(record: dict, index: int) -> str:
+    """The record's own `id` when it has one (a string or an integer), else its index in the input."""
+    rid = record.get("id")
+    return str(rid) if isinstance(rid, (str, int)) and not isinstance(rid, bool) else str(index)
+
+
+def answer_seed(seed: int, rid: str, turn: int) -> int:
+    """The seed of turn `turn` of record `rid`: a hash of the three, below 2**31 (what servers accept)."""
+    digest = hashlib.sha256(f"{seed}\x00{rid}\x00{turn}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+def conversation_turns(messages: list) -> list[list]:
+    """The non-assistant messages of a conversation grouped by the assistant answer that follows them: one
+    group per answer to generate (the assistant turns stripped; consecutive ones are one answer)."""
+    groups, current = [], []
+    for m in messages:
+        if m["role"] == ASSISTANT:
+            if current:
+                groups.append(current)
+                current = []
+        else:
+            current.append(m)
+    if current:
+        groups.append(current)
+    return groups
+
+
+class _Conversation:
+    """One record being regenerated: its turns, the messages so far, and how it ended."""
+
+    def __init__(self, record: dict, rid: str):
+        self.record, self.rid = record, rid
+        self.turns = conversation_turns(record["messages"])
+        self.messages: list = []
+        self.turn = 0
+        self.finish_reason = "stop"
+        self.failure: Optional[str] = None
+
+    def next_request(self, seed: int) -> Optional[Request]:
+        if self.failure or self.finish_reason != "stop" or self.turn >= len(self.turns):
+            return None
+        self.messages += self.turns[self.turn]
+        return Request(list(self.messages), answer_seed(seed, self.rid, self.turn), f"record {self.rid} turn {self.turn}")
+
+    def take(self, result) -> int:
+        """Record the answer of the current turn; returns the tokens it took."""
+        if isinstance(result, RequestFailed):
+            self.failure = result.reason
+            return 0
+        self.messages.append({"role": ASSISTANT, "content": result.text})
+        self.finish_reason = result.finish_reason
+        self.turn += 1
+        return result.tokens
+
+    def output(self, settings: Settings) -> dict:
+        return {**self.record, "messages": self.messages, "finish_reason": self.finish_reason,
+                "generation": settings.as_dict()}
+
+
+def _regenerate_shard(records, ids, backend: AnswerBackend, settings: Settings, progress) -> list:
+    """The regenerated conversations of one shard, turn by turn across all its records."""
+    conversations = [_Conversation(r, rid) for r, rid in zip(records, ids)]
+    while True:
+        pending = [(c, c.next_request(settings.seed)) for c in conversations]
+        pending = [(c, q) for c, q in pending if q is not None]
+        if not pending:
+            return conversations
+        results = backend.answer([q for _, q in pending])
+        tokens = sum(c.take(res) for (c, _), res in zip(pending, results))
+        progress.update(0, tokens)
+
+
+# ------------------------------------------------------------------------------ manifest and shards
+
+
+def shard_path(output: str, shard: int) -> str:
+    return os.path.join(output, f"shard-{shard:05d}.jsonl")
+
+
+def _failed_path(output: str, shard: int) -> str:
+    return os.path.join(output, f"shard-{shard:05d}.failed.json")
+
+
+def file_sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def build_manifest(input_path: str, records: int, target: str, settings: Settings, shard_size: int,
+                   drop_truncated: bool) -> dict:
+    return {
+        "format": MANIFEST_FORMAT,
+        "input_sha256": file_sha256(input_path),
+        "input_records": records,
+        "target": target,
+        "sampling": settings.as_dict(),
+        "shard_size": shard_size,
+        "truncated": "drop" if drop_truncated else "keep",
+    }
+
+
+def _first_difference(old, new, where: str = "") -> Optional[str]:
+    if isinstance(old, dict) and isinstance(new, dict):
+        for key in sorted(set(old) | set(new)):
+            found = _first_difference(old.get(key), new.get(key), f"{where}.{key}" if where else key)
+            if found:
+                return found
+        return None
+    return None if old == new else f"{where} (was {json.dumps(old)}, now {json.dumps(new)})"
+
+
+def check_manifest(output: str, manifest: dict, *, rank: int = 0, wait_s: float = 600.0) -> None:
+    """Write `output/manifest.json` (rank 0), or check the one there: a rerun must regenerate the same thing.
+    The other ranks wait for rank 0's (up to `wait_s` seconds): one writer, so no rank removes another's
+    staged copy."""
+    path = os.path.join(output, MANIFEST)
+    if rank == 0:
+        remove_stale_siblings(path)
+        if not os.path.exists(path):
+            os.makedirs(output, exist_ok=True)
+            write_file(path, json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+            return
+    deadline = time.monotonic() + wait_s
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise DataError(f"rank {rank}: rank 0 wrote no {path} in {wait_s:.0f} s; see rank 0's error.")
+        time.sleep(0.05)
+    try:
+        with open(path, encoding="utf-8") as f:
+            old = json.load(f)
+    except (OSError, ValueError) as err:
+        raise DataError(f"{path} is unreadable ({err}); pass a new output directory.")
+    diff = _first_difference(old, manifest)
+    if diff:
+        name = "input fingerprint (another or an edited input file)" if diff.startswith("input_") else diff
+        raise DataError(f"{output} holds a regeneration with another {name}; rerun with the same settings or "
+                        "pass a new output directory.")
+
+
+# ------------------------------------------------------------------------------ the run
+
+
+class Progress:
+    """Records and tokens per second of one rank, on `stream` (a bar on a terminal, else a line per shard)."""
+
+    def __init__(self, total: int, label: str = "", stream=None, min_interval: float = 0.5):
+        self.total, self.label, self.stream = total, label, stream or sys.stderr
+        self.records = self.tokens = 0
+        self.start = self.last = time.monotonic()
+        self.min_interval = min_interval
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+
+    def update(self, records: int, tokens: int, *, force: bool = False) -> None:
+        self.records += records
+        self.tokens += tokens
+        now = time.monotonic()
+        if not (force or (self.tty and now - self.last >= self.min_interval)):
+            return
+        self.last = now
+        dt = max(now - self.start, 1e-9)
+        width = 30
+        filled = int(width * self.records / max(self.total, 1))
+        line = (f"{self.label}[{'#' * filled}{'.' * (width - filled)}] {self.records}/{self.total} records "
+                f"{self.records / dt:.2f} records/s {self.tokens / dt:.1f} tokens/s")
+        print(("\r" + line) if self.tty else line, end="" if self.tty else "\n", file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self.tty:
+            print(file=self.stream, flush=True)
+
+
+@dataclasses.dataclass
+class Summary:
+    shards_written: int = 0
+    shards_skipped: int = 0
+    records_written: int = 0
+    truncated: int = 0  # answers cut at max_new_tokens (kept or dropped, as the manifest says)
+    failed: list = dataclasses.field(default_factory=list)  # (record id, reason)
+
+
+def _finish_shard(output, shard, conversations, settings, drop_truncated, summary) -> None:
+    failed = [(c.rid, c.failure) for c in conversations if c.failure]
+    truncated = sum(c.finish_reason == "length" for c in conversations if not c.failure)
+    if failed:
+        summary.failed += failed
+        write_file(_failed_path(output, shard), json.dumps(
+            [{"id": rid, "error": reason} for rid, reason in failed], indent=1) + "\n")
+        return  # the shard stays undone: a rerun retries it whole
+    kept = [c.output(settings) for c in conversations if not (drop_truncated and c.finish_reason == "length")]
+    write_records(shard_path(output, shard), kept)
+    if os.path.exists(_failed_path(output, shard)):
+        os.unlink(_failed_path(output, shard))
+    summary.shards_written += 1
+    summary.records_written += len(kept)
+    summary.truncated += truncated
+
+
+def regenerate(input_path: str, output: str, backend: Callable[[], AnswerBackend], settings: Settings, *,
+               target: str, shard_size: int = 1000, drop_truncated: bool = False, rank: int = 0,
+               world_size: int = 1, progress_stream=None) -> Summary:
+    """Regenerate the answers of `input_path` into `output` (this rank's shards); `backend` is called once,
+    only when a shard remains to do. `target` names the model in the manifest."""
+    if shard_size < 1:
+        raise ValueError(f"shard size must be at least 1, got {shard_size}.")
+    records = read_records(input_path)  # the seam to the data set formats
+    check_manifest(output, build_manifest(input_path, len(records), target, settings, shard_size, drop_truncated),
+                   rank=rank)
+    shards = range(rank, (len(records) + shard_size - 1) // shard_size, world_size)
+    summary = Summary()
+    todo = [k for k in shards if not os.path.exists(shard_path(output, k))]
+    summary.shards_skipped = len(shards) - len(todo)
+    if not todo:
+        return summary
+    answers = backend()
+    label = f"rank {rank}: " if world_size > 1 else ""
+    progress = Progress(sum(len(records[k * shard_size:(k + 1) * shard_size]) for k in todo), label, progress_stream)
+    for k in todo:
+        remove_stale_siblings(shard_path(output, k))  # a staged copy a killed run left
+        lo, hi = k * shard_size, min(len(records), (k + 1) * shard_size)
+        conversations = _regenerate_shard(records[lo:hi], [record_id(records[i], i) for i in range(lo, hi)],
+                                          answers, settings, progress)
+        _finish_shard(output, k, conversations, settings, drop_truncated, summary)
+        progress.update(hi - lo, 0, force=True)
+    progress.close()
+    return summary

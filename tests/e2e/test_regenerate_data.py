@@ -1,0 +1,105 @@
+"""`tools/regenerate_data.py` end to end: killed (SIGKILL) at random points and rerun, its output equals an
+uninterrupted run byte for byte; under `torchrun` with two ranks it writes what one rank writes."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from chat_server import ChatServer, load_tiny_target
+from entry_points import child_env, regenerate_module
+from megatron_dflash.embedded_job import synthetic_corpus as sc
+from megatron_dflash.embedded_job.tiny_target import SHIPPED_TARGET_DIR
+from repo_paths import REPO_ROOT
+
+TOOL = os.path.join(REPO_ROOT, "tools", "regenerate_data.py")
+KILLS = 10
+RECORDS = 24  # one per shard: a kill lands in a shard, between two, or while one is written
+
+
+@pytest.fixture(scope="module")
+def chats(tmp_path_factory):
+    convs = list(sc.conversations(31, RECORDS + 1))
+    records = [{"messages": c} for c in convs[:RECORDS - 1]] + [{"messages": convs[-2] + convs[-1]}]
+    path = tmp_path_factory.mktemp("input") / "chats.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def every_file(out) -> dict:
+    """Every entry of the output directory (hidden leftovers too) and its bytes."""
+    return {n: open(os.path.join(out, n), "rb").read() for n in sorted(os.listdir(out))}
+
+
+def server_command(chats, out, url) -> list:
+    return [sys.executable, TOOL, "--input", chats, "--output", str(out), "--server", url, "--model", "tiny",
+            "--max-new-tokens", "10", "--shard-size", "1", "--concurrency", "2", "--seed", "3"]
+
+
+def shards_done(out) -> int:
+    return sum(n.startswith("shard-") for n in os.listdir(out)) if os.path.isdir(out) else 0
+
+
+def kill_at_random(command, out, env, rng, per_shard: float) -> bool:
+    """Run `command`, SIGKILL it after a random part of its next shard (or two); whether it was still running."""
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for = shards_done(out) + rng.randrange(2)
+    while proc.poll() is None and shards_done(out) < wait_for:
+        time.sleep(0.005)
+    time.sleep(rng.uniform(0.0, per_shard))
+    alive = proc.poll() is None
+    if alive:
+        proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    return alive
+
+
+def test_killed_at_random_points_and_rerun_equals_an_uninterrupted_run(chats, tmp_path):
+    env = child_env(OMP_NUM_THREADS="1")
+    rng = random.Random(0)
+    with ChatServer(*load_tiny_target()) as server:
+        start = time.monotonic()
+        subprocess.run(server_command(chats, tmp_path / "whole", server.url), env=env, check=True,
+                       capture_output=True)
+        per_shard = (time.monotonic() - start) / RECORDS
+        out, killed = tmp_path / "killed", 0
+        while killed < KILLS and shards_done(out) < RECORDS:
+            killed += kill_at_random(server_command(chats, out, server.url), out, env, rng, per_shard)
+        done = subprocess.run(server_command(chats, out, server.url), env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert killed == KILLS
+    assert every_file(out) == every_file(tmp_path / "whole")
+
+
+def test_two_torchrun_ranks_write_what_one_rank_writes(chats, tmp_path):
+    env = child_env(OMP_NUM_THREADS="1")
+    args = ["--input", chats, "--target", SHIPPED_TARGET_DIR, "--dtype", "float32", "--max-new-tokens", "8",
+            "--shard-size", "4", "--batch-size", "3"]
+    one = subprocess.run([sys.executable, TOOL, *args, "--output", str(tmp_path / "one")], env=env,
+                         capture_output=True, text=True)
+    assert one.returncode == 0, one.stderr
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", TOOL, *args,
+                          "--output", str(tmp_path / "two")], env=env, capture_output=True, text=True)
+    assert two.returncode == 0, two.stderr
+    assert "rank 0: 12 records in 3 new shards" in two.stderr and "rank 1: 12 records in 3 new shards" in two.stderr
+    assert every_file(tmp_path / "two") == every_file(tmp_path / "one")
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--target", "t", "--server", "http://h:1", "--model", "m"], "pass exactly one of --target"),
+    (["--server", "http://h:1"], "--server needs --model"),
+    (["--target", "t", "--chat-template-kwargs", "[1]"], "--chat-template-kwargs must be a JSON object"),
+    (["--target", "t", "--shard-size", "0"], "--shard-size must be at least 1"),
+])
+def test_a_bad_command_line_is_one_line_and_status_2(chats, tmp_path, capsys, extra, message):
+    with pytest.raises(SystemExit) as stop:
+        regenerate_module().main(["--input", chats, "--output", str(tmp_path / "out"), *extra])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1 and message in err and not (tmp_path / "out").exists()

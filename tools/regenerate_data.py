@@ -1,0 +1,140 @@
+#!/usr/bin/env python
+"""Regenerate a chat data set's answers with the target, so a draft learns the target's own distribution.
+
+Strips the assistant turns of every conversation and asks the target for them, turn by turn, then writes
+the records in numbered shards with a manifest (`megatron_dflash/decoding/regenerate.py`). A rerun
+resumes: finished shards are skipped, the others redone; a manifest of other settings is refused.
+
+In this process, on the local devices (one rank, or one per `torchrun` process, each with its own shards):
+    python tools/regenerate_data.py --input chats.jsonl --output regen/ --target Qwen/Qwen3-8B \\
+        --max-new-tokens 2048 --batch-size 16
+    torchrun --nproc-per-node 8 tools/regenerate_data.py --input chats.jsonl --output regen/ --target ...
+
+From an OpenAI-compatible server (vLLM, SGLang, ...):
+    python tools/regenerate_data.py --input chats.jsonl --output regen/ \\
+        --server http://127.0.0.1:8000 --model Qwen/Qwen3-8B --concurrency 64
+
+Exit status 0 when every record of this rank was written, 1 when some kept failing (named on stderr and in
+`shard-NNNNN.failed.json`; rerun to retry them), 2 for a bad command line or input.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+# Run from a checkout without installing the package.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+from megatron_dflash.common.cli import ArgumentParser, UsageError, quiet_dependency_warnings, report_failure, report_interrupt, require_dir, require_file, usage_error  # noqa: E402,E501
+from megatron_dflash.common.errors import DataError  # noqa: E402
+from megatron_dflash.decoding.regenerate import Settings, regenerate  # noqa: E402  (no torch)
+
+PROG = "regenerate_data.py"
+
+
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(prog=PROG, description="Regenerate the assistant turns of a chat data set with the target.")
+    p.add_argument("--input", required=True, help="chat records, OpenAI 'messages' JSONL.")
+    p.add_argument("--output", required=True, help="output directory: manifest.json and shard-NNNNN.jsonl.")
+    p.add_argument("--target", default=None, help="HF directory (or hub id) of the target, run in this process.")
+    p.add_argument("--server", default=None, help="URL of an OpenAI-compatible server instead of --target.")
+    p.add_argument("--model", default=None, help="the model name the server serves (with --server).")
+    p.add_argument("--concurrency", type=int, default=16, help="requests in flight (with --server).")
+    p.add_argument("--retries", type=int, default=5, help="retries of a failed request (with --server).")
+    p.add_argument("--batch-size", type=int, default=8, help="answers per generate call (with --target).")
+    p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"),
+                   help="weights' dtype (with --target).")
+    p.add_argument("--shard-size", type=int, default=1000, help="records per output shard.")
+    p.add_argument("--max-new-tokens", type=int, default=2048)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy.")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0, help="per-answer seeds are derived from it and the record id.")
+    p.add_argument("--chat-template-kwargs", default=None,
+                   help='JSON object for the chat template, e.g. \'{"enable_thinking": true}\'.')
+    p.add_argument("--drop-truncated", action="store_true",
+                   help="leave out records whose answer hit --max-new-tokens (default: kept, finish_reason 'length').")
+    return p
+
+
+def settings_of(args) -> Settings:
+    kwargs = None
+    if args.chat_template_kwargs is not None:
+        try:
+            kwargs = json.loads(args.chat_template_kwargs)
+        except ValueError as err:
+            raise UsageError(f"--chat-template-kwargs is not JSON ({err}).")
+        if not isinstance(kwargs, dict):
+            raise UsageError("--chat-template-kwargs must be a JSON object, e.g. '{\"enable_thinking\": true}'.")
+    if (args.target is None) == (args.server is None):
+        raise UsageError("pass exactly one of --target (in this process) and --server (with --model).")
+    if args.server is not None and not args.model:
+        raise UsageError("--server needs --model, the name the server serves the target under.")
+    for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--shard-size", args.shard_size),
+                        ("--batch-size", args.batch_size), ("--concurrency", args.concurrency)):
+        if value < 1:
+            raise UsageError(f"{flag} must be at least 1, got {value}.")
+    if args.temperature < 0 or not 0 < args.top_p <= 1:
+        raise UsageError("--temperature must be >= 0 and --top-p in (0, 1].")
+    return Settings(args.max_new_tokens, args.temperature, args.top_p, args.seed, kwargs)
+
+
+def backend_of(args, settings: Settings, rank: int):
+    """The answer back end, built only when a shard is left to do."""
+    if args.server is not None:
+        from megatron_dflash.decoding.server_answers import ServerAnswers  # stdlib only
+
+        return lambda: ServerAnswers(args.server, args.model, settings, concurrency=args.concurrency,
+                                     retries=args.retries, api_key=os.environ.get("OPENAI_API_KEY", ""))
+
+    def local():
+        # torch and transformers load here, after the command line and the manifest are checked.
+        import torch
+
+        from megatron_dflash.decoding.local_answers import LocalAnswers
+
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', rank)) % torch.cuda.device_count()}" \
+            if torch.cuda.is_available() else "cpu"
+        return LocalAnswers(args.target, settings, batch_size=args.batch_size, device=device, dtype=args.dtype)
+    return local
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    quiet_dependency_warnings()
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    try:
+        settings = settings_of(args)
+        require_file("--input", args.input)
+        if args.target is not None and os.path.isdir(args.target):
+            require_dir("--target", args.target, "HF model directory", must_contain="config.json")
+    except UsageError as err:
+        usage_error(PROG, str(err))
+    target = args.target if args.target is not None else args.model
+    try:
+        summary = regenerate(args.input, args.output, backend_of(args, settings, rank), settings, target=target,
+                             shard_size=args.shard_size, drop_truncated=args.drop_truncated, rank=rank,
+                             world_size=world)
+    except (DataError, ValueError, OSError) as err:
+        report_failure(PROG, err)
+        return 2
+    except KeyboardInterrupt:  # the shards written so far stay; the same command resumes
+        return report_interrupt(PROG, "; run the same command again to resume")
+    who = f"rank {rank}: " if world > 1 else ""
+    print(f"{PROG}: {who}{summary.records_written} records in {summary.shards_written} new shards "
+          f"({summary.shards_skipped} already done), {summary.truncated} answers cut at --max-new-tokens "
+          f"({'dropped' if args.drop_truncated else 'kept'}), {len(summary.failed)} failed.", file=sys.stderr)
+    for rid, reason in summary.failed:
+        print(f"{PROG}: error: record {rid} failed: {reason}", file=sys.stderr)
+    if summary.failed:
+        print(f"{PROG}: {len(summary.failed)} records kept failing; their shards were not written. Run the same "
+              "command again to retry them.", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
