@@ -37,6 +37,7 @@ __all__ = [
     "SHAREGPT_ROLES",
     "NormalizedRecord",
     "normalize_record",
+    "data_path_problem",
     "RecordSource",
     "open_records",
     "read_records",
@@ -321,17 +322,35 @@ def _saved_dataset(path: str):
     return datasets.load_from_disk(path)
 
 
+def _is_saved_dataset(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "state.json")) or os.path.isfile(os.path.join(path, "dataset_dict.json"))
+
+
+def _data_file_names(path: str) -> list:
+    return sorted(n for n in os.listdir(path) if os.path.splitext(n)[1].lower() in _FILE_KINDS)
+
+
+def data_path_problem(path: str) -> Optional[str]:
+    """Why ``path`` is no data file or directory this module reads (None: it is one). Cheap: the training
+    arguments ask it before anything heavy loads."""
+    if os.path.isdir(path):
+        if _is_saved_dataset(path) or _data_file_names(path):
+            return None
+        return ("a data directory holds .jsonl, .json or .parquet files, or was written by datasets' "
+                "save_to_disk; this one has none of them.")
+    return None if os.path.isfile(path) else "no such data file or directory."
+
+
 def open_records(path: str) -> RecordSource:
     """The `RecordSource` of a file or directory (see the module docstring for what is read)."""
     path = os.fspath(path)
     if os.path.isdir(path):
-        if os.path.isfile(os.path.join(path, "state.json")) or os.path.isfile(os.path.join(path, "dataset_dict.json")):
+        if _is_saved_dataset(path):
             return _ArrowSource(path, _saved_dataset(path))
-        names = sorted(n for n in os.listdir(path) if os.path.splitext(n)[1].lower() in _FILE_KINDS)
-        if not names:
-            raise DataError(f"{path}: a data directory holds .jsonl, .json or .parquet files, or was written by "
-                            "datasets' save_to_disk; this one has none of them.")
-        return _ConcatSource(path, [open_records(os.path.join(path, n)) for n in names])
+        problem = data_path_problem(path)
+        if problem is not None:
+            raise DataError(f"{path}: {problem}")
+        return _ConcatSource(path, [open_records(os.path.join(path, n)) for n in _data_file_names(path)])
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} does not exist (expected a data file or directory).")
     kind = _file_kind(path)

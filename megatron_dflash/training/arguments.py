@@ -24,7 +24,7 @@ from typing import Mapping, Optional, Sequence
 from ..common.cli import ArgumentParser, UsageError, require_dir, require_file
 from ..common.errors import RunError
 from ..data.chat import LOSS_TURNS, REASONING_MODES
-from ..data.formats import BAD_RECORD_MODES, DEFAULT_MAX_BAD_FRACTION
+from ..data.formats import BAD_RECORD_MODES, DEFAULT_MAX_BAD_FRACTION, data_path_problem
 from ..variants.options import BUILT_IN_OPTIONS, Flag, declared_options
 
 __all__ = [
@@ -350,8 +350,9 @@ def check_input_paths(args: argparse.Namespace) -> None:
         if path is None:
             continue
         if fmt != "indexed":
-            if not os.path.exists(path):
-                raise UsageError(f"{flag} {path}: no such data file or directory.")
+            problem = data_path_problem(path)
+            if problem is not None:
+                raise UsageError(f"{flag} {path}: {problem}")
             continue
         missing = [path + s for s in (".bin", ".idx") if not os.path.isfile(path + s)]
         if missing:

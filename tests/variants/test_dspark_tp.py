@@ -135,9 +135,9 @@ def _on_ranks_loss(rank: int, world_size: int, cases) -> dict:
     from torch import nn
 
     report = {}
-    plan = _plan("unpacked")
+    plan = tp_plan("unpacked")
     input_mask = torch.ones(plan.batch_size, plan.seq_length, dtype=torch.bool)
-    input_mask[0, 15:] = False  # as `_plan`'s
+    input_mask[0, 15:] = False  # as `tp_plan`'s
     input_mask[1, :3] = False
     gen = torch.Generator().manual_seed(5)
     B, N, W, S = plan.batch_size, plan.num_blocks, plan.block_size, plan.seq_length
@@ -175,11 +175,11 @@ def _on_ranks_loss(rank: int, world_size: int, cases) -> dict:
                 input_mask=input_mask)
             (out.loss_sum / out.weight_sum).backward()
             results.append((out.loss_sum.detach(), out.weight_sum))
-        errors = {"loss_sum": _relative_error(results[1][0], results[0][0]),
-                  "weight_sum": _relative_error(results[1][1], results[0][1])}
+        errors = {"loss_sum": relative_error(results[1][0], results[0][0]),
+                  "weight_sum": relative_error(results[1][1], results[0][1])}
         for name, p in body.named_parameters():
             ref_grad = _piece(full[name].grad, _full_index(p, rank, world_size))
-            errors[f"grad {name}"] = float("inf") if p.grad is None else _relative_error(p.grad, ref_grad)
+            errors[f"grad {name}"] = float("inf") if p.grad is None else relative_error(p.grad, ref_grad)
         report[(form, scheme)] = errors
     return report
 
