@@ -104,13 +104,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 # ------------------------------------------------------------------------------------------ one measurement
 
 
-def make_inputs(args, vocab: int, slots: int):
-    if args.loss == "dspark":
-        return make_dspark_inputs(args, vocab, slots)
-    gamma = args.block_size - 1
-    if slots % gamma:
-        raise SystemExit(f"--slots={slots} must be a multiple of gamma = --block-size - 1 = {gamma}")
-    num_blocks = slots // gamma
+def _blocks_and_head(args, vocab: int, num_blocks: int):
+    """``num_blocks`` blocks of ``--block-size`` back to back in one row: the plan, random tokens ``[1, S]``,
+    block hidden states ``[1, N, W, H]`` (requiring grad), a random head ``[V, H]``, and the generator that drew
+    them (the caller's further draws continue its stream)."""
     W = args.block_size
     seq = num_blocks * W + 1
     dtype = getattr(torch, args.dtype)
@@ -122,6 +119,18 @@ def make_inputs(args, vocab: int, slots: int):
     head = torch.nn.Linear(args.hidden, vocab, bias=False, device=args.device, dtype=dtype)
     with torch.no_grad():
         head.weight.copy_(torch.randn(vocab, args.hidden, generator=gen) * args.hidden**-0.5)
+    return plan, input_ids, hidden, head, gen
+
+
+def make_inputs(args, vocab: int, slots: int):
+    if args.loss == "dspark":
+        return make_dspark_inputs(args, vocab, slots)
+    gamma = args.block_size - 1
+    if slots % gamma:
+        raise SystemExit(f"--slots={slots} must be a multiple of gamma = --block-size - 1 = {gamma}")
+    num_blocks = slots // gamma
+    plan, input_ids, hidden, head, gen = _blocks_and_head(args, vocab, num_blocks)
+    dtype = hidden.dtype
     head.weight.requires_grad_(False)  # the target's head is frozen
     selector = None
     if args.loss == "dflash2":
@@ -141,19 +150,11 @@ def make_dspark_inputs(args, vocab: int, slots: int):
     if slots % W:
         raise SystemExit(f"--slots={slots} must be a multiple of --block-size={W} for DSpark")
     num_blocks = slots // W
-    seq = num_blocks * W + 1
-    dtype = getattr(torch, args.dtype)
-    gen = torch.Generator().manual_seed(0)
-    anchors = (torch.arange(num_blocks) * W)[None]
-    plan = DFlashBatchPlan.from_anchors(anchors, block_size=W, seq_length=seq).to(args.device)
-    input_ids = torch.randint(0, vocab, (1, seq), generator=gen).to(args.device)
-    hidden = torch.randn(1, num_blocks, W, args.hidden, generator=gen).to(args.device, dtype).requires_grad_()
-    head = torch.nn.Linear(args.hidden, vocab, bias=False, device=args.device, dtype=dtype)
-    with torch.no_grad():
-        head.weight.copy_(torch.randn(vocab, args.hidden, generator=gen) * args.hidden**-0.5)
+    plan, input_ids, hidden, head, gen = _blocks_and_head(args, vocab, num_blocks)
+    dtype = hidden.dtype
     head.weight.requires_grad_(False)
     extra = {
-        "teacher": torch.randn(1, seq, args.hidden, generator=gen).to(args.device, dtype),
+        "teacher": torch.randn(1, input_ids.shape[1], args.hidden, generator=gen).to(args.device, dtype),
         "features": torch.randn(1, num_blocks, W, args.rank, generator=gen).to(args.device, dtype).requires_grad_(),
         "w2": (torch.randn(vocab, args.rank, generator=gen) * 0.02).to(args.device).requires_grad_(),
         "confidence": torch.randn(1, num_blocks, W, generator=gen).to(args.device).requires_grad_(),

@@ -93,6 +93,7 @@ from ..objectives.dflash_loss import (
 from ..objectives.head_loss import check_loss_options, head_loss
 from ..plan.batch_plan import DFlashBatchPlan
 from .dflash2 import GREEDY_TEMPERATURE_EPS
+from .proposals import draw_token
 
 __all__ = [
     "DOMINO_ARCHITECTURE",
@@ -797,11 +798,8 @@ def domino_walk(
         if corrected[t]:
             logits = logits + F.linear(domino.features(hidden[:, t], step[:, 0]).to(weight.dtype), weight).float()
         logits_out.append(logits)
-        if greedy:
-            token = logits.argmax(dim=-1)
-        else:
-            q = torch.softmax(logits / temperature, dim=-1)
-            token = torch.multinomial(q, 1, generator=generator)[:, 0]
+        token, q = draw_token(logits, 0.0 if greedy else temperature, generator)
+        if q is not None:
             probs.append(q)
         tokens.append(token)
         previous = token if forced_tokens is None else forced_tokens[:, t]

@@ -66,6 +66,7 @@ from ..plan.batch_plan import DFlashBatchPlan
 from ..target.megatron.config import padded_vocab_size
 from .dflash2 import GREEDY_TEMPERATURE_EPS
 from .options import DSPARK_OPTIONS
+from .proposals import draw_token
 
 __all__ = [
     "DSPARK_ARCHITECTURE",
@@ -618,11 +619,8 @@ def dspark_walk(body, hidden: torch.Tensor, anchor_ids: torch.Tensor, head, *, t
         if body.confidence_head is not None:
             confidence.append(body.confidence_logits(hidden[:, k], previous))
         logits_out.append(logits)
-        if greedy:
-            token = logits.argmax(dim=-1)
-        else:
-            q = torch.softmax(logits / temperature, dim=-1)
-            token = torch.multinomial(q, 1, generator=generator)[:, 0]
+        token, q = draw_token(logits, 0.0 if greedy else temperature, generator)
+        if q is not None:
             probs.append(q)
         tokens.append(token)
         previous = token if forced_tokens is None else forced_tokens[:, k]
