@@ -20,6 +20,7 @@ normalized records back in any of the formats. Nothing here loads torch.
 
 from __future__ import annotations
 
+import abc
 import bisect
 import dataclasses
 import json
@@ -169,7 +170,7 @@ def need_datasets(what: str):
     return datasets
 
 
-class RecordSource:
+class RecordSource(abc.ABC):
     """The records of one path, by index: ``len``, ``where(i)`` (``file:line`` or ``file[i]``), ``raw(i)``
     (the bytes a sample ID hashes: the JSONL line, or the record's canonical JSON) and ``record(i)`` (the
     decoded record, a `DataError` naming it when it is not JSON)."""
@@ -177,8 +178,9 @@ class RecordSource:
     def __init__(self, path: str):
         self.path = path
 
+    @abc.abstractmethod
     def __len__(self) -> int:
-        raise NotImplementedError
+        """How many records the path holds."""
 
     def where(self, index: int) -> str:
         return f"{self.path}[{index}]"
@@ -186,8 +188,9 @@ class RecordSource:
     def raw(self, index: int) -> bytes:
         return record_to_json(self.record(index)).encode("utf-8", "surrogatepass")
 
+    @abc.abstractmethod
     def record(self, index: int) -> Any:
-        raise NotImplementedError
+        """Record ``index``, decoded."""
 
     def location(self, index: int) -> tuple[str, int]:
         """(file, line) for JSONL, (file, index) otherwise."""
