@@ -358,3 +358,15 @@ def test_the_report_ends_with_the_serve_commands(exports):
                                         "DFLASH") and "--speculative-num-draft-tokens 4" in lines[-1]
     dspark = check_serving(exports["dspark-vanilla", "default"][0])[0].command
     assert '"method": "dspark"' in dspark and '"num_speculative_tokens": 4' in dspark  # every slot proposes
+
+
+def test_kimi_k3_drafts_are_served_by_neither_runtime(tmp_path):
+    from kimi_k3_configs import CASES, our_config
+    from megatron_dflash.draft.kimi_k3.body import KimiK3Body
+
+    torch.manual_seed(0)
+    save_hf_checkpoint(KimiK3Body(our_config(next(iter(CASES)))), str(tmp_path / "k3"))
+    reports = check_serving(str(tmp_path / "k3"))
+    for report in reports:
+        assert report.verdict == FAILS and "registers no 'KimiK3DFlashDraftModel'" in reasons_of(report)
+    assert exit_status(reports) == 1
