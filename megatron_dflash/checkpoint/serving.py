@@ -444,8 +444,8 @@ def vllm_causal(config: Mapping[str, Any], layer: int) -> bool:
     override = lookup(config, ("dflash_config", "causal"))
     if override is not None:
         return bool(override)
-    types = config.get("layer_types")
-    return bool(types) and types[layer] == "sliding_attention"
+    types = config.get("layer_types") or []
+    return layer < len(types) and types[layer] == "sliding_attention"
 
 
 def sglang_causal(config: Mapping[str, Any], layer: int) -> bool:
@@ -453,8 +453,8 @@ def sglang_causal(config: Mapping[str, Any], layer: int) -> bool:
     layer runs bidirectionally (ENCODER_ONLY), a sliding layer causally (DECODER); `is_causal` and
     `dflash_config.causal` are not read."""
     text = resolve_text_config(config)
-    types = text.get("layer_types", config.get("layer_types"))
-    return bool(types) and types[layer] == "sliding_attention"
+    types = text.get("layer_types", config.get("layer_types")) or []
+    return layer < len(types) and types[layer] == "sliding_attention"
 
 
 # ------------------------------------------------------------------------------------------ serve commands
