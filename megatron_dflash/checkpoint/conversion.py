@@ -33,6 +33,7 @@ from ..draft.config import resolve_causal
 from ..draft.sharding import local_tensors
 from .architectures import architecture_hint, build_body_for_checkpoint, config_from_dict, read_json_object
 from .hf import hf_state_dict, load_hf_state_dict_into, read_safetensors, save_hf_checkpoint
+from .serving import sglang_config
 from .torch_dist import (
     DRAFT_CONFIG_FILENAME,
     RELEASE,
@@ -53,7 +54,7 @@ from .torch_dist import (
     write_tracker,
 )
 
-__all__ = ["ConversionResult", "convert_megatron_to_hf", "convert_hf_to_megatron", "serving_notes"]
+__all__ = ["ConversionResult", "convert_megatron_to_hf", "convert_hf_to_megatron", "serving_notes", "EXPORT_TARGETS"]
 
 
 # ---------------------------------------------------------------------------------- dtypes
@@ -110,14 +111,16 @@ class ConversionResult:
 def serving_notes(config_data: Mapping[str, Any]) -> list[str]:
     """What a user serving an exported HF draft must know that its config.json cannot say.
 
-    SpecForge 0.2.0 ignores `is_causal` and runs every full-attention layer bidirectionally, so a
-    drafter with causal in-block attention (JetSpec, or `causal: true`) runs wrong there.
+    SpecForge 0.2.0 and SGLang (`models/dflash.py`, docs/design.md §19) ignore `is_causal` and run every
+    full-attention layer bidirectionally, so a drafter with causal in-block attention (JetSpec, or
+    `causal: true`) runs wrong there.
     """
     if resolve_causal(dict(config_data)) is True:
         return [
             "this draft has causal in-block attention (is_causal / dflash_config.causal: true). The z-lab "
-            "dflash reference and vLLM honour it; SpecForge ignores is_causal and would run its "
-            "full-attention layers bidirectionally, so do not serve it with SpecForge."
+            "dflash reference and vLLM honour it; SpecForge and SGLang ignore is_causal and would run its "
+            "full-attention layers bidirectionally, so do not serve it with SpecForge or SGLang "
+            "(tools/check_serving.py says which runtime serves an export)."
         ]
     return []
 
@@ -174,6 +177,7 @@ def convert_megatron_to_hf(
     validate: bool = False,
     force: bool = False,
     config_path: Optional[str] = None,
+    export_for: str = "default",
 ) -> ConversionResult:
     """Megatron checkpoint (save or checkpoint directory) -> HF draft directory.
 
@@ -185,12 +189,19 @@ def convert_megatron_to_hf(
         validate: reload the written directory and compare every tensor and the config.
         force: replace a non-empty `output`.
         config_path: HF config.json to use when the checkpoint has no dflash_config.json.
+        export_for: "default" (the published layout every reader takes) or "sglang": the labels SGLang
+            reads where they differ (`serving.sglang_config`: Domino as `DFlashDraftModel` with
+            `projector_type: "domino"`); this package reads both.
     """
 
 
     iteration_dir = resolve_iteration_dir(load, iteration)
     check_destination(output, replace=force, source=load, replace_flag="force=True")
     architecture, config = read_draft_config(iteration_dir, config_path)
+    if export_for not in EXPORT_TARGETS:
+        raise ValueError(f"export_for={export_for!r}: expected one of {list(EXPORT_TARGETS)}.")
+    if export_for == "sglang":
+        sglang_config(config.to_hf_dict())  # a draft SGLang cannot serve is refused before any tensor is read
     dtype = _parse_dtype(dtype)
     with single_process_group():
         _require_single_process()
@@ -208,6 +219,7 @@ def convert_megatron_to_hf(
         source = _convert_dtype(read_megatron_draft_state(iteration_dir), out_dtype) if validate else None
     with atomic_directory(output, replace=force) as tmp:
         save_hf_checkpoint(body, tmp, dtype=out_dtype, architecture=architecture.architecture, overwrite=True)
+        relabelled = _relabel_for(export_for, os.path.join(tmp, "config.json"))
         if validate:
             written = read_safetensors(tmp)
             _compare_exact(source, written, f"the written {os.path.join(output, 'model.safetensors')}")
@@ -230,8 +242,24 @@ def convert_megatron_to_hf(
         num_tensors=len(local),
         num_parameters=sum(t.numel() for t in local.values()),
         validated=validate,
-        notes=serving_notes(read_json_object(os.path.join(output, "config.json"))),
+        notes=serving_notes(read_json_object(os.path.join(output, "config.json"))) + relabelled,
     )
+
+
+EXPORT_TARGETS = ("default", "sglang")
+
+
+def _relabel_for(export_for: str, config_file: str) -> list[str]:
+    """Rewrite a written `config.json` with the labels `export_for` reads; the notes saying what changed."""
+    if export_for == "default":
+        return []
+    data, change = sglang_config(read_json_object(config_file))
+    if change is None:
+        return ["--export-for sglang: SGLang reads this draft's default labels; nothing changed"]
+    with open(config_file, "w") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.write("\n")
+    return [f"--export-for sglang: {change}"]
 
 
 def convert_hf_to_megatron(

@@ -431,6 +431,11 @@ def next_step_commands(*, run_dir: str, checkpoint_dir: Optional[str], export_di
             f"{_tool('convert_checkpoint.py')} to-hf --load {_shell_path(checkpoint_dir)} "
             f"--output {_shell_path(os.path.join(run_dir, 'converted-hf'))} --validate",
         ))
+    checked = export_dir or (os.path.join(run_dir, "converted-hf") if checkpoint_dir is not None else None)
+    if checked is not None:
+        target = "" if embedded_target else f" --target {_shell_path(target_dir)}"
+        steps.append(("check that vLLM and SGLang load it and serve it as trained; prints their serve commands",
+                      f"{_tool('check_serving.py')} {_shell_path(checked)}{target}"))
     if export_dir is not None:
         report = _shell_path(os.path.join(run_dir, "eval.json"))
         if embedded_target:  # the tool defaults to the embedded target and its prompts

@@ -73,6 +73,7 @@ __all__ = [
     "KIMI_K3_DSPARK_ARCHITECTURE",
     "SPECFORGE_DSPARK_ARCHITECTURE",
     "DSPARK_PROJECTOR_TYPE",
+    "DSPARK_SERVING_METHOD",
     "MARKOV_HEAD_TYPES",
     "DSparkFields",
     "DSparkConfig",
@@ -97,6 +98,8 @@ DSPARK_ARCHITECTURE = "Qwen3DSparkModel"
 KIMI_K3_DSPARK_ARCHITECTURE = "KimiK3DSparkModel"
 SPECFORGE_DSPARK_ARCHITECTURE = "DSparkDraftModel"
 DSPARK_PROJECTOR_TYPE = "dspark"
+# vLLM's `--speculative-config` method for `Qwen3DSparkModel` drafters (checkpoint/serving.py).
+DSPARK_SERVING_METHOD = "dspark"
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 # The DSpark fields of config.json (top level in NeMo's / vLLM's layout, `dflash_config` in SpecForge's).
 _DSPARK_KEYS = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov")

@@ -208,10 +208,14 @@ def test_end_to_end_tp1(tiny_target, tmp_path, capsys):
     # the printed next steps run as they are: the conversion (a subprocess, like a user's shell) ...
     commands = [step["command"] for step in summary["next_steps"]]
     assert [c for c in out.splitlines() if c.startswith("    python ")] == [f"    {c}" for c in commands]
-    convert_cmd, evaluate_cmd = commands
+    convert_cmd, check_cmd, evaluate_cmd = commands
     done = subprocess.run(convert_cmd, shell=True, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "validated: every tensor identical" in done.stdout, done.stderr
     assert safetensors_of(str(tmp_path / "converted-hf")).keys() == safetensors_of(str(tmp_path / "hf")).keys()
+    # ... the serving check of the export (a plain DFlash draft of a Qwen3 target: both runtimes serve it) ...
+    done = subprocess.run(check_cmd, shell=True, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "vLLM: loads\n" in done.stdout and "SGLang: loads\n" in done.stdout, done.stdout
+    assert shlex.split(check_cmd)[-2] == "--target" and os.path.samefile(shlex.split(check_cmd)[-1], tiny_target)
     # ... and the evaluation's command line is complete and names existing files
     evaluate_acceptance = evaluate_module()
     words = shlex.split(evaluate_cmd)

@@ -1,0 +1,94 @@
+#!/usr/bin/env python
+"""Will this HF draft load in vLLM and SGLang, and serve what it was trained as?
+
+    python tools/check_serving.py runs/latest/hf
+    python tools/check_serving.py my-draft-hf --target Qwen/Qwen3-8B-dir --json serving.json
+
+Reads the draft the way each runtime reads it (architecture registry, where it finds block_size,
+mask_token_id and the tap list and which target layer that taps, how it runs each layer in-block,
+which head settings it applies, its model file's own rules) and compares that with what the draft was
+trained with (this package's reading of the same file). Prints per runtime: loads / loads with a
+caveat / does not load, with the reasons, then ready-to-paste serve commands. With --target, also the
+target's vocabulary, hidden size and depth and its tokenizer against the draft's MASK token.
+The rules and the runtime sources they encode: megatron_dflash/checkpoint/serving.py
+(docs/design.md §19 Serving check).
+
+Exit status: 0 every runtime loads it (caveats included: read them), 1 one does not, 2 usage error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+# Run from a checkout without installing the package.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+from megatron_dflash.common.cli import (  # noqa: E402  (no torch: --help and usage errors answer at once)
+    USAGE_EXIT_CODE,
+    ArgumentParser,
+    UsageError,
+    quiet_dependency_warnings,
+    report_failure,
+    require_dir,
+)
+
+PROG = "check_serving.py"
+
+
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(
+        prog=PROG,
+        description="Check an exported HF draft against how vLLM and SGLang read it: per runtime, loads / "
+        "loads with a caveat / does not load, with the reasons, then the serve commands. Exit status 0 when "
+        "every runtime loads it (caveats included), 1 when one does not.",
+    )
+    parser.add_argument("draft", help="HF draft directory (config.json + model.safetensors), e.g. runs/latest/hf.")
+    parser.add_argument("--target", default=None,
+                        help="the target's HF directory: its config.json (vocabulary, hidden size, depth) and "
+                        "tokenizer.json (the MASK token) are checked against the draft, and the serve commands "
+                        "name it.")
+    parser.add_argument("--json", default=None, metavar="OUT", help="also write the verdicts as JSON to OUT.")
+    parser.add_argument("--vllm-v2-runner", action="store_true",
+                        help="vLLM runs its V2 model runner (VLLM_USE_V2_MODEL_RUNNER=1), which serves drafts with "
+                        "mixed sliding/full layer types.")
+    return parser
+
+
+def _check_paths(args) -> None:
+    require_dir("draft", args.draft, must_contain="config.json")
+    if args.target is not None:
+        require_dir("--target", args.target, must_contain="config.json")
+    if args.json is not None and os.path.isdir(args.json):
+        raise UsageError(f"--json {args.json} is a directory; give a file name.")
+
+
+def main(argv=None) -> int:
+    quiet_dependency_warnings()
+    args = build_parser().parse_args(argv)
+    try:
+        _check_paths(args)
+    except UsageError as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return USAGE_EXIT_CODE
+    from megatron_dflash.checkpoint.serving import check_serving, exit_status, report_lines  # loads torch
+
+    try:
+        reports = check_serving(args.draft, args.target, vllm_v2_runner=args.vllm_v2_runner)
+    except (ValueError, OSError) as err:
+        report_failure(PROG, err)
+        return 1
+    print("\n".join(report_lines(args.draft, reports)))
+    if args.json is not None:
+        with open(args.json, "w") as f:
+            json.dump({"draft": os.path.abspath(args.draft), "target": args.target,
+                       "exit_status": exit_status(reports), "runtimes": [r.to_json() for r in reports]}, f, indent=2)
+            f.write("\n")
+    return exit_status(reports)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
