@@ -4,7 +4,8 @@
 its set, its category, the tokens each verify cycle committed, its generated tokens and its share of the
 decoding time (and of the autoregressive baseline's). From those rows:
 
-* `category_table`: per category, then per set (category ``"all"``): the acceptance length over every cycle
+* `category_table`: per category, per turn (several-turn sets), then per set (category ``"all"``): the
+  acceptance length over every cycle
   (`decoding.metric.decode_metric`, the repository's headline), the mean of the prompts' own acceptance lengths
   (what the DFlash evaluation prints), tokens per target forward, and the throughput speedup over the baseline;
 * `format_category_table`: that table for the console;
@@ -66,17 +67,23 @@ def _group_row(set_name: str, category: str, rows: Sequence[dict]) -> dict:
 
 
 def category_table(rows: Sequence[dict]) -> list:
-    """Per set (in order of first appearance): a line per category (in order of first appearance), then the
-    set's total line (category `ALL`)."""
+    """Per set (in order of first appearance): a line per category (in order of first appearance), a line per
+    turn when its questions have several (category ``"turn K"``: MT-Bench's second turns meet a longer context
+    than the first), then the set's total line (category `ALL`)."""
     sets: dict = {}
     for row in rows:
         categories = sets.setdefault(row.get("set") or DEFAULT_SET, {})
         categories.setdefault(row.get("category") or ALL, []).append(row)
     table = []
     for set_name, categories in sets.items():
+        members = [r for group in categories.values() for r in group]
         if list(categories) != [ALL]:
-            table.extend(_group_row(set_name, c, members) for c, members in categories.items())
-        table.append(_group_row(set_name, ALL, [r for members in categories.values() for r in members]))
+            table.extend(_group_row(set_name, c, group) for c, group in categories.items())
+        turns = sorted({r["turn"] for r in members if r.get("turn") is not None})
+        if len(turns) > 1:
+            table.extend(_group_row(set_name, f"turn {t}", [r for r in members if r.get("turn") == t])
+                         for t in turns)
+        table.append(_group_row(set_name, ALL, members))
     return table
 
 

@@ -37,6 +37,16 @@ def test_each_category_and_the_set_from_its_own_rows():
     assert total["tokens_per_target_forward"] == (7 + 4 + 4 + 1) / (3 + 4 + 2 + 1)
 
 
+def test_several_turns_get_a_line_each():
+    rows = [{**_row("writing", [4, 2]), "turn": 1}, {**_row("writing", [1, 1]), "turn": 2},
+            {**_row("math", [3]), "turn": 1}]
+    table = {line["category"]: line for line in category_table(rows)}
+    assert list(table) == ["writing", "math", "turn 1", "turn 2", "all"]
+    assert table["turn 1"]["acceptance_length"] == (4 + 2 + 3) / 3 and table["turn 1"]["prompts"] == 2
+    assert table["turn 2"]["acceptance_length"] == 1.0 and table["turn 2"]["prompts"] == 1
+    assert "turn 1" not in {line["category"] for line in category_table(rows[::2])}  # one turn: no turn lines
+
+
 def test_no_baseline_no_speedup_and_rows_without_a_category():
     rows = [{k: v for k, v in _row("x", [2]).items() if k not in ("set", "category", "autoregressive_seconds")}]
     (line,) = category_table(rows)

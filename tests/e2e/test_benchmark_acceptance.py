@@ -76,17 +76,20 @@ def _direct(models, *, temperature=0.0, num_samples=1, seed=0) -> list:
                 out = spec_generate(target, draft, [ids], max_new_tokens=MAX_NEW, stop_token_ids=[],
                                     generator=generator, temperature=temperature, attention_backend="chunked")
                 answer = tok.decode(out.generated(0), skip_special_tokens=True)
-                rows.append({"category": q["category"], "cycles": out.acceptance_lengths[0],
+                rows.append({"category": q["category"], "turn": turn + 1, "cycles": out.acceptance_lengths[0],
                              "generated": out.generated(0), "answer": answer, "prompt_ids": ids})
                 messages.append({"role": "assistant", "content": answer})
     return rows
 
 
 def _by_category(rows) -> dict:
-    """Acceptance length over every cycle and tokens per target forward, per category and overall."""
+    """Acceptance length over every cycle and tokens per target forward, per category, per turn and overall."""
     groups = {}
     for row in rows:
         groups.setdefault(row["category"], []).append(row)
+    for row in rows:
+        if row.get("turn") is not None:
+            groups.setdefault(f"turn {row['turn']}", []).append(row)
     groups["all"] = list(rows)
     return {c: (sum(sum(r["cycles"]) for r in g) / sum(len(r["cycles"]) for r in g),
                 sum(len(r["generated"]) for r in g) / sum(1 + len(r["cycles"]) for r in g)) for c, g in groups.items()}
@@ -108,7 +111,8 @@ def test_mt_bench_tables_equal_a_direct_spec_generate(models, capsys):
         assert row["acceptance_lengths"] == expected["cycles"]
         assert row["generated_ids"] == expected["generated"]
     assert _table(report) == _by_category(direct)
-    assert [line["category"] for line in report["categories"]] == ["counting", "spelling", "all"]
+    assert [line["category"] for line in report["categories"]] == ["counting", "spelling", "turn 1", "turn 2",
+                                                                   "all"]
     assert report["categories"][-1]["set"] == "mt-bench" and report["categories"][-1]["speedup"] > 0
     # The second turn is asked after the decode's own first answer.
     for q, first, second in zip(MT_BENCH, rows[0::2], rows[1::2]):
@@ -189,8 +193,9 @@ def test_prompt_lines_with_categories_get_the_table(models, tmp_path):
 def test_bad_benchmark_files_are_one_line_errors(models, tmp_path, capsys):
     bad = tmp_path / "question.jsonl"
     bad.write_text(json.dumps(MT_BENCH[0]) + "\n" + json.dumps({"question_id": 2, "turns": ["count"]}) + "\n")
-    code, _ = _run(models, "--benchmark", "mt-bench", "--benchmark-file", str(bad))
-    assert code == 2
+    with pytest.raises(SystemExit) as exit_:  # read before the models (and torch) load
+        _run(models, "--benchmark", "mt-bench", "--benchmark-file", str(bad))
+    assert exit_.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"evaluate_acceptance.py: error: {bad}:2: field 'category' is missing")
     tool = evaluate_module()
