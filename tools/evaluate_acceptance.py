@@ -14,11 +14,22 @@ Prompt lines (one JSON object per line; the format of `megatron_dflash.data.prom
     {"messages": [{"role": "user", "content": ...}]}  rendered with the tokenizer's chat template
 
 Without --target, the embedded tiny target of `python pretrain_dflash.py` is used, and without
---prompts, with that target, the prompts it knows (examples/prompts_tiny_target.jsonl).
+--prompts, with that target, the prompts it knows (examples/prompts_tiny_target.jsonl). A prompt line may
+name its "category"; the report then has a per-category table.
+
+Benchmark prompt sets (`megatron_dflash.data.benchmarks`): --benchmark NAME --benchmark-file PATH reads the
+set's file as published (MT-Bench question.jsonl, GSM8K, HumanEval, MBPP, MATH-500, Alpaca, LiveCodeBench),
+asks each question as the DFlash papers' evaluation does (the target's chat template, no system prompt,
+thinking off unless --thinking on; MT-Bench's second turn after the decode's own first answer,
+`megatron_dflash.decoding.benchmark_turns`), --num-samples times with distinct seeds, and prints the
+per-category table (`megatron_dflash.decoding.benchmark_report`). --compare REPORT.json puts a report next to
+this run's (or --compare A.json B.json, two reports, without decoding).
 
 Example:
     python tools/evaluate_acceptance.py --target Qwen/Qwen3-8B --draft runs/draft_hf \\
         --prompts prompts.jsonl --max-new-tokens 256 --batch-size 4 --output report.json
+    python tools/evaluate_acceptance.py --target Qwen/Qwen3-8B --draft runs/draft_hf \\
+        --benchmark mt-bench --benchmark-file question.jsonl --output mt_bench.json --compare before.json
 """
 
 from __future__ import annotations
@@ -45,6 +56,13 @@ from megatron_dflash.decoding.metric import (  # noqa: E402  (no torch: the head
     row_tokens_per_target_forward,
 )
 from megatron_dflash.checkpoint.torch_dist import looks_like_save_dir  # noqa: E402  (no torch: layout names only)
+from megatron_dflash.data.benchmarks import BENCHMARK_NAMES, missing_file_message  # noqa: E402  (no torch)
+from megatron_dflash.decoding.benchmark_report import (  # noqa: E402  (no torch: tables of a report)
+    category_table,
+    compare_reports,
+    format_category_table,
+    format_comparison,
+)
 
 DTYPES = ("float32", "bfloat16", "float16")
 PROG = "evaluate_acceptance.py"
@@ -61,10 +79,11 @@ def build_parser() -> ArgumentParser:
                         help="HF directory (or hub id) of the target causal LM (default: the embedded tiny "
                         "target of `python pretrain_dflash.py`).")
     parser.add_argument(
-        "--draft", required=True,
+        "--draft", default=None,
         help="HF draft directory (config.json + model.safetensors), or a megatron torch_dist checkpoint of "
         "the trainer (its --save directory, newest checkpoint, or one iter_* directory); the variant (any "
-        "registered one: DFlash, DFlash 2, Domino, JetSpec, DSpark, ...) comes from the config.",
+        "registered one: DFlash, DFlash 2, Domino, JetSpec, DSpark, ...) comes from the config. Required "
+        "except with --compare A.json B.json.",
     )
     parser.add_argument("--confidence-threshold", type=float, default=None,
                         help="drafts with a confidence head (DSpark) only: stop each drafted block at the first slot "
@@ -73,6 +92,22 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--prompts", default=None,
                         help="JSONL file of prompts (input_ids, text/prompt or messages lines; default with "
                         "the embedded tiny target: examples/prompts_tiny_target.jsonl).")
+    parser.add_argument("--benchmark", choices=BENCHMARK_NAMES, default=None,
+                        help="a published prompt set instead of --prompts, read from --benchmark-file in its "
+                        "published layout and asked as the DFlash papers' evaluation asks it (chat template, "
+                        "MT-Bench's second turn after the decode's own first answer).")
+    parser.add_argument("--benchmark-file", default=None,
+                        help="the --benchmark set's file as published (JSONL, JSON array or Parquet); nothing "
+                        "is downloaded.")
+    parser.add_argument("--num-samples", type=int, default=1,
+                        help="decode each benchmark question this many times, each with its own seeds (for "
+                        "--temperature > 0); acceptance is averaged over all of them.")
+    parser.add_argument("--thinking", choices=("on", "off"), default=None,
+                        help="the chat template's enable_thinking: off unless 'on' with --benchmark (as the papers "
+                        "measure); with --prompts, left to the template unless given.")
+    parser.add_argument("--compare", nargs="+", default=None, metavar="REPORT",
+                        help="REPORT.json: print it next to this run's report, per category and overall, with "
+                        "the differences; two reports A.json B.json: compare them without decoding.")
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --target); needed "
                         "for 'text'/'prompt'/'messages' lines and for the decoded text of the report.")
     parser.add_argument("--max-new-tokens", type=int, default=256)
@@ -80,7 +115,8 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0, help="0 = off.")
     parser.add_argument("--batch-size", type=int, default=1, help="prompts decoded together.")
-    parser.add_argument("--limit", type=int, default=None, help="use only the first N prompts.")
+    parser.add_argument("--limit", type=int, default=None,
+                        help="use only the first N prompts (--benchmark: questions).")
     parser.add_argument("--output", default=None, help="write the JSON report here.")
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu.")
     parser.add_argument("--dtype", choices=DTYPES, default=None,
@@ -118,11 +154,46 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         parser.error("--top-k must be >= 0")
     if args.confidence_threshold is not None and not 0 <= args.confidence_threshold <= 1:
         parser.error("--confidence-threshold must be in [0, 1]")
+    if args.num_samples < 1:
+        parser.error("--num-samples must be >= 1")
+    _check_modes(parser, args)
+    if compare_only(args):
+        return args
     try:
         check_paths(args)
     except UsageError as err:
         usage_error(PROG, str(err))
     return args
+
+
+def compare_only(args: argparse.Namespace) -> bool:
+    """--compare A.json B.json: two reports side by side, nothing decoded."""
+    return args.compare is not None and len(args.compare) == 2
+
+
+def _check_modes(parser: ArgumentParser, args: argparse.Namespace) -> None:
+    """Which flags go together: --benchmark with its file and without --prompts, --compare with one or two
+    reports, --draft unless two reports are compared."""
+    if args.compare is not None:
+        if len(args.compare) > 2:
+            parser.error("--compare takes one report (compared with this run's) or two (compared with each other)")
+        for path in args.compare:
+            if not os.path.isfile(path):
+                parser.error(f"--compare {path}: no such report file")
+        if compare_only(args):
+            return
+    if args.draft is None:
+        parser.error("--draft is required (except with --compare A.json B.json)")
+    if args.benchmark is None:
+        if args.benchmark_file is not None:
+            parser.error("--benchmark-file needs --benchmark NAME (which set the file holds)")
+        return
+    if args.prompts is not None:
+        parser.error("--benchmark and --prompts are alternatives: give one")
+    if args.benchmark_file is None:
+        parser.error(missing_file_message(args.benchmark))
+    if not os.path.exists(args.benchmark_file):
+        parser.error(f"--benchmark-file {args.benchmark_file}: no such file")
 
 
 def _looks_like_hub_id(name: str) -> bool:
@@ -140,15 +211,20 @@ def check_paths(args: argparse.Namespace) -> None:
 
     if args.target is None:
         args.target = embedded_target_dir()
-    if args.prompts is None and matches_recipe(args.target):  # the embedded tiny target (shipped or built)
+    benchmark = args.benchmark is not None
+    if args.prompts is None and not benchmark and matches_recipe(args.target):  # the embedded tiny target
         args.prompts = SHIPPED_PROMPTS
     if not _looks_like_hub_id(args.target):
         require_dir("--target", args.target, "HF model directory", must_contain="config.json")
-    if args.prompts is None:
-        raise UsageError("--prompts is required with a --target other than the embedded tiny target.")
+    if args.prompts is None and not benchmark:
+        raise UsageError("--prompts (or --benchmark) is required with a --target other than the embedded tiny "
+                         "target.")
     if not looks_like_save_dir(args.draft):  # else a megatron checkpoint, checked when it is read
         require_dir("--draft", args.draft, "HF draft directory", must_contain="config.json")
-    require_file("--prompts", args.prompts, "prompt file")
+    if benchmark:
+        read_benchmark_items(args)  # a bad record is named before torch loads
+    else:
+        require_file("--prompts", args.prompts, "prompt file")
     if args.tokenizer is not None and not _looks_like_hub_id(args.tokenizer):
         require_dir("--tokenizer", args.tokenizer, "tokenizer directory")
 
@@ -222,13 +298,14 @@ class _Tokenizer:
             return None
 
 
-def read_prompts(path: str, limit: Optional[int], tokenizer: _Tokenizer) -> tuple[list[list[int]], list[str]]:
+def read_prompts(path: str, limit: Optional[int], tokenizer: _Tokenizer,
+                 template_kwargs: Optional[dict] = None) -> tuple[list[list[int]], list[str]]:
     """Token ids of every prompt, and a warning for each prompt that is mostly unknown tokens."""
     from megatron_dflash.data.prompts import PromptError, read_prompt_file, tokenize_prompt, unknown_token_warning
 
     try:
         items = read_prompt_file(path, limit)
-        prompts = [tokenize_prompt(item, tokenizer.get) for item in items]
+        prompts = [tokenize_prompt(item, tokenizer.get, template_kwargs) for item in items]
     except PromptError as err:
         raise UsageError(str(err)) from None
     warnings = []
@@ -236,6 +313,32 @@ def read_prompts(path: str, limit: Optional[int], tokenizer: _Tokenizer) -> tupl
         tok = tokenizer.get()
         warnings = [w for w in (unknown_token_warning(ids, tok, item.where) for item, ids in zip(items, prompts)) if w]
     return prompts, warnings
+
+
+def read_prompt_categories(path: str, limit: Optional[int]) -> list[Optional[str]]:
+    """Each prompt line's category (None where the line names none)."""
+    from megatron_dflash.data.prompts import PromptError, prompt_category, read_prompt_file
+
+    try:
+        return [prompt_category(item) for item in read_prompt_file(path, limit)]
+    except PromptError as err:
+        raise UsageError(str(err)) from None
+
+
+def read_benchmark_items(args: argparse.Namespace) -> list:
+    """The questions of --benchmark-file (a `UsageError` naming file:line and field for a bad record)."""
+    from megatron_dflash.data.benchmarks import BenchmarkError, read_benchmark
+
+    try:
+        return read_benchmark(args.benchmark, args.benchmark_file, args.limit)
+    except BenchmarkError as err:
+        raise UsageError(str(err)) from None
+
+
+def template_kwargs(args: argparse.Namespace) -> dict:
+    """The chat template's kwargs: enable_thinking as --thinking says (off by default with --benchmark)."""
+    thinking = args.thinking or ("off" if args.benchmark else None)
+    return {} if thinking is None else {"enable_thinking": thinking == "on"}
 
 
 def load_target(path: str, device, dtype):
@@ -380,9 +483,18 @@ class _Run:
         self.dtype_name = args.dtype or ("bfloat16" if self.device.type == "cuda" else "float32")
         dtype = getattr(torch, self.dtype_name)
         tokenizer = _Tokenizer(args.tokenizer or args.target)
-        self.prompts, prompt_warnings = read_prompts(args.prompts, args.limit, tokenizer)
-        for warning in prompt_warnings:
-            print(warning, file=sys.stderr, flush=True)
+        self.template_kwargs = template_kwargs(args)
+        self.items: list = []  # the benchmark's questions (--benchmark)
+        self.categories: list = []  # each --prompts line's category
+        if args.benchmark:
+            self.items = read_benchmark_items(args)
+            tokenizer.get()  # the questions are text: a bad --tokenizer / --target is named before the models load
+            self.prompts = []  # filled turn by turn as they are decoded (`_benchmark_rows`)
+        else:
+            self.prompts, prompt_warnings = read_prompts(args.prompts, args.limit, tokenizer, self.template_kwargs)
+            self.categories = read_prompt_categories(args.prompts, args.limit)
+            for warning in prompt_warnings:
+                print(warning, file=sys.stderr, flush=True)
         try:
             self.target = load_target(args.target, self.device, dtype)
         except (OSError, ValueError) as err:  # a hub id that does not resolve, a broken directory
@@ -419,8 +531,26 @@ class _Run:
             temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, confidence_threshold=a.confidence_threshold,
         )
 
+    def turn_ids(self, prompt) -> list[int]:
+        """Token ids of one benchmark turn (a `decoding.benchmark_turns.TurnPrompt`): its chat through the
+        target's chat template with the generation prompt (`data.prompts.tokenize_prompt`)."""
+        from megatron_dflash.data.prompts import PromptError, PromptRecord, tokenize_prompt
+
+        try:
+            return tokenize_prompt(PromptRecord({"messages": prompt.messages}, prompt.where), self.decode,
+                                   self.template_kwargs)
+        except PromptError as err:
+            raise UsageError(str(err)) from None
+
     def warm_up(self) -> None:
-        for _, batch in list(batches(self.prompts, self.args.batch_size))[: self.args.warmup]:
+        if self.args.benchmark:  # the first turns of the first questions
+            from megatron_dflash.decoding.benchmark_turns import TurnPrompt, turn_messages
+
+            warm = [self.turn_ids(TurnPrompt(item, 0, 0, turn_messages(item, []), 0))
+                    for item in self.items[: self.args.batch_size]]
+        else:
+            warm = self.prompts
+        for _, batch in list(batches(warm, self.args.batch_size))[: self.args.warmup]:
             self.spec(list(batch))
             if not self.args.no_baseline:
                 self.baseline(self.target, batch, min(8, self.args.max_new_tokens), self.stop_tokens, self.device)
@@ -431,32 +561,101 @@ def evaluate(args: argparse.Namespace) -> dict:
     per-prompt rows)."""
     run = _Run(args)
     run.warm_up()
-    per_prompt, spec_time, totals = _speculative_rows(run)
+    per_prompt, spec_time, totals = (_benchmark_rows if args.benchmark else _speculative_rows)(run)
     baseline = None if args.no_baseline else _baseline(run, per_prompt)
     summary = _summary(run, per_prompt, spec_time, totals, baseline)
-    return {"settings": _settings(run), "summary": summary, "prompts": per_prompt}
+    return {"settings": _settings(run), "summary": summary, "categories": category_table(per_prompt),
+            "prompts": per_prompt}
+
+
+def _time_shares(seconds: float, tokens: list[int]) -> list[float]:
+    """A batch's time shared among its rows by the tokens each generated (the per-category speedups)."""
+    total = sum(tokens)
+    return [seconds * t / total for t in tokens] if total else [seconds / len(tokens)] * len(tokens)
+
+
+def _spec_batch(run: _Run, batch: list[list[int]], totals: dict) -> tuple:
+    """One batch through `spec_generate`, timed: its output, its seconds; the forward counts added to `totals`."""
+    _sync(run.device)
+    began = time.perf_counter()
+    out = run.spec(batch)
+    _sync(run.device)
+    seconds = time.perf_counter() - began
+    totals["target_forwards"] += out.num_target_forwards
+    totals["prefill_forwards"] += out.num_prefill_forwards
+    totals["draft_forwards"] += out.num_draft_forwards
+    return out, seconds
+
+
+def _batch_rows(run: _Run, start: int, batch: list[list[int]], out, seconds: float) -> list[dict]:
+    """The report rows of one decoded batch, each with its share of the batch's time."""
+    rows = [_prompt_row(run, start + row, batch[row], out.generated(row), out.acceptance_lengths[row],
+                        bool(out.stopped[row])) for row in range(len(batch))]
+    for row, share in zip(rows, _time_shares(seconds, [r["generated_tokens"] for r in rows])):
+        row["spec_seconds"] = share
+    return rows
+
+
+def _new_totals() -> dict:
+    return {"target_forwards": 0, "prefill_forwards": 0, "draft_forwards": 0}
 
 
 def _speculative_rows(run: _Run) -> tuple[list, float, dict]:
     """Every prompt through `spec_generate`: its report row, the decoding time and the batched forward counts."""
-    per_prompt, spec_time = [], 0.0
-    totals = {"target_forwards": 0, "prefill_forwards": 0, "draft_forwards": 0}
+    per_prompt, spec_time, totals = [], 0.0, _new_totals()
     bar = progress(len(run.prompts), "spec_generate")
     for start, batch in batches(run.prompts, run.args.batch_size):
-        _sync(run.device)
-        began = time.perf_counter()
-        out = run.spec(batch)
-        _sync(run.device)
-        spec_time += time.perf_counter() - began
-        totals["target_forwards"] += out.num_target_forwards
-        totals["prefill_forwards"] += out.num_prefill_forwards
-        totals["draft_forwards"] += out.num_draft_forwards
-        for row in range(len(batch)):
-            per_prompt.append(_prompt_row(run, start + row, batch[row], out.generated(row),
-                                          out.acceptance_lengths[row], bool(out.stopped[row])))
+        out, seconds = _spec_batch(run, batch, totals)
+        spec_time += seconds
+        rows = _batch_rows(run, start, batch, out, seconds)
+        for row in rows:
+            if run.categories[row["index"]] is not None:
+                row["category"] = run.categories[row["index"]]
+        per_prompt.extend(rows)
         bar.update(len(batch))
     bar.close()
     return per_prompt, spec_time, totals
+
+
+def _benchmark_rows(run: _Run) -> tuple[list, float, dict]:
+    """Every turn of every sample of the benchmark's questions through `spec_generate`, turn by turn (a later
+    turn after the decode's own earlier answers, `decoding.benchmark_turns`); each batch's draws seeded with its
+    first prompt's seed. Rows ordered by question, sample, turn; `run.prompts` becomes their token ids (for the
+    baseline)."""
+    from megatron_dflash.data.prompts import unknown_token_warning
+    from megatron_dflash.decoding.benchmark_turns import run_benchmark_turns
+
+    a, clock, totals = run.args, [0.0], _new_totals()
+    bar = progress(sum(len(item.turns) for item in run.items) * a.num_samples, "spec_generate")
+
+    def decode(prompts: list) -> list:
+        ids = [run.turn_ids(p) for p in prompts]
+        for p, p_ids in zip(prompts, ids):
+            warning = unknown_token_warning(p_ids, run.decode, p.where) if p.turn == 0 and p.sample == 0 else None
+            if warning:
+                print(warning, file=sys.stderr, flush=True)
+        results = []
+        for start, batch in batches(list(range(len(prompts))), a.batch_size):
+            run.generator.manual_seed(prompts[batch[0]].seed)
+            out, seconds = _spec_batch(run, [ids[k] for k in batch], totals)
+            clock[0] += seconds
+            for k, row in zip(batch, _batch_rows(run, 0, [ids[k] for k in batch], out, seconds)):
+                p = prompts[k]
+                row.update({"set": p.item.set, "category": p.item.category, "question_id": p.item.question_id,
+                            "turn": p.turn + 1, "sample": p.sample, "seed": p.seed})
+                answer = run.decode.decode(row["generated_ids"], skip_special_tokens=True)
+                results.append((answer, (row, ids[k])))
+            bar.update(len(batch))
+        return results
+
+    done = run_benchmark_turns(run.items, decode, num_samples=a.num_samples, seed=a.seed)
+    bar.close()
+    per_prompt = []
+    for index, (_, (row, ids)) in enumerate(done):
+        row["index"] = index
+        per_prompt.append(row)
+        run.prompts.append(ids)
+    return per_prompt, clock[0], totals
 
 
 def _prompt_row(run: _Run, index: int, prompt: list[int], generated: list[int], cycles: list[int],
@@ -489,10 +688,12 @@ def _baseline(run: _Run, per_prompt: list) -> dict:
         began = time.perf_counter()
         generated = run.baseline(run.target, batch, run.args.max_new_tokens, run.stop_tokens, run.device)
         _sync(run.device)
-        ar_time += time.perf_counter() - began
-        for row, ids in enumerate(generated):
+        seconds = time.perf_counter() - began
+        ar_time += seconds
+        for row, (ids, share) in enumerate(zip(generated, _time_shares(seconds, [len(g) for g in generated]))):
             ar_tokens += len(ids)
             matches += ids == per_prompt[start + row]["generated_ids"]
+            per_prompt[start + row].update({"autoregressive_tokens": len(ids), "autoregressive_seconds": share})
         bar.update(len(batch))
     bar.close()
     greedy_match = matches / len(run.prompts) if run.args.temperature == 0 else None
@@ -552,6 +753,11 @@ def _settings(run: _Run) -> dict:
         "target": args.target,
         "draft": args.draft,
         "prompts": args.prompts,
+        "benchmark": args.benchmark,
+        "benchmark_file": args.benchmark_file,
+        "questions": len(run.items) if args.benchmark else None,
+        "num_samples": args.num_samples if args.benchmark else 1,
+        "chat_template_kwargs": run.template_kwargs,
         "draft_architecture": type(run.draft).__name__,
         "target_kv_cache": run.target_kv_cache,  # False: spec_generate recomputes the target every cycle
         "baseline": "generate" if run.baseline is autoregressive_greedy else "recomputed",
@@ -604,9 +810,17 @@ def _short(text: str, width: int = 60) -> str:
     return json.dumps(text if len(text) <= width else text[: width - 3] + "...")
 
 
+def _prompt_tag(p: dict) -> str:
+    """A benchmark row's question, turn and sample (nothing for a --prompts row)."""
+    if "turn" not in p:
+        return ""
+    sample = f" sample {p['sample']}" if p["sample"] else ""
+    return f" [{p['category']} {p['question_id']} turn {p['turn']}{sample}]"
+
+
 def print_report(report: dict) -> None:
     for p in report["prompts"]:
-        line = (f"prompt {p['index']:4d}: acceptance length {_fmt(p['mean_acceptance_length'])} "
+        line = (f"prompt {p['index']:4d}{_prompt_tag(p)}: acceptance length {_fmt(p['mean_acceptance_length'])} "
                 f"over {len(p['acceptance_lengths'])} cycles, {p['generated_tokens']} tokens, "
                 f"{_fmt(p['tokens_per_target_forward'])} tokens/target forward")
         if "prompt_text" in p:
@@ -633,6 +847,39 @@ def print_report(report: dict) -> None:
             print(f"  {s['speedup_note']}")
         if s.get("greedy_outputs_identical_fraction") is not None:
             print(f"greedy outputs identical:    {s['greedy_outputs_identical_fraction']:.0%}")
+    if len(report["categories"]) > 1 or report["settings"].get("benchmark"):
+        print(format_category_table(report["categories"]))
+
+
+def print_comparison(first: dict, first_name: str, second: dict, second_name: str) -> None:
+    """Two reports side by side, per category and overall (a `UsageError` when one holds no usable rows)."""
+    try:
+        comparison = compare_reports(first, second)
+    except (KeyError, TypeError, AttributeError) as err:
+        raise UsageError(f"--compare {first_name}: not a report of this tool ({type(err).__name__}: "
+                         f"{str(err).splitlines()[0] if str(err) else ''}).") from None
+    print(format_comparison(comparison, first_name, second_name))
+
+
+def _load_report(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            report = json.load(f)
+    except (OSError, ValueError) as err:
+        raise UsageError(f"--compare {path}: cannot read the report ({type(err).__name__}).") from None
+    if not isinstance(report, dict) or not isinstance(report.get("prompts", []), list):
+        raise UsageError(f"--compare {path}: not a report of this tool (no 'prompts' rows).")
+    _comparable(report, path)
+    return report
+
+
+def _comparable(report: dict, path: str) -> None:
+    """A `UsageError` naming `path` unless its per-category table can be read or computed."""
+    try:
+        compare_reports(report, report)
+    except (KeyError, TypeError, AttributeError) as err:
+        raise UsageError(f"--compare {path}: not a report of this tool ({type(err).__name__}: "
+                         f"{str(err).splitlines()[0] if str(err) else ''}).") from None
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -642,14 +889,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     quiet_dependency_warnings()
     args = parse_args(argv)
     try:
+        base = _load_report(args.compare[0]) if args.compare else None  # named before the models load
+        if compare_only(args):
+            print_comparison(base, args.compare[0], _load_report(args.compare[1]), args.compare[1])
+            return 0
         report = evaluate(args)
+        print_report(report)
+        if base is not None:
+            print_comparison(base, args.compare[0], report, args.output or "this run")
     except UsageError as err:
         print(f"{PROG}: error: {err}", file=sys.stderr, flush=True)
         return 2
     except (ValueError, OSError) as err:  # unreadable or mismatched files, bad decoding inputs
         report_failure(PROG, err)
         return 1
-    print_report(report)
     if args.output:
         try:
             write_report(args.output, report)

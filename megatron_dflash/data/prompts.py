@@ -9,6 +9,9 @@ Each non-blank line is a JSON object with one of these fields::
                                                       generation prompt; a trailing assistant
                                                       turn (the reference answer) is dropped
 
+A line may also name its ``"category"`` (a string): `tools/evaluate_acceptance.py` then reports the
+acceptance per category (`decoding.benchmark_report`); training evaluation ignores it.
+
 `pretrain_dflash.py --dflash-eval-prompts` and `tools/evaluate_acceptance.py --prompts` both read
 them with `read_prompt_file` + `tokenize_prompt`. Errors name the file and line (`PromptError`).
 """
@@ -24,6 +27,7 @@ __all__ = [
     "PromptError",
     "PromptRecord",
     "read_prompt_file",
+    "prompt_category",
     "read_data_prompts",
     "tokenize_prompt",
     "load_prompt_ids",
@@ -76,6 +80,14 @@ def read_prompt_file(path: str, limit: Optional[int] = None) -> list[PromptRecor
     if not records:
         raise PromptError(f"{path} holds no prompt.")
     return records
+
+
+def prompt_category(item: PromptRecord) -> Optional[str]:
+    """The line's ``category`` (None when it names none)."""
+    category = item.record.get("category")
+    if category is not None and (not isinstance(category, str) or not category.strip()):
+        raise PromptError(f"{item.where}: 'category' must be a non-empty string.")
+    return category
 
 
 def read_data_prompts(path: str, limit: Optional[int] = None) -> list[PromptRecord]:

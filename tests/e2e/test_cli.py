@@ -31,6 +31,7 @@ PRETRAIN = os.path.join(ROOT, "pretrain_dflash.py")
 CONVERT = os.path.join(ROOT, "tools", "convert_checkpoint.py")
 EVALUATE = os.path.join(ROOT, "tools", "evaluate_acceptance.py")
 SHIPPED_PROMPTS = os.path.join(ROOT, "examples", "prompts_tiny_target.jsonl")
+MT_BENCH_FIXTURE = os.path.join(ROOT, "examples", "mt_bench_tiny_target.jsonl")
 
 
 def _parsers():
@@ -108,6 +109,8 @@ print("torch loaded:", "torch" in sys.modules, "exit:", code)
     ([EVALUATE, "--target", ROOT, "--draft", "x"], f"--target {ROOT}: no config.json in it"),
     ([EVALUATE, "--draft", os.path.join(ROOT, "megatron_dflash", "assets", "tiny_target"), "--prompts", "/no.jsonl"],
      "--prompts /no.jsonl: no such prompt file."),
+    ([EVALUATE, "--draft", os.path.join(ROOT, "megatron_dflash", "assets", "tiny_target"), "--benchmark", "gsm8k",
+      "--benchmark-file", MT_BENCH_FIXTURE], f"{MT_BENCH_FIXTURE}:1: field 'question' is missing"),
     ([PRETRAIN, "--target", "/nonexistent"], "--target /nonexistent: no such HF model directory."),
     ([PRETRAIN, "--target", ROOT], f"--target {ROOT}: no config.json in it; expected a HF model directory."),
     ([PRETRAIN, "--data-format", "chat", "--train-data", "/no.jsonl"], "--train-data /no.jsonl: no such data file or directory."),
@@ -121,7 +124,7 @@ print("torch loaded:", "torch" in sys.modules, "exit:", code)
     ([PRETRAIN, "--dflash-eval-prompts", "/no.jsonl"], "--dflash-eval-prompts /no.jsonl: no such JSONL prompt file."),
     ([PRETRAIN, "--load", PRETRAIN], f"--load {PRETRAIN}: not a directory."),
 ], ids=["convert-missing-load", "convert-overlap", "evaluate-missing-target", "evaluate-missing-draft",
-        "evaluate-not-a-model", "evaluate-missing-prompts", "pretrain-missing-target", "pretrain-not-a-model",
+        "evaluate-not-a-model", "evaluate-missing-prompts", "evaluate-benchmark-record", "pretrain-missing-target", "pretrain-not-a-model",
         "pretrain-missing-train-data", "pretrain-data-is-a-directory", "pretrain-missing-valid-data",
         "pretrain-missing-indexed-prefix", "pretrain-missing-tokenizer", "pretrain-init-from-not-a-drafter",
         "pretrain-missing-eval-prompts", "pretrain-load-is-a-file"])
