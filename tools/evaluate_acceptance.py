@@ -75,6 +75,12 @@ def build_parser() -> ArgumentParser:
                         "the embedded tiny target: examples/prompts_tiny_target.jsonl).")
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --target); needed "
                         "for 'text'/'prompt'/'messages' lines and for the decoded text of the report.")
+    parser.add_argument("--chat-template", default=None,
+                        help="a Jinja chat template file (.jinja, or a JSON file with 'chat_template') for "
+                        "'messages' prompts instead of the tokenizer's: the one the draft was trained with.")
+    parser.add_argument("--chat-template-kwargs", default=None,
+                        help="a JSON object passed to apply_chat_template for 'messages' prompts, e.g. "
+                        "'{\"enable_thinking\": false}': the training run's --chat-template-kwargs.")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy.")
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -118,6 +124,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         parser.error("--top-k must be >= 0")
     if args.confidence_threshold is not None and not 0 <= args.confidence_threshold <= 1:
         parser.error("--confidence-threshold must be in [0, 1]")
+    args.template_kwargs = {}
+    if args.chat_template_kwargs is not None:
+        try:
+            args.template_kwargs = json.loads(args.chat_template_kwargs)
+        except ValueError as err:
+            parser.error(f"--chat-template-kwargs is not JSON ({err})")
+        if not isinstance(args.template_kwargs, dict):
+            parser.error("--chat-template-kwargs must be a JSON object, e.g. '{\"enable_thinking\": false}'")
     try:
         check_paths(args)
     except UsageError as err:
@@ -151,6 +165,8 @@ def check_paths(args: argparse.Namespace) -> None:
     require_file("--prompts", args.prompts, "prompt file")
     if args.tokenizer is not None and not _looks_like_hub_id(args.tokenizer):
         require_dir("--tokenizer", args.tokenizer, "tokenizer directory")
+    if args.chat_template is not None:
+        require_file("--chat-template", args.chat_template, "chat template file")
 
 
 # ================================================================================== progress
@@ -195,11 +211,12 @@ def progress(total: int, desc: str):
 # ================================================================================== loading
 
 
-class _Tokenizer:
-    """The tokenizer of --tokenizer / --target, loaded on first use; `get()` raises a UsageError."""
+class PromptTokenizer:
+    """The tokenizer of --tokenizer / --target (with --chat-template's template), loaded on first use; `get()`
+    raises a UsageError."""
 
-    def __init__(self, path: str):
-        self.path = path
+    def __init__(self, path: str, chat_template: Optional[str] = None):
+        self.path, self.chat_template = path, chat_template
         self._tokenizer = None
         self.error: Optional[str] = None
 
@@ -212,6 +229,13 @@ class _Tokenizer:
             except Exception as err:  # noqa: BLE001 - any loader failure is a bad --tokenizer/--target
                 self.error = f"cannot load a tokenizer from {self.path} ({type(err).__name__}); pass --tokenizer DIR"
                 raise UsageError(self.error + ".") from None
+            if self.chat_template is not None:  # the template the draft's data was rendered with
+                from megatron_dflash.data.chat import load_chat_template
+
+                try:
+                    self._tokenizer.chat_template = load_chat_template(self.chat_template)
+                except (OSError, ValueError) as err:
+                    raise UsageError(f"--chat-template {self.chat_template}: {err}") from None
         return self._tokenizer
 
     def maybe(self):
@@ -222,13 +246,15 @@ class _Tokenizer:
             return None
 
 
-def read_prompts(path: str, limit: Optional[int], tokenizer: _Tokenizer) -> tuple[list[list[int]], list[str]]:
-    """Token ids of every prompt, and a warning for each prompt that is mostly unknown tokens."""
+def read_prompts(path: str, limit: Optional[int], tokenizer: PromptTokenizer,
+                 template_kwargs: Optional[dict] = None) -> tuple[list[list[int]], list[str]]:
+    """Token ids of every prompt (chats rendered with ``template_kwargs``, --chat-template-kwargs), and a
+    warning for each prompt that is mostly unknown tokens."""
     from megatron_dflash.data.prompts import PromptError, read_prompt_file, tokenize_prompt, unknown_token_warning
 
     try:
         items = read_prompt_file(path, limit)
-        prompts = [tokenize_prompt(item, tokenizer.get) for item in items]
+        prompts = [tokenize_prompt(item, tokenizer.get, template_kwargs) for item in items]
     except PromptError as err:
         raise UsageError(str(err)) from None
     warnings = []
@@ -379,8 +405,8 @@ class _Run:
         self.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype_name = args.dtype or ("bfloat16" if self.device.type == "cuda" else "float32")
         dtype = getattr(torch, self.dtype_name)
-        tokenizer = _Tokenizer(args.tokenizer or args.target)
-        self.prompts, prompt_warnings = read_prompts(args.prompts, args.limit, tokenizer)
+        tokenizer = PromptTokenizer(args.tokenizer or args.target, args.chat_template)
+        self.prompts, prompt_warnings = read_prompts(args.prompts, args.limit, tokenizer, args.template_kwargs)
         for warning in prompt_warnings:
             print(warning, file=sys.stderr, flush=True)
         try:
@@ -552,6 +578,8 @@ def _settings(run: _Run) -> dict:
         "target": args.target,
         "draft": args.draft,
         "prompts": args.prompts,
+        "chat_template": args.chat_template,
+        "chat_template_kwargs": args.template_kwargs or None,
         "draft_architecture": type(run.draft).__name__,
         "target_kv_cache": run.target_kv_cache,  # False: spec_generate recomputes the target every cycle
         "baseline": "generate" if run.baseline is autoregressive_greedy else "recomputed",
