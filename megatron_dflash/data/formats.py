@@ -514,5 +514,5 @@ def write_records(path: str, records: Iterable[NormalizedRecord], *, style: Opti
         data = json.dumps(rows, ensure_ascii=False, indent=1) + "\n"
     else:
         data = "".join(record_to_json(row) + "\n" for row in rows)
-    write_file(path, data.encode("utf-8", "surrogatepass") if isinstance(data, str) else data)
+    write_file(path, data.encode("utf-8") if isinstance(data, str) else data)
     return len(rows)

@@ -260,7 +260,7 @@ def _first_difference(old, new, where: str = "") -> Optional[str]:
 
 
 def check_manifest(output: str, manifest: dict, *, rank: int = 0, wait_s: float = 600.0) -> None:
-    """Write `output/manifest.json` (rank 0), or check the one there: a rerun must regenerate the same thing.
+    """Write `output/_manifest.json` (rank 0), or check the one there: a rerun must regenerate the same thing.
     The other ranks wait for rank 0's (up to `wait_s` seconds): one writer, so no rank removes another's
     staged copy."""
     path = os.path.join(output, MANIFEST)
