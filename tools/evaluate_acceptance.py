@@ -110,6 +110,12 @@ def build_parser() -> ArgumentParser:
                         "the differences; two reports A.json B.json: compare them without decoding.")
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --target); needed "
                         "for 'text'/'prompt'/'messages' lines and for the decoded text of the report.")
+    parser.add_argument("--chat-template", default=None,
+                        help="a Jinja chat template file (.jinja, or a JSON file with 'chat_template') for "
+                        "'messages' prompts instead of the tokenizer's: the one the draft was trained with.")
+    parser.add_argument("--chat-template-kwargs", default=None,
+                        help="a JSON object passed to apply_chat_template for 'messages' prompts, e.g. "
+                        "'{\"enable_thinking\": false}': the training run's --chat-template-kwargs.")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy.")
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -156,6 +162,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         parser.error("--confidence-threshold must be in [0, 1]")
     if args.num_samples < 1:
         parser.error("--num-samples must be >= 1")
+    args.template_kwargs = {}
+    if args.chat_template_kwargs is not None:
+        try:
+            args.template_kwargs = json.loads(args.chat_template_kwargs)
+        except ValueError as err:
+            parser.error(f"--chat-template-kwargs is not JSON ({err})")
+        if not isinstance(args.template_kwargs, dict):
+            parser.error("--chat-template-kwargs must be a JSON object, e.g. '{\"enable_thinking\": false}'")
     _check_modes(parser, args)
     if compare_only(args):
         return args
@@ -227,6 +241,8 @@ def check_paths(args: argparse.Namespace) -> None:
         require_file("--prompts", args.prompts, "prompt file")
     if args.tokenizer is not None and not _looks_like_hub_id(args.tokenizer):
         require_dir("--tokenizer", args.tokenizer, "tokenizer directory")
+    if args.chat_template is not None:
+        require_file("--chat-template", args.chat_template, "chat template file")
 
 
 # ================================================================================== progress
@@ -271,11 +287,12 @@ def progress(total: int, desc: str):
 # ================================================================================== loading
 
 
-class _Tokenizer:
-    """The tokenizer of --tokenizer / --target, loaded on first use; `get()` raises a UsageError."""
+class PromptTokenizer:
+    """The tokenizer of --tokenizer / --target (with --chat-template's template), loaded on first use; `get()`
+    raises a UsageError."""
 
-    def __init__(self, path: str):
-        self.path = path
+    def __init__(self, path: str, chat_template: Optional[str] = None):
+        self.path, self.chat_template = path, chat_template
         self._tokenizer = None
         self.error: Optional[str] = None
 
@@ -288,6 +305,13 @@ class _Tokenizer:
             except Exception as err:  # noqa: BLE001 - any loader failure is a bad --tokenizer/--target
                 self.error = f"cannot load a tokenizer from {self.path} ({type(err).__name__}); pass --tokenizer DIR"
                 raise UsageError(self.error + ".") from None
+            if self.chat_template is not None:  # the template the draft's data was rendered with
+                from megatron_dflash.data.chat import load_chat_template
+
+                try:
+                    self._tokenizer.chat_template = load_chat_template(self.chat_template)
+                except (OSError, ValueError) as err:
+                    raise UsageError(f"--chat-template {self.chat_template}: {err}") from None
         return self._tokenizer
 
     def maybe(self):
@@ -298,9 +322,10 @@ class _Tokenizer:
             return None
 
 
-def read_prompts(path: str, limit: Optional[int], tokenizer: _Tokenizer,
+def read_prompts(path: str, limit: Optional[int], tokenizer: PromptTokenizer,
                  template_kwargs: Optional[dict] = None) -> tuple[list[list[int]], list[str]]:
-    """Token ids of every prompt, and a warning for each prompt that is mostly unknown tokens."""
+    """Token ids of every prompt (chats rendered with ``template_kwargs``, --chat-template-kwargs), and a
+    warning for each prompt that is mostly unknown tokens."""
     from megatron_dflash.data.prompts import PromptError, read_prompt_file, tokenize_prompt, unknown_token_warning
 
     try:
@@ -336,9 +361,14 @@ def read_benchmark_items(args: argparse.Namespace) -> list:
 
 
 def template_kwargs(args: argparse.Namespace) -> dict:
-    """The chat template's kwargs: enable_thinking as --thinking says (off by default with --benchmark)."""
-    thinking = args.thinking or ("off" if args.benchmark else None)
-    return {} if thinking is None else {"enable_thinking": thinking == "on"}
+    """The chat template's kwargs: --chat-template-kwargs, with enable_thinking as --thinking says (off by
+    default with --benchmark, as the papers measure, unless --chat-template-kwargs sets it)."""
+    kwargs = dict(args.template_kwargs)
+    if args.thinking is not None:
+        kwargs["enable_thinking"] = args.thinking == "on"
+    elif args.benchmark:
+        kwargs.setdefault("enable_thinking", False)
+    return kwargs
 
 
 def load_target(path: str, device, dtype):
@@ -482,7 +512,7 @@ class _Run:
         self.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype_name = args.dtype or ("bfloat16" if self.device.type == "cuda" else "float32")
         dtype = getattr(torch, self.dtype_name)
-        tokenizer = _Tokenizer(args.tokenizer or args.target)
+        tokenizer = PromptTokenizer(args.tokenizer or args.target, args.chat_template)
         self.template_kwargs = template_kwargs(args)
         self.items: list = []  # the benchmark's questions (--benchmark)
         self.categories: list = []  # each --prompts line's category
@@ -757,7 +787,8 @@ def _settings(run: _Run) -> dict:
         "benchmark_file": args.benchmark_file,
         "questions": len(run.items) if args.benchmark else None,
         "num_samples": args.num_samples if args.benchmark else 1,
-        "chat_template_kwargs": run.template_kwargs,
+        "chat_template": args.chat_template,
+        "chat_template_kwargs": run.template_kwargs or None,
         "draft_architecture": type(run.draft).__name__,
         "target_kv_cache": run.target_kv_cache,  # False: spec_generate recomputes the target every cycle
         "baseline": "generate" if run.baseline is autoregressive_greedy else "recomputed",

@@ -2,8 +2,11 @@
 """Regenerate a chat data set's answers with the target, so a draft learns the target's own distribution.
 
 Strips the assistant turns of every conversation and asks the target for them, turn by turn, then writes
-the records in numbered shards with a manifest (`megatron_dflash/decoding/regenerate.py`). A rerun
-resumes: finished shards are skipped, the others redone; a manifest of other settings is refused.
+the records in numbered shards with a manifest (`megatron_dflash/decoding/regenerate.py`). The input is
+anything `--train-data` reads (JSONL, JSON array, Parquet, a `save_to_disk` directory or a directory of such
+files; OpenAI `messages` or ShareGPT `conversations` records); each record is written back in its own style,
+the shards in the input file's kind (JSONL for a directory), so the output directory is `--train-data` as it
+is. A rerun resumes: finished shards are skipped, the others redone; a manifest of other settings is refused.
 
 In this process, on the local devices (one rank, or one per `torchrun` process, each with its own shards):
     python tools/regenerate_data.py --input chats.jsonl --output regen/ --target Qwen/Qwen3-8B \\
@@ -15,7 +18,7 @@ From an OpenAI-compatible server (vLLM, SGLang, ...):
         --server http://127.0.0.1:8000 --model Qwen/Qwen3-8B --concurrency 64
 
 Exit status 0 when every record of this rank was written, 1 when some kept failing (named on stderr and in
-`shard-NNNNN.failed.json`; rerun to retry them), 2 for a bad command line or input.
+`_shard-NNNNN.failed.json`; rerun to retry them), 2 for a bad command line or input.
 """
 
 from __future__ import annotations
@@ -29,8 +32,9 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-from megatron_dflash.common.cli import ArgumentParser, UsageError, quiet_dependency_warnings, report_failure, report_interrupt, require_dir, require_file, usage_error  # noqa: E402,E501
+from megatron_dflash.common.cli import ArgumentParser, UsageError, quiet_dependency_warnings, report_failure, report_interrupt, require_dir, usage_error  # noqa: E402,E501
 from megatron_dflash.common.errors import DataError  # noqa: E402
+from megatron_dflash.data.formats import BAD_RECORD_MODES, DEFAULT_MAX_BAD_FRACTION, BadRecords, data_path_problem  # noqa: E402,E501  (no torch)
 from megatron_dflash.decoding.regenerate import Settings, regenerate  # noqa: E402  (no torch)
 
 PROG = "regenerate_data.py"
@@ -38,8 +42,12 @@ PROG = "regenerate_data.py"
 
 def build_parser() -> ArgumentParser:
     p = ArgumentParser(prog=PROG, description="Regenerate the assistant turns of a chat data set with the target.")
-    p.add_argument("--input", required=True, help="chat records, OpenAI 'messages' JSONL.")
-    p.add_argument("--output", required=True, help="output directory: manifest.json and shard-NNNNN.jsonl.")
+    p.add_argument("--input", required=True,
+                   help="chat records (OpenAI 'messages' or ShareGPT 'conversations'): a JSONL, .json (array) or "
+                   ".parquet file, a datasets save_to_disk directory or a directory of such files.")
+    p.add_argument("--output", required=True,
+                   help="output directory: _manifest.json and shard-NNNNN.<the input file's kind; jsonl for a "
+                   "directory>; usable as --train-data.")
     p.add_argument("--target", default=None, help="HF directory (or hub id) of the target, run in this process.")
     p.add_argument("--server", default=None, help="URL of an OpenAI-compatible server instead of --target.")
     p.add_argument("--model", default=None, help="the model name the server serves (with --server).")
@@ -55,6 +63,11 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="per-answer seeds are derived from it and the record id.")
     p.add_argument("--chat-template-kwargs", default=None,
                    help='JSON object for the chat template, e.g. \'{"enable_thinking": true}\'.')
+    p.add_argument("--bad-records", choices=BAD_RECORD_MODES, default="fail",
+                   help="records that are no chat (text records, a message without a role, non-string content): "
+                   "stop at the first (fail) or skip them, named.")
+    p.add_argument("--max-bad-fraction", type=float, default=DEFAULT_MAX_BAD_FRACTION,
+                   help="with --bad-records skip: refuse the input when more than this fraction of it is bad.")
     p.add_argument("--drop-truncated", action="store_true",
                    help="leave out records whose answer hit --max-new-tokens (default: kept, finish_reason 'length').")
     return p
@@ -79,6 +92,8 @@ def settings_of(args) -> Settings:
             raise UsageError(f"{flag} must be at least 1, got {value}.")
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         raise UsageError("--temperature must be >= 0 and --top-p in (0, 1].")
+    if not 0.0 <= args.max_bad_fraction <= 1.0:
+        raise UsageError(f"--max-bad-fraction must be in [0, 1], got {args.max_bad_fraction}.")
     return Settings(args.max_new_tokens, args.temperature, args.top_p, args.seed, kwargs)
 
 
@@ -108,7 +123,9 @@ def main(argv=None) -> int:
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     try:
         settings = settings_of(args)
-        require_file("--input", args.input)
+        problem = data_path_problem(args.input)
+        if problem is not None:
+            raise UsageError(f"--input {args.input}: {problem}")
         if args.target is not None and os.path.isdir(args.target):
             require_dir("--target", args.target, "HF model directory", must_contain="config.json")
     except UsageError as err:
@@ -117,7 +134,7 @@ def main(argv=None) -> int:
     try:
         summary = regenerate(args.input, args.output, backend_of(args, settings, rank), settings, target=target,
                              shard_size=args.shard_size, drop_truncated=args.drop_truncated, rank=rank,
-                             world_size=world)
+                             world_size=world, bad_records=BadRecords(args.bad_records, args.max_bad_fraction))
     except (DataError, ValueError, OSError) as err:
         report_failure(PROG, err)
         return 2

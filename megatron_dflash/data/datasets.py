@@ -21,7 +21,7 @@ import torch
 from ..common.errors import DataError
 from ..embedded_job.synthetic_corpus import conversations
 from .chat import ChatOptions, chat_roles, check_messages, render_chat, tokenize_chat, unicode_problem
-from .formats import BAD_RECORD_MODES, DEFAULT_MAX_BAD_FRACTION, NormalizedRecord, normalize_record, open_records
+from .formats import BAD_RECORD_MODES, DEFAULT_MAX_BAD_FRACTION, BadRecords, NormalizedRecord, normalize_record, open_records
 from .samples import Sample, check_seq_length, stable_sample_id
 
 __all__ = [
@@ -109,30 +109,8 @@ def _cut_chat(messages: list, budget: int) -> list:
 
 
 # --------------------------------------------------------------------------------------------------
-# Record datasets: chat and text records of any file format
+# Record datasets: chat and text records of any file format (bad ones by `formats.BadRecords`)
 # --------------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class BadRecords:
-    """The policy for records a dataset cannot use (not one of the formats, a message without a role, an
-    empty conversation, content that is not a string, a turn order the chat template refuses).
-
-    ``mode="fail"`` stops at the first one with its one-line error (file and line); ``"skip"`` names each
-    (the first `SHOWN_BAD_RECORDS` of them, then their count) and leaves it out, unless more than
-    ``max_fraction`` of the records are bad: then the data is refused (a converter that went wrong)."""
-
-    mode: str = "fail"
-    max_fraction: float = DEFAULT_MAX_BAD_FRACTION
-
-    def __post_init__(self):
-        if self.mode not in BAD_RECORD_MODES:
-            raise ValueError(f"bad records: mode must be one of {', '.join(BAD_RECORD_MODES)}, got {self.mode!r}.")
-        if not 0.0 <= self.max_fraction <= 1.0:
-            raise ValueError(f"bad records: max_fraction must be in [0, 1], got {self.max_fraction!r}.")
-
-
-SHOWN_BAD_RECORDS = 10
 
 
 def _make_sample(ids, mask, sample_id: int, seq_length: int) -> Sample:
@@ -178,25 +156,7 @@ class _RecordDataset(torch.utils.data.Dataset, abc.ABC):
 
     def _scan(self) -> list[int]:
         """Indices (in the source) of the usable records; the bad ones by `self.bad_records`."""
-        kept, bad = [], []
-        for index in range(len(self.source)):
-            try:
-                self._check(self.source.record(index), self.source.where(index))
-                kept.append(index)
-            except DataError as err:
-                if self.bad_records.mode == "fail":
-                    raise
-                bad.append(str(err))
-        total = len(self.source)
-        for message in bad[:SHOWN_BAD_RECORDS]:
-            self.log(f"[data] skipped: {message}")
-        if len(bad) > SHOWN_BAD_RECORDS:
-            self.log(f"[data] skipped {len(bad) - SHOWN_BAD_RECORDS} more bad records of {self.path}.")
-        if bad and len(bad) > self.bad_records.max_fraction * total:
-            raise DataError(f"{self.path}: {len(bad)} of {total} records are bad ({len(bad) / total:.1%}, more than "
-                            f"--max-bad-fraction {self.bad_records.max_fraction:g}); the first: {bad[0]}")
-        if bad:
-            self.log(f"[data] {self.path}: skipped {len(bad)} bad records of {total}.")
+        kept = self.bad_records.scan(self.source, self._check, self.log)
         if not kept:
             raise DataError(f"{type(self).__name__}: {self.path} has no samples (empty or only blank lines).")
         return kept

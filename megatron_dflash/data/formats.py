@@ -13,9 +13,13 @@ Records, detected one by one (`normalize_record`):
 - plain ``{"text": ...}``.
 
 A record source (`open_records`) gives random access to the records of a path with a name for each
-(``file:line`` for JSONL, ``file[index]`` otherwise), so a dataset keeps offsets, never the records.
-`read_records` yields ``(source_file, line_or_index, NormalizedRecord)`` for tools; `write_records` writes
-normalized records back in any of the formats. Nothing here loads torch.
+(``file:line`` for JSONL, ``file[index]`` otherwise), so a dataset keeps offsets, never the records. In a
+directory of files, names starting with ``.`` or ``_`` are not data (staged copies, bookkeeping such as a
+regeneration's ``_manifest.json``; the convention of Arrow and Spark datasets). `BadRecords` is the one
+policy for records that cannot be used (fatal, or skipped and named up to a ceiling), for the datasets and the
+tools alike. `read_records` yields ``(source_file, line_or_index, NormalizedRecord)`` for tools; `write_records`
+writes normalized records back in any of the formats, each record's other fields kept, through
+``common.atomic.write_file``. Nothing here loads torch.
 """
 
 from __future__ import annotations
@@ -25,10 +29,11 @@ import bisect
 import dataclasses
 import json
 import os
-from typing import Any, Iterable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 
+from ..common.atomic import write_file
 from ..common.errors import DataError
 
 __all__ = [
@@ -36,9 +41,13 @@ __all__ = [
     "BAD_RECORD_MODES",
     "DEFAULT_MAX_BAD_FRACTION",
     "SHAREGPT_ROLES",
+    "SHOWN_BAD_RECORDS",
+    "BadRecords",
     "NormalizedRecord",
     "normalize_record",
     "data_path_problem",
+    "data_files",
+    "file_kind",
     "RecordSource",
     "open_records",
     "read_records",
@@ -69,11 +78,13 @@ _FILE_KINDS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet"}
 class NormalizedRecord:
     """One record in the one form the data path uses: ``messages`` (role / string content, and
     ``reasoning_content`` when the record had one) for chats, ``text`` for plain text; ``style`` is the
-    format the record was written in (`RECORD_STYLES`)."""
+    format the record was written in (`RECORD_STYLES`); ``fields`` the record's other keys (an ``id``,
+    metadata), written back by `write_records`."""
 
     style: str
     messages: Optional[list] = None
     text: Optional[str] = None
+    fields: dict = dataclasses.field(default_factory=dict)
 
     @property
     def is_chat(self) -> bool:
@@ -146,14 +157,15 @@ def normalize_record(record: Any, where: str) -> NormalizedRecord:
                         f"or 'text'; this one has {what}.")
     style = present[0]
     value = record[style]
+    fields = {key: v for key, v in record.items() if key not in RECORD_STYLES}  # Arrow's null columns too
     if style == "text":
         if not isinstance(value, str):
             raise DataError(f"{where}: no text (expected a string under 'text', got {_kind(value)}).")
-        return NormalizedRecord("text", text=value)
+        return NormalizedRecord("text", text=value, fields=fields)
     if not isinstance(value, list) or not value:
         raise DataError(f"{where}: no messages (expected a non-empty list under '{style}').")
     messages = _openai_messages(value, where) if style == "messages" else _sharegpt_messages(value, where)
-    return NormalizedRecord(style, messages=messages)
+    return NormalizedRecord(style, messages=messages, fields=fields)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -311,7 +323,8 @@ class _ConcatSource(RecordSource):
         return source.record(i)
 
 
-def _file_kind(path: str) -> str:
+def file_kind(path: str) -> str:
+    """How a data file is read, by its extension: ``jsonl`` (also any unknown extension), ``json`` or ``parquet``."""
     return _FILE_KINDS.get(os.path.splitext(path)[1].lower(), "jsonl")
 
 
@@ -330,7 +343,23 @@ def _is_saved_dataset(path: str) -> bool:
 
 
 def _data_file_names(path: str) -> list:
-    return sorted(n for n in os.listdir(path) if os.path.splitext(n)[1].lower() in _FILE_KINDS)
+    """The data files of a directory, in name order; names starting with ``.`` or ``_`` are not data."""
+    return sorted(n for n in os.listdir(path)
+                  if os.path.splitext(n)[1].lower() in _FILE_KINDS and not n.startswith((".", "_")))
+
+
+def data_files(path: str) -> list:
+    """Every file whose bytes make the records of ``path``, in a fixed order (what a fingerprint of the data
+    hashes): the file itself, a directory's data files in name order, or all the files of a ``save_to_disk``
+    directory in name order."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        return [path]
+    if _is_saved_dataset(path):
+        names = sorted(n for n in os.listdir(path) if os.path.isfile(os.path.join(path, n)))
+    else:
+        names = _data_file_names(path)
+    return [os.path.join(path, n) for n in names]
 
 
 def data_path_problem(path: str) -> Optional[str]:
@@ -339,8 +368,8 @@ def data_path_problem(path: str) -> Optional[str]:
     if os.path.isdir(path):
         if _is_saved_dataset(path) or _data_file_names(path):
             return None
-        return ("a data directory holds .jsonl, .json or .parquet files, or was written by datasets' "
-                "save_to_disk; this one has none of them.")
+        return ("a data directory holds .jsonl, .json or .parquet files (names not starting with '.' or '_'), "
+                "or was written by datasets' save_to_disk; this one has none of them.")
     return None if os.path.isfile(path) else "no such data file or directory."
 
 
@@ -356,30 +385,80 @@ def open_records(path: str) -> RecordSource:
         return _ConcatSource(path, [open_records(os.path.join(path, n)) for n in _data_file_names(path)])
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} does not exist (expected a data file or directory).")
-    kind = _file_kind(path)
+    kind = file_kind(path)
     if kind == "parquet":
         datasets = need_datasets(f"{path} (Parquet)")
         return _ArrowSource(path, datasets.Dataset.from_parquet(path))
     return _ListSource(path) if kind == "json" else _JSONLSource(path)
 
 
-def read_records(path: str, *, on_bad: str = "fail", log=print) -> Iterator[tuple[str, int, NormalizedRecord]]:
-    """``(source_file, line_or_index, NormalizedRecord)`` of every record of ``path``: the line for JSONL
-    (1-based), the index in its file otherwise. A record that is not one of the formats raises its `DataError`
-    (``on_bad="fail"``) or is reported through ``log`` and skipped (``"skip"``)."""
-    if on_bad not in ("fail", "skip"):
-        raise ValueError(f"on_bad must be 'fail' or 'skip', got {on_bad!r}.")
+SHOWN_BAD_RECORDS = 10
+"""Skipped records named one by one; the rest are counted."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BadRecords:
+    """The policy for records that cannot be used (not one of the formats, a message without a role, an
+    empty conversation, content that is not a string, a turn order the chat template refuses; what counts as
+    bad is the reader's ``check``).
+
+    ``mode="fail"`` stops at the first one with its one-line error (file and line); ``"skip"`` names each
+    (the first `SHOWN_BAD_RECORDS` of them, then their count) and leaves it out, unless more than
+    ``max_fraction`` of the records are bad: then the data is refused (a converter that went wrong)."""
+
+    mode: str = "fail"
+    max_fraction: float = DEFAULT_MAX_BAD_FRACTION
+
+    def __post_init__(self):
+        if self.mode not in BAD_RECORD_MODES:
+            raise ValueError(f"bad records: mode must be one of {', '.join(BAD_RECORD_MODES)}, got {self.mode!r}.")
+        if not 0.0 <= self.max_fraction <= 1.0:
+            raise ValueError(f"bad records: max_fraction must be in [0, 1], got {self.max_fraction!r}.")
+
+    def scan(self, source: RecordSource, check: Callable[[Any, str], Any], log: Callable[[str], Any]) -> list:
+        """Indices (in ``source``) of the records ``check(record, where)`` accepts (it raises `DataError` for
+        a bad one); the bad ones fail, or are skipped and named through ``log``, by this policy."""
+        kept, bad = [], []
+        for index in range(len(source)):
+            try:
+                check(source.record(index), source.where(index))
+                kept.append(index)
+            except DataError as err:
+                if self.mode == "fail":
+                    raise
+                bad.append(str(err))
+        total = len(source)
+        for message in bad[:SHOWN_BAD_RECORDS]:
+            log(f"[data] skipped: {message}")
+        if len(bad) > SHOWN_BAD_RECORDS:
+            log(f"[data] skipped {len(bad) - SHOWN_BAD_RECORDS} more bad records of {source.path}.")
+        if bad and len(bad) > self.max_fraction * total:
+            raise DataError(f"{source.path}: {len(bad)} of {total} records are bad ({len(bad) / total:.1%}, more "
+                            f"than --max-bad-fraction {self.max_fraction:g}); the first: {bad[0]}")
+        if bad:
+            log(f"[data] {source.path}: skipped {len(bad)} bad records of {total}.")
+        return kept
+
+
+def read_records(path: str, *, bad_records: Optional[BadRecords] = None,
+                 check: Optional[Callable[[NormalizedRecord, str], Any]] = None,
+                 log=print) -> Iterator[tuple[str, int, NormalizedRecord]]:
+    """``(source_file, line_or_index, NormalizedRecord)`` of every usable record of ``path``: the line for JSONL
+    (1-based), the index in its file otherwise. A record that is not one of the formats, or that ``check``
+    (called with the normalized record and its name) refuses with a `DataError`, is bad: fatal or skipped by
+    ``bad_records`` (default: fatal), all of them found before the first record is yielded."""
+    policy = bad_records or BadRecords()
     source = open_records(path)
-    for index in range(len(source)):
-        try:
-            record = normalize_record(source.record(index), source.where(index))
-        except DataError as err:
-            if on_bad == "fail":
-                raise
-            log(f"[data] skipped: {err}")
-            continue
+
+    def accept(record, where):
+        normalized = normalize_record(record, where)
+        if check is not None:
+            check(normalized, where)
+        return normalized
+
+    for index in policy.scan(source, accept, log):
         file, line = source.location(index)
-        yield file, line, record
+        yield file, line, normalize_record(source.record(index), source.where(index))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -396,9 +475,9 @@ def _as_style(record: NormalizedRecord, style: str) -> dict:
     if not record.is_chat:
         if style != "text":
             raise ValueError(f"a text record cannot be written as {style!r}; write it with style='text'.")
-        return {"text": record.text}
+        return {**record.fields, "text": record.text}
     if style == "messages":
-        return {"messages": [dict(m) for m in record.messages]}
+        return {**record.fields, "messages": [dict(m) for m in record.messages]}
     if style == "conversations":
         turns = []
         for m in record.messages:
@@ -406,31 +485,34 @@ def _as_style(record: NormalizedRecord, style: str) -> dict:
             if m.get("reasoning_content") is not None:
                 turn["reasoning_content"] = m["reasoning_content"]
             turns.append(turn)
-        return {"conversations": turns}
+        return {**record.fields, "conversations": turns}
     raise ValueError(f"a chat record is written as 'messages' or 'conversations', not {style!r}.")
 
 
-def write_records(path: str, records: Iterable[NormalizedRecord], *, style: str = "messages") -> int:
-    """Write ``records`` to ``path`` in ``style`` (`RECORD_STYLES`; text records always as ``text``), as JSONL,
-    a JSON array (``.json``) or Parquet (``.parquet``, needs ``datasets``) by the file's extension; returns
-    the count. The file is written whole: into a sibling first, renamed at the end."""
-    path = os.fspath(path)
-    rows = [_as_style(r, "text" if not r.is_chat else style) for r in records]
-    tmp = f"{path}.tmp{os.getpid()}"
-    kind = _file_kind(path)
-    if kind == "parquet":
-        need_datasets(f"{path} (Parquet)")
-        import pyarrow as pa  # comes with datasets
-        import pyarrow.parquet as pq
+def _parquet_bytes(path: str, rows: list) -> bytes:
+    need_datasets(f"{path} (Parquet)")
+    import pyarrow as pa  # comes with datasets
+    import pyarrow.parquet as pq
 
-        columns = sorted({key for row in rows for key in row})  # from_pylist would take the first row's
-        pq.write_table(pa.Table.from_pylist([{key: row.get(key) for key in columns} for row in rows]), tmp)
+    columns = sorted({key for row in rows for key in row})  # from_pylist would take the first row's
+    sink = pa.BufferOutputStream()
+    pq.write_table(pa.Table.from_pylist([{key: row.get(key) for key in columns} for row in rows]), sink)
+    return sink.getvalue().to_pybytes()
+
+
+def write_records(path: str, records: Iterable[NormalizedRecord], *, style: Optional[str] = "messages") -> int:
+    """Write ``records`` to ``path`` in ``style`` (`RECORD_STYLES`; ``None``: each record in the style it was
+    read in; text records always as ``text``), each with its other ``fields``, as JSONL, a JSON array
+    (``.json``) or Parquet (``.parquet``, needs ``datasets``) by the file's extension; returns the count. The
+    file appears whole or not at all (``common.atomic.write_file``)."""
+    path = os.fspath(path)
+    rows = [_as_style(r, "text" if not r.is_chat else (style or r.style)) for r in records]
+    kind = file_kind(path)
+    if kind == "parquet":
+        data = _parquet_bytes(path, rows)
+    elif kind == "json":
+        data = json.dumps(rows, ensure_ascii=False, indent=1) + "\n"
     else:
-        with open(tmp, "w", encoding="utf-8") as f:
-            if kind == "json":
-                json.dump(rows, f, ensure_ascii=False, indent=1)
-                f.write("\n")
-            else:
-                f.writelines(record_to_json(row) + "\n" for row in rows)
-    os.replace(tmp, path)
+        data = "".join(record_to_json(row) + "\n" for row in rows)
+    write_file(path, data.encode("utf-8") if isinstance(data, str) else data)
     return len(rows)

@@ -8,11 +8,14 @@ user turn gets an answer to it as well (a prompts-only data set).
 
 Output (docs/design.md §8 Data path, "Regenerating the answers with the target"):
 
-    OUT/manifest.json        input fingerprint, target, sampling settings, shard size, truncation policy
+    OUT/_manifest.json       input fingerprint, target, sampling settings, shard size and kind, policies
     OUT/shard-00000.jsonl    records [0, shard_size) in input order, then the next shard, ...
-    OUT/shard-00003.failed.json   a shard some of whose records kept failing (their ids and errors)
+    OUT/_shard-00003.failed.json   a shard some of whose records kept failing (their ids and errors)
 
-Every record keeps its other fields and gets `finish_reason` ("stop", or "length" when an answer was cut
+Shards are files of the input's kind (`.jsonl`, `.json` or `.parquet`; JSONL for a directory input), so OUT
+is itself a data directory the training job reads (`--train-data OUT`: the names starting with `_` are not
+data, `data.formats`). Every record is written in the style it was read in (OpenAI `messages` or ShareGPT
+`conversations`), keeps its other fields and gets `finish_reason` ("stop", or "length" when an answer was cut
 at `max_new_tokens`; the conversation then ends with that answer) and `generation` (the settings). A
 shard is written whole (`common.atomic.write_file`) or not at all; shard `k` belongs to rank
 `k % world_size`, so ranks never share a file. A rerun skips the shards on disk, redoes the others, and
@@ -20,9 +23,9 @@ refuses an output directory whose manifest differs (one line naming the field). 
 from (seed, record id, turn), never from a rank, a batch or a position in a batch, so the output does not
 depend on how many ranks or how large batches were.
 
-Records are read and written through `read_records` / `write_records` (OpenAI `messages` JSONL): the one
-seam to the data set formats. No torch here: a rerun whose shards are all done, and the server back end,
-start in a fraction of a second.
+Records are read and written by `data.formats` (every file kind and record style the training job reads;
+bad records fail or are skipped by `formats.BadRecords`, as in training). No torch here: a rerun whose
+shards are all done, and the server back end, start in a fraction of a second.
 """
 
 from __future__ import annotations
@@ -37,15 +40,18 @@ from typing import Callable, Optional, Protocol, Sequence
 
 from ..common.atomic import remove_stale_siblings, write_file
 from ..common.errors import DataError
+from ..data.chat import CHAT_ROLES, check_messages
+from ..data.formats import BadRecords, NormalizedRecord, data_files, file_kind, open_records, normalize_record, \
+    write_records
 
 __all__ = [
     "MANIFEST", "MANIFEST_FORMAT", "Settings", "Request", "Answer", "RequestFailed", "AnswerBackend",
-    "Summary", "read_records", "write_records", "record_id", "answer_seed", "conversation_turns",
+    "Summary", "read_chats", "record_id", "answer_seed", "conversation_turns",
     "shard_path", "build_manifest", "check_manifest", "regenerate", "Progress",
 ]
 
-MANIFEST = "manifest.json"
-MANIFEST_FORMAT = "megatron-dflash regenerated chats v1"
+MANIFEST = "_manifest.json"  # '_': not a data file of the output directory (data.formats)
+MANIFEST_FORMAT = "megatron-dflash regenerated chats v2"
 ASSISTANT = "assistant"
 FINISH_REASONS = ("stop", "length")
 
@@ -95,37 +101,33 @@ class AnswerBackend(Protocol):
 # ------------------------------------------------------------------------------ the records seam
 
 
-def read_records(path: str) -> list[dict]:
-    """The chat records of `path` (OpenAI `messages` JSONL: one object per non-blank line)."""
-    records = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DataError(f"{path}:{line_no}: not JSON ({err.msg}); one chat object per line expected.")
-            if not isinstance(record, dict) or not isinstance(record.get("messages"), list) or not record["messages"]:
-                raise DataError(f"{path}:{line_no}: expected an object with a non-empty 'messages' list.")
-            for j, m in enumerate(record["messages"]):
-                if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                    raise DataError(f"{path}:{line_no}: message {j} must have a string 'role' and 'content'.")
-            records.append(record)
-    return records
+def _regenerable(record: NormalizedRecord, where: str) -> None:
+    """A record regeneration can answer: a chat (not a text record) of the chat roles with string contents."""
+    if not record.is_chat:
+        raise DataError(f"{where}: a text record has no turns to regenerate; give chat records (messages or "
+                        "conversations).")
+    check_messages(record.messages, where, CHAT_ROLES)
 
 
-def write_records(path: str, records: Sequence[dict]) -> None:
-    """Publish `records` as the JSONL file `path`, whole or not at all."""
-    write_file(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+def read_chats(path: str, bad_records: Optional[BadRecords] = None, log=print) -> list:
+    """``(index, NormalizedRecord)`` of the chat records of ``path`` (any file kind and record style of
+    ``data.formats``; ``index`` is the record's place in the input, bad records counted): the bad ones
+    (not a chat, a message without a role, non-string content, ...) fail or are skipped by ``bad_records``."""
+    source = open_records(path)
+
+    def accept(raw, where):
+        _regenerable(normalize_record(raw, where), where)
+
+    kept = (bad_records or BadRecords()).scan(source, accept, log)
+    return [(i, normalize_record(source.record(i), source.where(i))) for i in kept]
 
 
 # ------------------------------------------------------------------------------ conversations
 
 
-def record_id(record: dict, index: int) -> str:
+def record_id(record: NormalizedRecord, index: int) -> str:
     """The record's own `id` when it has one (a string or an integer), else its index in the input."""
-    rid = record.get("id")
+    rid = record.fields.get("id")
     return str(rid) if isinstance(rid, (str, int)) and not isinstance(rid, bool) else str(index)
 
 
@@ -154,9 +156,9 @@ def conversation_turns(messages: list) -> list[list]:
 class _Conversation:
     """One record being regenerated: its turns, the messages so far, and how it ended."""
 
-    def __init__(self, record: dict, rid: str):
+    def __init__(self, record: NormalizedRecord, rid: str):
         self.record, self.rid = record, rid
-        self.turns = conversation_turns(record["messages"])
+        self.turns = conversation_turns(record.messages)
         self.messages: list = []
         self.turn = 0
         self.finish_reason = "stop"
@@ -178,9 +180,10 @@ class _Conversation:
         self.turn += 1
         return result.tokens
 
-    def output(self, settings: Settings) -> dict:
-        return {**self.record, "messages": self.messages, "finish_reason": self.finish_reason,
-                "generation": settings.as_dict()}
+    def output(self, settings: Settings) -> NormalizedRecord:
+        """The regenerated record, in its input's style, with its other fields, `finish_reason` and `generation`."""
+        fields = {**self.record.fields, "finish_reason": self.finish_reason, "generation": settings.as_dict()}
+        return NormalizedRecord(self.record.style, messages=self.messages, fields=fields)
 
 
 def _regenerate_shard(records, ids, backend: AnswerBackend, settings: Settings, progress) -> list:
@@ -199,12 +202,17 @@ def _regenerate_shard(records, ids, backend: AnswerBackend, settings: Settings, 
 # ------------------------------------------------------------------------------ manifest and shards
 
 
-def shard_path(output: str, shard: int) -> str:
-    return os.path.join(output, f"shard-{shard:05d}.jsonl")
+def shard_kind(input_path: str) -> str:
+    """The output shards' file kind: the input file's (jsonl, json, parquet), JSONL for a directory input."""
+    return "jsonl" if os.path.isdir(input_path) else file_kind(input_path)
+
+
+def shard_path(output: str, shard: int, kind: str = "jsonl") -> str:
+    return os.path.join(output, f"shard-{shard:05d}.{kind}")
 
 
 def _failed_path(output: str, shard: int) -> str:
-    return os.path.join(output, f"shard-{shard:05d}.failed.json")
+    return os.path.join(output, f"_shard-{shard:05d}.failed.json")
 
 
 def file_sha256(path: str) -> str:
@@ -215,12 +223,25 @@ def file_sha256(path: str) -> str:
     return h.hexdigest()
 
 
+def input_sha256(path: str) -> str:
+    """The fingerprint of the input: its file's SHA-256, or for a directory one over the names and SHA-256s
+    of all its data files in order (`data.formats.data_files`)."""
+    if not os.path.isdir(path):
+        return file_sha256(path)
+    h = hashlib.sha256()
+    for file in data_files(path):
+        h.update(f"{os.path.relpath(file, path)}\x00{file_sha256(file)}\n".encode("utf-8", "surrogateescape"))
+    return h.hexdigest()
+
+
 def build_manifest(input_path: str, records: int, target: str, settings: Settings, shard_size: int,
-                   drop_truncated: bool) -> dict:
+                   drop_truncated: bool, bad_records: Optional[BadRecords] = None) -> dict:
     return {
         "format": MANIFEST_FORMAT,
-        "input_sha256": file_sha256(input_path),
+        "input_sha256": input_sha256(input_path),
         "input_records": records,
+        "bad_records": (bad_records or BadRecords()).mode,
+        "shard_kind": shard_kind(input_path),
         "target": target,
         "sampling": settings.as_dict(),
         "shard_size": shard_size,
@@ -239,7 +260,7 @@ def _first_difference(old, new, where: str = "") -> Optional[str]:
 
 
 def check_manifest(output: str, manifest: dict, *, rank: int = 0, wait_s: float = 600.0) -> None:
-    """Write `output/manifest.json` (rank 0), or check the one there: a rerun must regenerate the same thing.
+    """Write `output/_manifest.json` (rank 0), or check the one there: a rerun must regenerate the same thing.
     The other ranks wait for rank 0's (up to `wait_s` seconds): one writer, so no rank removes another's
     staged copy."""
     path = os.path.join(output, MANIFEST)
@@ -307,7 +328,7 @@ class Summary:
     failed: list = dataclasses.field(default_factory=list)  # (record id, reason)
 
 
-def _finish_shard(output, shard, conversations, settings, drop_truncated, summary) -> None:
+def _finish_shard(output, shard, kind, conversations, settings, drop_truncated, summary) -> None:
     failed = [(c.rid, c.failure) for c in conversations if c.failure]
     truncated = sum(c.finish_reason == "length" for c in conversations if not c.failure)
     if failed:
@@ -316,7 +337,7 @@ def _finish_shard(output, shard, conversations, settings, drop_truncated, summar
             [{"id": rid, "error": reason} for rid, reason in failed], indent=1) + "\n")
         return  # the shard stays undone: a rerun retries it whole
     kept = [c.output(settings) for c in conversations if not (drop_truncated and c.finish_reason == "length")]
-    write_records(shard_path(output, shard), kept)
+    write_records(shard_path(output, shard, kind), kept, style=None)  # each record in its input's style
     if os.path.exists(_failed_path(output, shard)):
         os.unlink(_failed_path(output, shard))
     summary.shards_written += 1
@@ -326,29 +347,33 @@ def _finish_shard(output, shard, conversations, settings, drop_truncated, summar
 
 def regenerate(input_path: str, output: str, backend: Callable[[], AnswerBackend], settings: Settings, *,
                target: str, shard_size: int = 1000, drop_truncated: bool = False, rank: int = 0,
-               world_size: int = 1, progress_stream=None) -> Summary:
-    """Regenerate the answers of `input_path` into `output` (this rank's shards); `backend` is called once,
-    only when a shard remains to do. `target` names the model in the manifest."""
+               world_size: int = 1, progress_stream=None, bad_records: Optional[BadRecords] = None) -> Summary:
+    """Regenerate the answers of `input_path` (a data file or directory, `data.formats`) into `output` (this
+    rank's shards); `backend` is called once, only when a shard remains to do. `target` names the model in
+    the manifest; `bad_records` says what becomes of records that are no chat (default: fatal)."""
     if shard_size < 1:
         raise ValueError(f"shard size must be at least 1, got {shard_size}.")
-    records = read_records(input_path)  # the seam to the data set formats
-    check_manifest(output, build_manifest(input_path, len(records), target, settings, shard_size, drop_truncated),
-                   rank=rank)
-    shards = range(rank, (len(records) + shard_size - 1) // shard_size, world_size)
+    stream = progress_stream or sys.stderr
+    quiet = lambda line: None  # noqa: E731 - the skipped records are named once, by rank 0
+    chats = read_chats(input_path, bad_records, log=(lambda line: print(line, file=stream)) if rank == 0 else quiet)
+    kind = shard_kind(input_path)
+    check_manifest(output, build_manifest(input_path, len(chats), target, settings, shard_size, drop_truncated,
+                                          bad_records), rank=rank)
+    shards = range(rank, (len(chats) + shard_size - 1) // shard_size, world_size)
     summary = Summary()
-    todo = [k for k in shards if not os.path.exists(shard_path(output, k))]
+    todo = [k for k in shards if not os.path.exists(shard_path(output, k, kind))]
     summary.shards_skipped = len(shards) - len(todo)
     if not todo:
         return summary
     answers = backend()
     label = f"rank {rank}: " if world_size > 1 else ""
-    progress = Progress(sum(len(records[k * shard_size:(k + 1) * shard_size]) for k in todo), label, progress_stream)
+    progress = Progress(sum(len(chats[k * shard_size:(k + 1) * shard_size]) for k in todo), label, progress_stream)
     for k in todo:
-        remove_stale_siblings(shard_path(output, k))  # a staged copy a killed run left
-        lo, hi = k * shard_size, min(len(records), (k + 1) * shard_size)
-        conversations = _regenerate_shard(records[lo:hi], [record_id(records[i], i) for i in range(lo, hi)],
-                                          answers, settings, progress)
-        _finish_shard(output, k, conversations, settings, drop_truncated, summary)
-        progress.update(hi - lo, 0, force=True)
+        remove_stale_siblings(shard_path(output, k, kind))  # a staged copy a killed run left
+        part = chats[k * shard_size:(k + 1) * shard_size]
+        conversations = _regenerate_shard([r for _, r in part], [record_id(r, i) for i, r in part], answers,
+                                          settings, progress)
+        _finish_shard(output, k, kind, conversations, settings, drop_truncated, summary)
+        progress.update(len(part), 0, force=True)
     progress.close()
     return summary

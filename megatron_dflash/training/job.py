@@ -230,11 +230,14 @@ def load_eval_prompts(path: str, tokenizer, limit: Optional[int] = None, log=Non
     return prompts
 
 
-def synthetic_eval_prompts(tokenizer, count: int, seed: int = EMBEDDED_SYNTHETIC_HELDOUT_SEED) -> list[list[int]]:
-    """The user turns of `count` held-out synthetic chats, rendered with the generation prompt."""
+def synthetic_eval_prompts(tokenizer, count: int, seed: int = EMBEDDED_SYNTHETIC_HELDOUT_SEED,
+                           template_kwargs: Optional[dict] = None) -> list[list[int]]:
+    """The user turns of `count` held-out synthetic chats, rendered with the generation prompt (and
+    ``template_kwargs``, the run's ``--chat-template-kwargs``, like the data)."""
     prompts = []
     for chat in conversations(seed, count):
-        out = tokenizer.apply_chat_template(chat[:1], tokenize=True, add_generation_prompt=True, return_dict=True)
+        out = tokenizer.apply_chat_template(chat[:1], tokenize=True, add_generation_prompt=True, return_dict=True,
+                                            **(template_kwargs or {}))
         prompts.append([int(t) for t in out["input_ids"]])
     return prompts
 
@@ -468,7 +471,7 @@ def _evaluation_prompts(args, tokenizer, target_dir: str, export_dir: str, vocab
         if n == 0:
             skip = "--dflash-eval-prompts 0"
         else:
-            eval_prompts = synthetic_eval_prompts(tokenizer, n)
+            eval_prompts = synthetic_eval_prompts(tokenizer, n, template_kwargs=chat_template_kwargs(args))
     else:
         eval_prompts = load_eval_prompts(source, tokenizer, log=log, template_kwargs=chat_template_kwargs(args))
     if eval_prompts is not None and args.target_backend != "hf":

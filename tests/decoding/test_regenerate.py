@@ -12,8 +12,8 @@ import pytest
 from chat_server import load_tiny_target, reference_messages
 from megatron_dflash.common.errors import DataError
 from megatron_dflash.decoding.local_answers import LocalAnswers
-from megatron_dflash.decoding.regenerate import (Progress, Settings, answer_seed, conversation_turns, read_records,
-                                                 regenerate, shard_path)
+from megatron_dflash.decoding.regenerate import (Progress, Settings, answer_seed, conversation_turns, regenerate,
+                                                 shard_path)
 from megatron_dflash.embedded_job import synthetic_corpus as sc
 from megatron_dflash.embedded_job.tiny_target import SHIPPED_TARGET_DIR
 
@@ -135,7 +135,7 @@ def test_a_manifest_of_other_settings_is_refused(chats, tmp_path, change, field)
     args = dict(input=chats, settings=settings, target="tiny", shard_size=3, drop_truncated=False)
     args.update(change)
     if args["input"] == "other":
-        records = read_records(chats)[:-1]
+        records = chat_records()[:-1]
         args["input"] = str(tmp_path.parent / "other.jsonl")
         with open(args["input"], "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in records)
@@ -168,3 +168,149 @@ def test_progress_says_records_and_tokens_per_second():
     progress.update(4, 30, force=True)
     line = stream.getvalue()
     assert line.startswith("rank 1: [") and " 4/8 records " in line and "records/s" in line and "tokens/s" in line
+
+
+# ------------------------------------------------------------------------------ every input kind and style
+
+SHAREGPT_FROM = {"user": "human", "assistant": "gpt", "system": "system"}
+
+
+def uniform_records() -> list:
+    """`chat_records()` with the same fields on every record (Arrow tables have one set of columns)."""
+    return [{"id": f"r{i}", "meta": {"n": i}, "messages": r["messages"]} for i, r in enumerate(chat_records())]
+
+
+def as_sharegpt(record: dict) -> dict:
+    turns = [{"from": SHAREGPT_FROM[m["role"]], "value": m["content"]} for m in record["messages"]]
+    return {**{k: v for k, v in record.items() if k != "messages"}, "conversations": turns}
+
+
+def with_parts(record: dict) -> dict:
+    """The first message's content as a list of two text parts; an assistant turn with reasoning_content."""
+    messages = [dict(m) for m in record["messages"]]
+    text = messages[0]["content"]
+    messages[0]["content"] = [{"type": "text", "text": text[:5]}, {"type": "text", "text": text[5:]}]
+    if len(messages) > 1:
+        messages[1]["reasoning_content"] = "thinking"  # an assistant turn: replaced by the target's answer
+    return {**record, "messages": messages}
+
+
+def write_input(kind: str, folder) -> tuple[str, str, str]:
+    """The records written as `kind` (by hand or by `datasets`, not by the package's writer): (input path, the
+    record style, the shards' extension)."""
+    import datasets
+
+    records = uniform_records()
+    if kind == "sharegpt.jsonl":
+        path = folder / kind
+        path.write_text("".join(json.dumps(as_sharegpt(r)) + "\n" for r in records))
+        return str(path), "conversations", "jsonl"
+    if kind == "messages.json":
+        path = folder / kind
+        path.write_text(json.dumps([with_parts(r) for r in records]))
+        return str(path), "messages", "json"
+    if kind == "sharegpt.parquet":
+        path = folder / kind
+        datasets.Dataset.from_list([as_sharegpt(r) for r in records]).to_parquet(str(path))
+        return str(path), "conversations", "parquet"
+    if kind == "saved":
+        path = folder / kind
+        datasets.Dataset.from_list(records).save_to_disk(str(path))
+        return str(path), "messages", "jsonl"
+    path = folder / "files"  # a directory of two JSONL files, read in name order
+    path.mkdir()
+    (path / "a.jsonl").write_text("".join(json.dumps(with_parts(r)) + "\n" for r in records[:4]))
+    (path / "b.jsonl").write_text("".join(json.dumps(as_sharegpt(r)) + "\n" for r in records[4:]))
+    return str(path), None, "jsonl"
+
+
+def read_shards(out, ext: str) -> list:
+    """The output records, read with json / pyarrow directly."""
+    import pyarrow.parquet as pq
+
+    names = sorted(n for n in os.listdir(out) if n.startswith("shard-"))
+    assert names and all(n.endswith("." + ext) for n in names)
+    rows = []
+    for n in names:
+        path = os.path.join(out, n)
+        if ext == "parquet":
+            rows += pq.read_table(path).to_pylist()
+        elif ext == "json":
+            rows += json.load(open(path, encoding="utf-8"))
+        else:
+            rows += [json.loads(line) for line in open(path, encoding="utf-8")]
+    return rows
+
+
+def turns_of(row: dict) -> list:
+    """A written record's turns as role / content messages (ShareGPT turns mapped by hand)."""
+    if "conversations" in row:
+        roles = {v: k for k, v in SHAREGPT_FROM.items()}
+        return [{"role": roles[t["from"]], "content": t["value"]} for t in row["conversations"]]
+    return [{k: m[k] for k in ("role", "content")} for m in row["messages"]]
+
+
+@pytest.mark.parametrize("kind", ["sharegpt.jsonl", "messages.json", "sharegpt.parquet", "saved", "files"])
+def test_every_input_kind_regenerates_the_targets_answers_in_its_own_style(kind, reference, tmp_path):
+    pytest.importorskip("datasets")
+    path, style, ext = write_input(kind, tmp_path)
+    settings = Settings(max_new_tokens=MAX_NEW)
+    out = tmp_path / "out"
+    summary = regenerate(path, str(out), local(settings, 4), settings, target="tiny", shard_size=4)
+    rows = read_shards(out, ext)
+    assert summary.records_written == len(rows) == len(reference) and not summary.failed
+    assert [turns_of(r) for r in rows] == [m for m, _ in reference]  # the per-record generate oracle
+    assert [r["finish_reason"] for r in rows] == [reason for _, reason in reference]
+    styles = [style] * len(rows) if style else ["messages"] * 4 + ["conversations"] * (len(rows) - 4)
+    assert ["conversations" if "conversations" in r else "messages" for r in rows] == styles
+    for i, r in enumerate(rows):  # the other fields stay; the settings are on every record
+        assert (r["id"], r["meta"]) == (f"r{i}", {"n": i})
+        assert {k: v for k, v in r["generation"].items() if v is not None} == \
+            {k: v for k, v in settings.as_dict().items() if v is not None}
+
+
+class EchoAnswers:
+    """A back end that answers every request with its last message's content (fast, for the bookkeeping)."""
+
+    def answer(self, requests):
+        from megatron_dflash.decoding.regenerate import Answer
+
+        return [Answer(q.messages[-1]["content"], "stop", 1) for q in requests]
+
+
+def test_bad_and_text_records_fail_or_are_skipped_named(tmp_path):
+    from megatron_dflash.data.formats import BadRecords
+
+    lines = [json.dumps(r) for r in chat_records()]
+    lines.insert(3, json.dumps({"text": "no turns here"}))
+    lines.insert(6, json.dumps({"messages": [{"content": "no role"}]}))
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(DataError, match=rf"^{path}:4: a text record has no turns to regenerate"):
+        regenerate(str(path), str(tmp_path / "a"), EchoAnswers, Settings(), target="echo")
+    with pytest.raises(DataError, match=r"2 of 12 records are bad .*more than --max-bad-fraction 0.1"):
+        regenerate(str(path), str(tmp_path / "b"), EchoAnswers, Settings(), target="echo",
+                   bad_records=BadRecords("skip", 0.1), progress_stream=io.StringIO())
+    said = io.StringIO()
+    summary = regenerate(str(path), str(tmp_path / "c"), EchoAnswers, Settings(), target="echo",
+                         bad_records=BadRecords("skip", 0.2), progress_stream=said)
+    assert summary.records_written == len(chat_records())
+    assert f"[data] skipped: {path}:4: a text record" in said.getvalue()
+    assert f"[data] skipped: {path}:7: message 0 must be an object with a 'role'" in said.getvalue()
+    ids = [r.get("id") for r in output_records(tmp_path / "c")]
+    assert ids == [r.get("id") for r in chat_records()]
+
+
+def test_a_directory_inputs_fingerprint_covers_each_of_its_files(tmp_path):
+    folder = tmp_path / "in"
+    folder.mkdir()
+    for name, part in (("a.jsonl", chat_records()[:5]), ("b.jsonl", chat_records()[5:])):
+        (folder / name).write_text("".join(json.dumps(r) + "\n" for r in part))
+    out = str(tmp_path / "out")
+    regenerate(str(folder), out, EchoAnswers, Settings(), target="echo", shard_size=3)
+    regenerate(str(folder), out, EchoAnswers, Settings(), target="echo", shard_size=3)  # the same: resumes
+    records = chat_records()[5:]
+    records[-1] = {**records[-1], "source": "edited"}
+    (folder / "b.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))  # same count, other bytes
+    with pytest.raises(DataError, match="another input fingerprint"):
+        regenerate(str(folder), out, EchoAnswers, Settings(), target="echo", shard_size=3)

@@ -44,7 +44,7 @@ def in_process(chats, tmp_path_factory):
 
 
 def shards(out) -> dict:
-    return {n: open(os.path.join(out, n), "rb").read() for n in sorted(os.listdir(out)) if n.startswith("shard-")}
+    return {n: open(os.path.join(out, n), "rb").read() for n in sorted(os.listdir(out)) if n.startswith(("shard-", "_shard-"))}
 
 
 def server_backend(url, **kw):
@@ -90,8 +90,8 @@ def test_a_record_that_keeps_failing_is_reported_and_retried_by_a_rerun(target, 
     err = capsys.readouterr().err
     assert "record 4 failed: 3 tries failed, the last with: HTTP 503" in err and "1 failed" in err
     assert not os.path.exists(shard_path(str(tmp_path), 1))  # record 4's shard is not written
-    assert json.load(open(tmp_path / "shard-00001.failed.json"))[0]["id"] == "4"
-    assert set(shards(tmp_path)) == {"shard-00000.jsonl", "shard-00001.failed.json", "shard-00002.jsonl"}
+    assert json.load(open(tmp_path / "_shard-00001.failed.json"))[0]["id"] == "4"
+    assert set(shards(tmp_path)) == {"shard-00000.jsonl", "_shard-00001.failed.json", "shard-00002.jsonl"}
     with ChatServer(*target) as server:  # the server recovered: a rerun does the missing shard only
         assert regen.main(argv + ["--server", server.url]) == 0
     assert len(server.requests) == 3

@@ -92,6 +92,29 @@ def test_two_torchrun_ranks_write_what_one_rank_writes(chats, tmp_path):
     assert every_file(tmp_path / "two") == every_file(tmp_path / "one")
 
 
+def test_the_output_directory_is_train_data_as_it_is(chats, tmp_path, capsys, monkeypatch):
+    """Regenerate, then `pretrain_dflash.py --train-data OUT`: the shards are read, the manifest and a failed
+    shard's record (names starting with '_') are not data."""
+    from training_runs import SHORT, TINY_DRAFT, run_main
+
+    from megatron_dflash.data.datasets import ChatDataset
+    from megatron_dflash.embedded_job.synthetic_corpus import build_tokenizer
+
+    out = tmp_path / "regen"
+    args = ["--input", chats, "--output", str(out), "--target", SHIPPED_TARGET_DIR, "--dtype", "float32",
+            "--max-new-tokens", "8", "--shard-size", "10", "--batch-size", "8"]
+    assert regenerate_module().main(args) == 0
+    (out / "_shard-00009.failed.json").write_text('[{"id": "x", "error": "an old failure"}]\n')
+    assert sorted(os.listdir(out)) == ["_manifest.json", "_shard-00009.failed.json", "shard-00000.jsonl",
+                                       "shard-00001.jsonl", "shard-00002.jsonl"]
+    assert len(ChatDataset(str(out), build_tokenizer(), 48, log=lambda s: None)) == RECORDS
+    status, err = run_main(["--target", SHIPPED_TARGET_DIR, "--data-format", "chat", "--train-data", str(out),
+                            "--run-dir", str(tmp_path / "run"), *TINY_DRAFT, "--no-progress-bar", "--seq-length",
+                            "48", "--dflash-anchors-per-sample", "4", *SHORT], capsys, monkeypatch)
+    assert status == 0, err
+    assert os.path.isfile(tmp_path / "run" / "hf" / "model.safetensors")
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--target", "t", "--server", "http://h:1", "--model", "m"], "pass exactly one of --target"),
     (["--server", "http://h:1"], "--server needs --model"),
