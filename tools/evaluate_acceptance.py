@@ -788,7 +788,7 @@ def _settings(run: _Run) -> dict:
         "questions": len(run.items) if args.benchmark else None,
         "num_samples": args.num_samples if args.benchmark else 1,
         "chat_template": args.chat_template,
-        "chat_template_kwargs": run.template_kwargs or None,
+        "chat_template_kwargs": run.template_kwargs,
         "draft_architecture": type(run.draft).__name__,
         "target_kv_cache": run.target_kv_cache,  # False: spec_generate recomputes the target every cycle
         "baseline": "generate" if run.baseline is autoregressive_greedy else "recomputed",
