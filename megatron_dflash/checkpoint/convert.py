@@ -92,11 +92,11 @@ def build_parser(prog: str = _PROG) -> argparse.ArgumentParser:
     to_hf.add_argument("--config", default=None,
                        help="HF config.json (or its directory) to use when the checkpoint has no "
                        "dflash_config.json.")
-    to_hf.add_argument("--export-for", choices=["default", "sglang"], default="default",
-                       help="labels of the written config.json: 'default' (the published layout, read by the "
-                       "z-lab reference, NeMo AutoModel, SpecForge and vLLM) or 'sglang' (what SGLang reads where "
-                       "it differs: Domino as DFlashDraftModel with dflash_config.projector_type 'domino'). "
-                       "Check either with tools/check_serving.py.")
+    to_hf.add_argument("--export-for", choices=["sglang"], default=None,
+                       help="write the labels a serving runtime reads where they differ from the published "
+                       "layout (which the z-lab reference, NeMo AutoModel, SpecForge and vLLM read): 'sglang' "
+                       "writes Domino as DFlashDraftModel with dflash_config.projector_type 'domino'. Check "
+                       "either with tools/check_serving.py.")
     common(to_hf)
 
     to_meg = commands.add_parser(
@@ -148,7 +148,7 @@ def main(argv: Optional[list[str]] = None, prog: str = _PROG) -> int:
         if args.command == "to-hf":
             result = convert_megatron_to_hf(
                 args.load, args.output, iteration=args.iteration, dtype=args.dtype,
-                validate=args.validate, force=args.force, config_path=args.config, export_for=args.export_for,
+                validate=args.validate, force=args.force, config_path=args.config, export_for=args.export_for or "default",
             )
         else:
             result = convert_hf_to_megatron(

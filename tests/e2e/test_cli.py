@@ -246,7 +246,7 @@ def test_one_prompt_format_for_both_tools(tmp_path):
     logged = []
     trainer = load_eval_prompts(str(path), tokenizer, log=logged.append)
     tool = evaluate_module()
-    holder = tool._Tokenizer("unused")
+    holder = tool.PromptTokenizer("unused")
     holder._tokenizer = tokenizer
     ids, tool_warnings = tool.read_prompts(str(path), None, holder)
     assert ids == trainer
