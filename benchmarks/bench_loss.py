@@ -6,6 +6,7 @@ Examples:
     python benchmarks/bench_loss.py --loss dspark --block-size 7 --rank 256   # DSpark: CE + L1 + BCE, Markov head
     python benchmarks/bench_loss.py --slots 1024 4096 --vocab 32000   # peak memory against the slot count
     python benchmarks/bench_loss.py --device cuda --dtype bfloat16
+    python benchmarks/bench_loss.py --vocab 151936 --impls fused reduced --draft-vocab-size 32000
 
 Implementations (same inputs, same weighted objective, frozen target head, gradient w.r.t. the hidden
 states, and for DFlash 2 the selector's parameters):
@@ -14,6 +15,8 @@ states, and for DFlash 2 the selector's parameters):
               formed in forward, nothing recomputed; DFlash 2's candidates taken from the same logits.
     unfused   ``fused=False``: each chunk's logits, vocab-parallel CE and argmax (and top-k) under activation
               recomputation, the path a trainable head takes and the only path before the fused kernel.
+    reduced   (DFlash, ``--impls fused reduced``) the production path over a reduced draft vocabulary: the draft's
+              own frozen head of ``--draft-vocab-size`` rows (docs/design.md §20), the same slots.
     full      (DFlash, DSpark) the textbook formulation: ``logits = hidden @ W^T`` for every slot at once
               (materialised, fp32), ``F.cross_entropy(reduction="none")``, the same weights; DSpark adds the
               Markov bias, the target's logits, both softmaxes, the L1 distance and the confidence BCE, all
@@ -73,7 +76,7 @@ from megatron_dflash.plan.batch_plan import DFlashBatchPlan  # noqa: E402
 from peak_memory import alloc_peak  # noqa: E402  (benchmarks/peak_memory.py)
 
 MIB = 2**20
-IMPLS = ("fused", "unfused", "full", "baseline")
+IMPLS = ("fused", "unfused", "full", "baseline", "reduced")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -89,6 +92,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--rank", type=int, default=256, help="DFlash 2: selector_rank; DSpark: markov_rank")
     parser.add_argument("--impls", nargs="+", default=None, choices=IMPLS,
                         help="default: fused unfused full (DFlash), fused unfused (DFlash 2), fused full (DSpark)")
+    parser.add_argument("--draft-vocab-size", type=int, default=32000,
+                        help="impl 'reduced': the fused loss over this many rows of the head (a reduced draft vocabulary)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds, one process per measurement")
@@ -199,9 +204,31 @@ def make_dspark_step(impl, args, plan, input_ids, hidden, head, extra, vocab):
     return step
 
 
+def _reduced_head(head, vocab: int, size: int) -> OutputHead:
+    """The draft's own frozen head over ``size`` rows of ``head`` (ids 0..size-1; which rows does not change the
+    work: every slot is computed, those whose label is outside with weight 0), docs/design.md §20."""
+    import types
+
+    from megatron_dflash.draft.draft_vocab import DraftLMHead, DraftVocabulary
+
+    vocabulary = DraftVocabulary(torch.arange(size), vocab)
+    layer = DraftLMHead(size, head.weight.shape[1], dtype=head.weight.dtype).to(head.weight.device)
+    layer.copy_target_rows(head.weight[:size])
+    return OutputHead.of_draft(types.SimpleNamespace(lm_head=layer, d2t=vocabulary.d2t), OutputHead(head, vocab))
+
+
 def make_step(impl, args, plan, input_ids, hidden, head, selector, vocab):
     if args.loss == "dspark":
         return make_dspark_step(impl, args, plan, input_ids, hidden, head, selector, vocab)
+    if impl == "reduced":
+        output_head = _reduced_head(head, vocab, args.draft_vocab_size)
+
+        def step():
+            out = dflash_loss(hidden, plan, input_ids, output_head, decay_gamma=args.decay_gamma, chunk_slots=args.chunk)
+            out.loss_sum.backward()
+            return out.loss_sum.detach()
+
+        return step
     if impl in ("fused", "unfused", "baseline"):
         output_head = OutputHead(head, vocab)
         # The baseline is called as production calls it (no `fused`: older commits lack the argument).

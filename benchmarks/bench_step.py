@@ -6,6 +6,7 @@ Examples:
     python benchmarks/bench_step.py --profile 2048                 # our step's operator profile at S=2048
     python benchmarks/bench_step.py --layer                        # one draft layer, S=4096, 512 anchors
     python benchmarks/bench_step.py --variant dspark --seq 2048 --vocab 151936   # the DSpark step, block 7
+    python benchmarks/bench_step.py --vocab 151936 --draft-vocab-size 32000 --seq 2048  # reduced draft vocabulary
 
 Both sides run the same step on identical shapes, random weights and random tokens (batch 1, every token
 supervised): the frozen target's forward with its layer taps, the draft's forward, the decay-weighted block
@@ -111,7 +112,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (one process per side per round)")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per process (after one warm-up step)")
-    parser.add_argument("--sides", nargs="+", default=["ours", "nemo"], choices=["ours", "nemo"])
+    parser.add_argument("--sides", nargs="+", default=None, choices=["ours", "nemo", "reduced"],
+                        help="default ours nemo (with --draft-vocab-size: ours reduced)")
+    parser.add_argument("--draft-vocab-size", type=int, default=None, metavar="K",
+                        help="side 'reduced': our step with a reduced draft vocabulary of K rows (docs/design.md §20)")
     parser.add_argument("--no-flops", action="store_true", help="skip the GFLOP/s line")
     parser.add_argument("--profile", type=int, default=None, metavar="S", help="print our step's operator profile")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -129,6 +133,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                  ("decay_gamma", 7.0, 4.0)):
         if getattr(args, name) is None:
             setattr(args, name, dspark_default if dspark else dflash_default)
+    if args.sides is None:
+        args.sides = ["ours", "reduced"] if args.draft_vocab_size else ["ours", "nemo"]
+    if "reduced" in args.sides and not args.draft_vocab_size:
+        parser.error("side 'reduced' needs --draft-vocab-size K")
     return args
 
 
@@ -160,7 +168,13 @@ def _inputs(args, seq: int):
     return input_ids, torch.ones(1, seq, dtype=torch.bool)
 
 
-def build_ours(args, seq: int):
+def build_reduced(args, seq: int):
+    """Our step with a reduced draft vocabulary: the draft's own frozen head over ``--draft-vocab-size`` rows of
+    the target's (ids 0..K-1; every slot is computed whatever its label), the loss over those K columns."""
+    return build_ours(args, seq, draft_vocab_size=args.draft_vocab_size)
+
+
+def build_ours(args, seq: int, draft_vocab_size=None):
     import torch
 
     sys.path.insert(0, str(ROOT))
@@ -176,11 +190,19 @@ def build_ours(args, seq: int):
         hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.draft_layers,
         num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
         block_size=args.block_size, mask_token_id=args.vocab - 1, vocab_size=args.vocab,
-        num_target_layers=args.target_layers, target_layer_ids=TARGET_LAYER_IDS,
+        num_target_layers=args.target_layers, target_layer_ids=TARGET_LAYER_IDS, draft_vocab_size=draft_vocab_size,
     )
     target = HFTarget.from_config(model, config)
     body = DFlashBody(config).train()
-    optimizer = torch.optim.AdamW(body.parameters(), lr=1e-4)
+    head = target.output_head
+    if draft_vocab_size:
+        from megatron_dflash.draft.draft_vocab import DraftVocabulary
+        from megatron_dflash.target.head import OutputHead
+        from megatron_dflash.training.draft_vocab import install_draft_vocab
+
+        install_draft_vocab(body, DraftVocabulary(torch.arange(draft_vocab_size), args.vocab), head, trainable=False)
+        head = OutputHead.of_draft(body, head)
+    optimizer = torch.optim.AdamW([p for p in body.parameters() if p.requires_grad], lr=1e-4)
     input_ids, mask = _inputs(args, seq)
     anchors = seq // args.anchor_ratio
 
@@ -190,7 +212,7 @@ def build_ours(args, seq: int):
         out = target(input_ids, need_final_hidden=False)
         blocks = embed_blocks(input_ids, plan, target.embedding, mask_token_id=config.mask_token_id)
         hidden = body(out.taps, blocks, plan)
-        loss = dflash_loss(hidden, plan, input_ids, target.output_head, decay_gamma=args.decay_gamma)
+        loss = dflash_loss(hidden, plan, input_ids, head, decay_gamma=args.decay_gamma)
         (loss.loss_sum / loss.weight_sum.clamp(min=1e-12)).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -450,7 +472,7 @@ def _builders(args) -> dict:
         return {"ours": build_ours_layer, "nemo": build_nemo_layer}
     if args.variant == "dspark":
         return {"ours": build_ours_dspark, "nemo": build_nemo_dspark}
-    return {"ours": build_ours, "nemo": build_nemo}
+    return {"ours": build_ours, "nemo": build_nemo, "reduced": build_reduced}
 
 
 def worker(args) -> dict:
@@ -527,6 +549,8 @@ def run_worker(args, side: str, seq: int, count_flops: bool = False) -> dict:
                  "target_layers", "draft_layers", "decay_gamma", "threads", "steps", "variant", "markov_rank",
                  "loss_chunk"):
         command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    if args.draft_vocab_size:
+        command += ["--draft-vocab-size", str(args.draft_vocab_size)]
     if args.layer:
         command.append("--layer")
     if count_flops:
@@ -587,7 +611,13 @@ def main(argv=None) -> None:
         for side, r in sides.items():
             print(f"{seq:>6} {seq // args.anchor_ratio:>7} {side:>5} {r['wall']:8.3f} {r['cpu']:8.3f} "
                   f"{r['rss'] / 2**20:14.0f} {r['live'] / 2**20:14.0f}")
-        if len(sides) == 2:
+        if "reduced" in sides and "ours" in sides:
+            ours, reduced = sides["ours"], sides["reduced"]
+            print(f"{seq:>6} {'':>7} {'ratio':>5} {ours['wall'] / reduced['wall']:7.2f}x "
+                  f"{ours['cpu'] / reduced['cpu']:7.2f}x {ours['rss'] / max(reduced['rss'], 1):13.2f}x "
+                  f"{ours['live'] / max(reduced['live'], 1):13.2f}x   (full vocabulary / K={args.draft_vocab_size})",
+                  flush=True)
+        if "nemo" in sides and "ours" in sides:
             ours, nemo = sides["ours"], sides["nemo"]
             print(f"{seq:>6} {'':>7} {'ratio':>5} {nemo['wall'] / ours['wall']:7.2f}x {nemo['cpu'] / ours['cpu']:7.2f}x "
                   f"{nemo['rss'] / max(ours['rss'], 1):13.2f}x {nemo['live'] / max(ours['live'], 1):13.2f}x   "
@@ -600,7 +630,7 @@ def main(argv=None) -> None:
                 rate = run["flops"] / (run["cpu"] / args.threads) / 1e9
                 print(f"GFLOP/s S={seq}: {side} {run['flops'] / 1e9:.0f} GFLOP per step at {rate:.0f} GFLOP/s per "
                       f"CPU-second per thread; torch.mm 2048^3 peak {peak:.0f} -> {rate / peak:.0%} of peak")
-            if len(counted) == 2:
+            if "nemo" in counted and "ours" in counted:
                 ratio = counted["nemo"]["flops"] / counted["ours"]["flops"]
                 print(f"FLOP S={seq}: nemo / ours {ratio:.2f}x (the CPU-time ratio both sides would have at the same "
                       "GFLOP/s)")

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from ..common.atomic import atomic_directory, check_destination
 from ..draft.body import default_parallel_config
 from ..draft.config import resolve_causal
+from ..draft.draft_vocab import read_vocab_tensors
 from ..draft.sharding import local_tensors
 from .architectures import architecture_hint, build_body_for_checkpoint, config_from_dict, read_json_object
 from .hf import hf_state_dict, load_hf_state_dict_into, read_safetensors, save_hf_checkpoint
@@ -221,7 +222,7 @@ def convert_megatron_to_hf(
         save_hf_checkpoint(body, tmp, dtype=out_dtype, architecture=architecture.architecture, overwrite=True)
         relabelled = _relabel_for(export_for, os.path.join(tmp, "config.json"))
         if validate:
-            written = read_safetensors(tmp)
+            written = read_vocab_tensors(read_safetensors(tmp))  # t2d: derived from d2t, checked against it
             _compare_exact(source, written, f"the written {os.path.join(output, 'model.safetensors')}")
             with open(os.path.join(tmp, "config.json")) as f:
                 written_arch, written_config = config_from_dict(json.load(f), "the written config.json")

@@ -27,6 +27,7 @@ from ..common.parallel import agree_or_raise
 from ..common.safetensors_files import SAFETENSORS_NAME, safetensors_files, safetensors_index_files
 from ..draft.body import default_parallel_config
 from ..draft.config import DFlashConfig
+from ..draft.draft_vocab import DraftVocabulary
 from ..draft.sharding import (
     check_tensor_shapes,
     data_parallel_rank,
@@ -124,6 +125,8 @@ def save_hf_checkpoint(
         variant.check_dtype(dtype)
         architecture = variant.architecture
     tensors = hf_state_dict(body)
+    if "d2t" in tensors:  # a reduced draft vocabulary: the mask too, as speculators and SpecForge write it (§20)
+        tensors["t2d"] = DraftVocabulary.from_d2t(tensors["d2t"], body.config.vocab_size).t2d
     device = next(iter(tensors.values())).device
     error: Optional[BaseException] = None
     if _is_writer(body):

@@ -516,11 +516,14 @@ class _DraftSide:
     def of(cls, target: nn.Module, draft: DraftBody, confidence_threshold: Optional[float] = None) -> "_DraftSide":
         head_layer = target.get_output_embeddings()
         variant = variant_of(draft)
+        head = OutputHead.from_config(head_layer, draft.config)
+        if hasattr(draft, "lm_head"):  # a reduced draft vocabulary: the draft's own head (docs/design.md §20)
+            head = OutputHead.of_draft(draft, head)
         return cls(
             draft=draft,
             embedding=target.get_input_embeddings(),
             head_layer=head_layer,
-            head=OutputHead.from_config(head_layer, draft.config),
+            head=head,
             propose=variant.propose_fn(draft, confidence_threshold),
             proposals=variant.proposals_per_block(draft.config.block_size),
         )
@@ -655,14 +658,29 @@ def _draft_block(
         # The proposing slots (1..W-1, or all of them when every slot proposes) through the head's full
         # width (columns past the draft's vocab_size are -inf), so draft and target distributions share
         # one index space.
-        slots = hidden[:, W - side.proposals:].to(side.head_layer.weight.dtype)
-        draft_logits = side.head.local_logits(slots)  # [B, T, V]
+        slots = hidden[:, W - side.proposals:]
+        draft_logits = side.head.local_logits(slots)  # [B, T, V] (a reduced vocabulary: [B, T, K])
         if settings.sampling:
             draft_probs = torch.softmax(draft_logits / settings.temperature, dim=-1)
             path = sample(draft_probs, settings.generator)
         else:
             path = draft_logits.argmax(dim=-1)
+        if side.head.draft_vocab is not None:
+            path, draft_probs = _on_target_ids(side, path, draft_probs)
     return torch.cat([state.last[:, None].to(torch.int64), path], dim=1), draft_probs, lengths
+
+
+def _on_target_ids(side: _DraftSide, path: torch.Tensor, draft_probs: Optional[torch.Tensor]):
+    """A reduced draft vocabulary's proposals on the target's ids: ``path [B, T]`` draft ids -> target ids (``ids
+    + d2t``), and the proposal distributions ``[B, T, K]`` placed on their target ids of the target's ``[B, T, V]``
+    (zero elsewhere), so rejection sampling compares the draft's exact law with the target's and stays lossless
+    (docs/design.md §20 Reduced draft vocabulary)."""
+    ids = side.head.draft_vocab.ids.to(path.device)
+    if draft_probs is not None:
+        V = side.head_layer.weight.shape[0]
+        placed = draft_probs.new_zeros(*draft_probs.shape[:-1], V)
+        draft_probs = placed.index_copy_(-1, ids, draft_probs[..., : ids.numel()])
+    return ids[path], draft_probs
 
 
 def _record_produced(

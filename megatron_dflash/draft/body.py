@@ -8,7 +8,8 @@ layers (docs/design.md §16 Kimi K3 draft family). The body turns the concatenat
 every block at once. Each block sees the target prefix strictly before its anchor (its
 own document, its own window) and the slots of its own block, never another block. The
 body returns hidden states; the caller turns them into logits with the target's output
-layer. It owns no embedding and no LM head.
+layer. It owns no embedding and, unless it has a reduced draft vocabulary (its own head over K target rows,
+`draft.draft_vocab.DraftLMHead`, docs/design.md §20 Reduced draft vocabulary), no LM head.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from ..common.parallel import agree_or_raise, check_parallel_layout, tensor_para
 from ..plan.batch_plan import DFlashBatchPlan
 from .attention import BlockVisibility
 from .config import DFlashConfig
+from .draft_vocab import DraftLMHead
 from .kv_cache import DraftKVCache
 from .layers import DFlashDecoderLayer, DFlashLayerSubmodules
 from .norm import RMSNorm
@@ -131,6 +133,11 @@ class DraftBody(nn.Module):
             make_layer(i, parallel_config, self.tp_group) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(H, config.rms_norm_eps, dtype=dtype)
+        K = getattr(config, "draft_vocab_size", None)
+        if K is not None:  # a reduced draft vocabulary (docs/design.md §20 Reduced draft vocabulary)
+            self.lm_head = DraftLMHead(K, H, tp_group=self.tp_group, dtype=dtype)
+            # the serving layout's offsets (target id = draft id + d2t[draft id]); set with the head's rows
+            self.register_buffer("d2t", torch.zeros(K, dtype=torch.int64))
 
     # ------------------------------------------------------------------ validation
     def _validate(self, target_hidden, block_embeddings, plan) -> None:

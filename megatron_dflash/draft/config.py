@@ -216,6 +216,9 @@ class DFlashConfig:
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0
     final_logit_softcapping: Optional[float] = None
+    # A reduced draft vocabulary (docs/design.md §20 Reduced draft vocabulary): the draft's own head over K of
+    # the target's `vocab_size` rows; None (or K = vocab_size) proposes over the whole target vocabulary.
+    draft_vocab_size: Optional[int] = None
     # Fields of the target config that serving runtimes read from the draft's config.json
     # (token ids, dtype); kept verbatim, never interpreted here.
     extra_hf_fields: dict = field(default_factory=dict)
@@ -281,6 +284,12 @@ class DFlashConfig:
             raise ValueError(f"causal={self.causal!r} must be True, False or None.")
         if self.hidden_act != "silu":
             raise ValueError(f"hidden_act={self.hidden_act!r}: only 'silu' (SwiGLU) is supported.")
+        if self.draft_vocab_size == self.vocab_size:  # what speculators writes for a full vocabulary
+            self.draft_vocab_size = None
+        K = self.draft_vocab_size
+        if K is not None and (not isinstance(K, int) or isinstance(K, bool) or not 1 <= K < self.vocab_size):
+            raise ValueError(f"draft_vocab_size={K!r} must be an integer in [1, vocab_size={self.vocab_size}] "
+                             "(or None for the full vocabulary).")
 
     def validate_tensor_parallel(self, tp_size: int) -> None:
         """Check that `tp_size` splits heads, KV heads and the MLP evenly."""
@@ -370,6 +379,8 @@ class DFlashConfig:
         )
         # Both places: SpecForge reads `block_size` only at the top level.
         out["block_size"] = self.block_size
+        if self.draft_vocab_size is not None:  # vLLM's drafter reads it at the top level, with `d2t`
+            out["draft_vocab_size"] = self.draft_vocab_size
         if self.causal is not None:
             out["is_causal"] = self.causal
             dflash_config["causal"] = self.causal

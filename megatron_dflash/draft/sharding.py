@@ -260,9 +260,10 @@ def load_hf_state_dict_into(body: nn.Module, state_dict: Mapping[str, torch.Tens
     expected = _full_shapes(body)
     given = dict(state_dict)
     check_tensor_shapes(body, {name: tuple(t.shape) for name, t in given.items()}, "the checkpoint")
-    for bad in (name for name, t in given.items() if not t.is_floating_point()):
-        raise ValueError(f"{bad} has dtype {given[bad].dtype}; draft weights must be floating point.")
     local = local_tensors(body)
+    # Integer tensors (a reduced vocabulary's `d2t` offsets) are copied exactly, never cast from floats.
+    for bad in (name for name, t in given.items() if t.is_floating_point() != local[name].is_floating_point()):
+        raise ValueError(f"{bad} has dtype {given[bad].dtype}; the draft holds it as {local[bad].dtype}.")
     with torch.no_grad():
         for name, param in local.items():
             full = given[name]

@@ -596,6 +596,16 @@ class SlotTargets:
             tokens=tokens,
         )
 
+    def within(self, head: OutputHead) -> "SlotTargets":
+        """These targets with weight 0 on slots whose label lies outside ``head``'s reduced draft vocabulary
+        (docs/design.md §20 Reduced draft vocabulary): excluded from the loss and its denominator, still
+        supervised (the metrics count them wrong). ``self`` without a reduced vocabulary."""
+        if head.draft_vocab is None:
+            return self
+        _, inside = head.to_draft(self.labels)
+        weights = torch.where(inside, self.weights, torch.zeros((), device=self.weights.device))
+        return dataclasses.replace(self, weights=weights)
+
     @property
     def num_predicted(self) -> int:
         return self.labels.shape[-1]
@@ -859,7 +869,7 @@ def dflash_loss(
     device = hidden.device
     plan = plan.to(device)
     targets = slot_targets(input_ids.to(device), plan, decay_gamma=decay_gamma, loss_mask=loss_mask, weights=weights,
-                           prefix_lengths=prefix_lengths)
+                           prefix_lengths=prefix_lengths).within(head)
     teacher_flat = teacher_index = None
     if soft_target != "none":
         teacher_flat = teacher_hidden.to(device).reshape(B * plan.seq_length, -1)

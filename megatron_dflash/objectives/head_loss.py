@@ -783,6 +783,13 @@ def head_loss(
         raise ValueError("head_loss: pass teacher and teacher_index exactly for soft targets.")
     if features is not None and (soft_target != "none" or top_k):
         raise ValueError("head_loss: Domino's corrected logits take hard labels and no candidates.")
+    if head.draft_vocab is not None:
+        if features is not None:
+            raise ValueError("head_loss: Domino's corrected logits span the whole target vocabulary; they do not "
+                             "take a reduced draft vocabulary.")
+        return _draft_vocab_loss(hidden, labels, weights, head, chunk_slots=chunk_slots, fused=fused, teacher=teacher,
+                                 teacher_index=teacher_index, soft_target=soft_target, temperature=temperature,
+                                 top_k=top_k, row_weights=row_weights)
     M = hidden.shape[0]
     size = max(1, M if chunk_slots is None else min(chunk_slots, M))
     if fused is None:
@@ -805,3 +812,24 @@ def head_loss(
     return _chunked_head_loss(hidden, labels, weights, teacher, teacher_index, features, shard, head, soft_target,
                               float(temperature), float(mix), size, int(top_k), recompute=recompute,
                               row_weights=row_weights)
+
+
+def _draft_vocab_loss(hidden, labels, weights, head: OutputHead, *, row_weights, top_k, **options) -> HeadLossTerms:
+    """`head_loss` over a reduced draft vocabulary (docs/design.md §20 Reduced draft vocabulary): the kernel runs
+    over the draft head's K columns with the labels mapped to draft ids. A slot whose label lies outside the draft
+    vocabulary is excluded from the loss (weight 0, as the published trainers mask it) and counted wrong (the
+    draft cannot propose it); candidate ids come back as target ids."""
+    columns, inside = head.to_draft(labels)
+    zero = torch.zeros((), dtype=weights.dtype, device=weights.device)
+    weights = torch.where(inside, weights, zero)
+    if row_weights is not None:
+        given = row_weights
+        row_weights = lambda nll: torch.where(inside, given(nll), zero)  # noqa: E731
+    plain = OutputHead(head.layer, head.vocab_size, head.tp_group, head.output_multiplier,
+                       head.final_logit_softcapping, head.weight)
+    terms = head_loss(hidden, columns, weights, plain, row_weights=row_weights, top_k=top_k, **options)
+    terms.base_correct = terms.base_correct & inside
+    terms.final_correct = terms.final_correct & inside
+    if terms.candidate_ids is not None:
+        terms.candidate_ids = head.to_target(terms.candidate_ids)
+    return terms

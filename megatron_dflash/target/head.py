@@ -22,6 +22,7 @@ from torch import nn
 
 from ..common.parallel import SingleRankGroup, reduce_grad_over_group, tensor_parallel_group
 from ..draft.config import DFlashConfig
+from ..draft.draft_vocab import DraftVocabulary
 
 __all__ = ["OutputHead"]
 
@@ -49,6 +50,9 @@ class OutputHead:
         weight: the output weight to pass to the layer when it owns none (megatron builds the output layer
             with ``skip_weight_param_allocation=True`` for targets with tied embeddings and passes the
             embedding weight at call time). Column-parallel layers only.
+        draft_vocab: set on a draft's own head over a reduced vocabulary (`of_draft`): its ``vocab_size`` columns
+            are the target ids ``draft_vocab.ids``; the losses map their target-id labels through it
+            (docs/design.md §20 Reduced draft vocabulary).
     """
 
     layer: nn.Module
@@ -57,6 +61,7 @@ class OutputHead:
     output_multiplier: float = 1.0
     final_logit_softcapping: Optional[float] = None
     weight: Optional[torch.Tensor] = None
+    draft_vocab: Optional[DraftVocabulary] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.layer, nn.Linear):
@@ -107,6 +112,39 @@ class OutputHead:
             final_logit_softcapping=config.final_logit_softcapping,
             weight=weight,
         )
+
+    @classmethod
+    def of_draft(cls, body: nn.Module, target_head: "OutputHead") -> "OutputHead":
+        """The draft's own head over its reduced vocabulary (``body.lm_head``, ``body.d2t``), with the target
+        head's output transform; a rank holding fewer rows than its shard's width gets zero rows (columns past
+        the draft vocabulary, which `local_logits` sets to ``-inf``). Build it per step when the head trains
+        (the padding is then part of the graph)."""
+        layer = body.lm_head
+        rows, width = layer.weight.shape[0], layer.output_size_per_partition
+        weight = None if rows == width else F.pad(layer.weight, (0, 0, 0, width - rows))
+        vocab = DraftVocabulary.from_d2t(body.d2t, target_head.vocab_size)
+        return cls(layer=layer, vocab_size=vocab.size, tp_group=layer.tp_group,
+                   output_multiplier=target_head.output_multiplier,
+                   final_logit_softcapping=target_head.final_logit_softcapping, weight=weight, draft_vocab=vocab)
+
+    def to_draft(self, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Target-id ``labels [...]`` -> ``(column ids [...], inside [...] bool)``: the draft id of each label
+        (0 outside the draft vocabulary, where ``inside`` is False); the labels themselves and all True
+        without a reduced vocabulary."""
+        if self.draft_vocab is None:
+            return labels, torch.ones_like(labels, dtype=torch.bool)
+        index = getattr(self, "_draft_index", None)
+        if index is None or index.device != labels.device:
+            index = self._draft_index = self.draft_vocab.draft_index(labels.device)
+        draft = index[labels]
+        inside = draft >= 0
+        return draft.clamp(min=0), inside
+
+    def to_target(self, columns: torch.Tensor) -> torch.Tensor:
+        """Column ids of this head -> target ids (the same ids without a reduced vocabulary)."""
+        if self.draft_vocab is None:
+            return columns
+        return self.draft_vocab.ids.to(columns.device)[columns]
 
     @property
     def local_vocab_size(self) -> int:

@@ -226,6 +226,7 @@ def _add_draft_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dflash-distill-temperature", type=float, default=1.0,
                    help="JetSpec, and --dflash-soft-target: temperature of the distillation to the target.")
     g.add_argument("--dflash-loss-chunk", type=int, default=1024, help="predicted slots per loss chunk.")
+    _add_draft_vocab_arguments(g)
     g.add_argument("--dflash-attention-backend", choices=ATTENTION_BACKENDS, default="auto",
                    help="block attention kernel of the draft.")
     g.add_argument("--dflash-eval-prompts", default=None,
@@ -238,6 +239,39 @@ def _add_draft_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dflash-export", default=None,
                    help="HF draft directory written at the end (default: <save>/hf when --save is given, else "
                    "<run-dir>/hf).")
+
+
+def _add_draft_vocab_arguments(g) -> None:
+    """The reduced draft vocabulary's options (docs/design.md §20 Reduced draft vocabulary)."""
+    g.add_argument("--dflash-draft-vocab-size", type=int, default=None, metavar="K",
+                   help="a reduced draft vocabulary: the draft proposes among K target tokens (the MASK and special "
+                   "tokens, then the most frequent loss-masked tokens of the training data) through its own head "
+                   "over those K rows of the target's (default: the whole target vocabulary).")
+    g.add_argument("--dflash-draft-vocab", default=None, metavar="FILE",
+                   help="with --dflash-draft-vocab-size: the K ids chosen by tools/count_draft_vocab.py (default: "
+                   "counted over the training data when the job starts).")
+    g.add_argument("--dflash-train-draft-head", action="store_true",
+                   help="with --dflash-draft-vocab-size: train the draft head's rows (default: frozen copies of the "
+                   "target head's).")
+
+
+def _check_draft_vocab(args: argparse.Namespace) -> None:
+    """The reduced draft vocabulary's flags: a size, DFlash's hard-label loss, what the others need."""
+    K = args.dflash_draft_vocab_size
+    if K is None:
+        for flag, value in (("--dflash-draft-vocab", args.dflash_draft_vocab),
+                            ("--dflash-train-draft-head", args.dflash_train_draft_head)):
+            if value:
+                raise ArgumentError(f"{flag} needs --dflash-draft-vocab-size K (the reduced draft vocabulary).")
+        return
+    if K < 1:
+        raise ArgumentError(f"--dflash-draft-vocab-size={K} must be a positive number of tokens.")
+    if args.dflash_variant != "dflash":
+        raise ArgumentError(f"--dflash-draft-vocab-size trains --dflash-variant dflash only (not "
+                            f"{args.dflash_variant}): the other variants' heads span the whole target vocabulary.")
+    if args.dflash_train_draft_head and args.dflash_soft_target != "none":
+        raise ArgumentError("--dflash-train-draft-head does not combine with --dflash-soft-target: the soft targets "
+                            "are read through the draft head's rows, which must stay the target's.")
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -603,6 +637,7 @@ def _check_target_and_draft(args: argparse.Namespace, cuda: bool) -> None:
             f"--dflash-soft-target (not to {args.dflash_variant})."
         )
     validate_draft_recipe_args(args)
+    _check_draft_vocab(args)
     if args.dflash_attention_backend == "flex" and not cuda:
         raise ArgumentError("--dflash-attention-backend flex needs CUDA; use auto or chunked on CPU.")
 
@@ -680,6 +715,7 @@ DRAFT_CONFIG_FLAGS = {
     "dflash_input_embedding_scale": "input_embedding_scale",
     "dflash_output_multiplier": "output_multiplier",
     "dflash_final_logit_softcapping": "final_logit_softcapping",
+    "dflash_draft_vocab_size": "draft_vocab_size",
 }
 
 

@@ -59,6 +59,7 @@ from .datasets import build_datasets, check_training_data
 from .device_shim import megatron_target_on_cpu
 from .distributed import initialize_distributed
 from .evaluation import acceptance_length, acceptance_line, decode_record, validation_loss
+from .draft_vocab import install_draft_vocab, resolve_draft_vocab, target_head_rows
 from .frozen_target import FrozenTarget, load_hf_model
 from .job import Job, prepare_job
 from .monitor import Monitor, format_metrics, labelled
@@ -211,6 +212,7 @@ class _Training:
         train_ds, self.valid_ds = build_datasets(job)
         collate = Collator(job.pad_token_id, args.seq_length, args.pack_sequences)
         check_training_data(job, train_ds, collate, log=self.log0)
+        self.draft_vocab = resolve_draft_vocab(job, train_ds, log=self.log0)
         self._build_models()
         start_iteration = self._resume()
         data_iter = MicroBatchIterator(
@@ -242,9 +244,14 @@ class _Training:
         if self.target.is_draft:
             parallel_config = default_parallel_config(params_dtype=self.dtype, bf16=args.bf16)
             body = job.variant.build_body(cfg, parallel_config, attention_backend=args.dflash_attention_backend)
+            if self.draft_vocab is not None:  # docs/design.md §20 Reduced draft vocabulary
+                install_draft_vocab(body, self.draft_vocab, self.target.head, trainable=args.dflash_train_draft_head)
             if job.init_from is not None:
                 try:
                     tensors = read_safetensors(job.init_from)
+                    if self.draft_vocab is not None and "d2t" not in tensors:  # a full-vocabulary drafter
+                        tensors.update({"lm_head.weight": target_head_rows(self.target.head, self.draft_vocab.ids),
+                                        "d2t": self.draft_vocab.d2t})
                     if any(name in tensors for name in FROZEN_COPIES):  # each rank compares its vocabulary rows
                         agree_or_raise(target_copy_mismatch(tensors, self.target.embedding, self.target.head),
                                        group=self.target.head.tp_group, explain=_first_message)

@@ -23,6 +23,7 @@ from ..common.parallel import ProcessGroups, distributed_ready
 from ..plan.data_hook import PlanDisagreementError, attach_dflash_plan, verify_plan_agreement
 from ..objectives.dflash_loss import AdditiveMetrics, all_reduce_together, embed_blocks
 from ..objectives.variable_prefix import sample_prefix_lengths
+from ..target.head import OutputHead
 from .frozen_target import FrozenTarget
 from .job import Job
 
@@ -40,6 +41,8 @@ class StepCounts(AdditiveMetrics):
         empty_micro_batches: micro-batches without a supervised slot (no valid anchor).
         unreadable_micro_batches: stand-ins for a record this rank could not read (non-zero: every rank
             stops, see `RankData`).
+        label_tokens, out_of_draft_vocab_tokens: with a reduced draft vocabulary, the loss-masked tokens read
+            and those of them outside the draft vocabulary (0 and 0 without one; docs/design.md §20).
     """
 
     loss_sum: torch.Tensor
@@ -47,6 +50,8 @@ class StepCounts(AdditiveMetrics):
     tokens: torch.Tensor
     empty_micro_batches: torch.Tensor
     unreadable_micro_batches: torch.Tensor
+    label_tokens: torch.Tensor
+    out_of_draft_vocab_tokens: torch.Tensor
 
 
 @dataclass
@@ -70,6 +75,8 @@ class StepStatistics:
         weight_sum = float(c.weight_sum)
         out = {"loss": float(c.loss_sum) / weight_sum if weight_sum > 0 else float("nan")}
         out.update(self.metrics.log_values())
+        if float(c.label_tokens) > 0:  # a reduced draft vocabulary: the share of labels it cannot propose
+            out["out_of_draft_vocab"] = float(c.out_of_draft_vocab_tokens) / float(c.label_tokens)
         return out
 
 
@@ -118,10 +125,13 @@ class StepRunner:
         with torch.no_grad():
             blocks = embed_blocks(batch["tokens"], plan, self.target.embedding, mask_token_id=cfg.mask_token_id,
                                   input_embedding_scale=cfg.input_embedding_scale, prefix_lengths=prefix)
+        head = self.target.head
+        if hasattr(self.body, "lm_head"):  # a reduced draft vocabulary (docs/design.md §20)
+            head = OutputHead.of_draft(self.body, head)
         with torch.set_grad_enabled(backward):
             hidden = self.model(taps, blocks, plan)
             out = self.job.variant.loss(
-                self.body, hidden, plan, batch["tokens"], self.target.head, decay_gamma=self.job.decay_gamma,
+                self.body, hidden, plan, batch["tokens"], head, decay_gamma=self.job.decay_gamma,
                 weighting=self.job.loss_weighting,
                 chunk_slots=args.dflash_loss_chunk, prefix_lengths=prefix, final_hidden=final_hidden,
                 options=self.job.variant_options, step=step, total_steps=args.train_iters,
@@ -135,6 +145,7 @@ class StepRunner:
             loss_sum=f64(out.loss_sum), weight_sum=weight_sum, tokens=f64((batch["document_ids"] >= 0).sum()),
             # a micro-batch without a supervised slot (no valid anchor) adds nothing: counted, not an error
             empty_micro_batches=(weight_sum == 0).to(torch.float64), unreadable_micro_batches=f64(0.0),
+            **_draft_vocab_counts(head, batch, f64),
         )
         return StepStatistics(counts, out.metrics.to(self.device))
 
@@ -157,6 +168,16 @@ class StepRunner:
                 counts, metrics = StepCounts.zeros(self.device), kind.zeros(self.device)
             counts, metrics = all_reduce_together([counts, metrics], group)
         return StepStatistics(counts.to("cpu"), metrics.to("cpu"), scalars)
+
+
+def _draft_vocab_counts(head: OutputHead, batch: dict, f64) -> dict:
+    """`StepCounts`' ``label_tokens`` / ``out_of_draft_vocab_tokens`` of a micro-batch (zeros without a reduced
+    draft vocabulary)."""
+    if head.draft_vocab is None:
+        return {"label_tokens": f64(0.0), "out_of_draft_vocab_tokens": f64(0.0)}
+    labels = batch["loss_mask"].bool()
+    _, inside = head.to_draft(batch["tokens"])
+    return {"label_tokens": f64(labels.sum()), "out_of_draft_vocab_tokens": f64((labels & ~inside).sum())}
 
 
 class RankData:

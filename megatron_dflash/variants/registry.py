@@ -44,6 +44,7 @@ from torch import nn
 
 from ..draft.body import DFlashBody, default_parallel_config
 from ..draft.config import DFLASH_ARCHITECTURE, DFlashConfig, resolve_causal
+from ..draft.draft_vocab import read_vocab_tensors
 from ..draft.kimi_k3.body import KimiK3Body
 from ..draft.kimi_k3.config import KIMI_K3_DRAFT_ARCHITECTURE, KIMI_K3_DRAFT_FAMILY, KimiK3DraftConfig
 from ..objectives.dflash_loss import AdditiveMetrics, dflash_loss
@@ -207,7 +208,8 @@ class Variant:
 
     def read_hf_tensors(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A HF file's tensors as this variant's body loads them (`hf_tensors`)."""
-        return dict(tensors) if self.hf_tensors is None else self.hf_tensors(tensors)
+        tensors = read_vocab_tensors(tensors)  # a reduced draft vocabulary's d2t / t2d (docs/design.md §20)
+        return tensors if self.hf_tensors is None else self.hf_tensors(tensors)
 
     def config_from_pretrained(self, directory: str) -> DFlashConfig:
         """The config of a HF draft directory, read as this variant."""

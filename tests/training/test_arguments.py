@@ -227,6 +227,13 @@ def test_every_setting_reaches_the_draft_config(target_dir):
      "--dflash-loss-weighting dpace applies to --dflash-variant dflash / dflash2 / dspark (domino"),
     (["--dflash-variant", "jetspec", "--dflash-loss-weighting", "dpace-cumulative-confidence-only"],
      "applies to --dflash-variant dflash / dflash2 / dspark (jetspec"),
+    (["--dflash-draft-vocab", "v.json"], "--dflash-draft-vocab needs --dflash-draft-vocab-size K"),
+    (["--dflash-train-draft-head"], "--dflash-train-draft-head needs --dflash-draft-vocab-size K"),
+    (["--dflash-draft-vocab-size", "0"], "--dflash-draft-vocab-size=0 must be a positive number"),
+    (["--dflash-variant", "jetspec", "--dflash-draft-vocab-size", "100"],
+     "--dflash-draft-vocab-size trains --dflash-variant dflash only (not jetspec)"),
+    (["--dflash-draft-vocab-size", "100", "--dflash-train-draft-head", "--dflash-soft-target", "kl"],
+     "--dflash-train-draft-head does not combine with --dflash-soft-target"),
 ])
 def test_draft_setting_errors(argv, message):
     with pytest.raises(ArgumentError) as info:

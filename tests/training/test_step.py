@@ -22,7 +22,7 @@ def _step_totals_with_handed_down_groups(rank: int, world_size: int) -> dict:
                          types.SimpleNamespace(placement=None), torch.device("cpu"), groups)
 
     def counts(value: float) -> StepCounts:
-        return StepCounts(*(torch.tensor(value, dtype=torch.float64) for _ in range(5)))
+        return StepCounts(*(torch.tensor(value, dtype=torch.float64) for _ in StepCounts.field_names()))
 
     totals = runner.reduce(StepStatistics(counts(rank + 1.0), counts(10.0 * (rank + 1))))
     return {"megatron": (megatron.tp_size, megatron.dp_size), "groups": (groups.tp_size, groups.dp_size),

@@ -1,0 +1,61 @@
+"""A training run with a reduced draft vocabulary (docs/design.md §20), end to end: the counting tool's file read
+back by the run (and refused when it does not fit), the share of labels outside in the metrics, the export in
+the serving layout, the head's rows frozen copies of the target's unless trained."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron_dflash.training.arguments import ArgumentError
+from entry_points import child_env
+from repo_paths import REPO_ROOT
+from training_runs import SHORT, STEPS_ARGS, run_training, safetensors_of, training_argv
+
+K = 60
+
+
+def _target_rows(target_dir: str, ids: list) -> torch.Tensor:
+    weights = safetensors_of(target_dir)
+    head = weights.get("lm_head.weight", weights.get("model.embed_tokens.weight"))
+    return head[torch.tensor(ids)].float()
+
+
+def test_counted_vocabulary_trains_exports_and_is_checked(tiny_target, tmp_path):
+    vocab_file = tmp_path / "vocab.json"
+    tool = [sys.executable, os.path.join(REPO_ROOT, "tools", "count_draft_vocab.py"), "--output", str(vocab_file),
+            "--target", tiny_target, *STEPS_ARGS, "--dflash-draft-vocab-size", str(K)]
+    done = subprocess.run(tool, capture_output=True, text=True, env=child_env(), timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    chosen = json.loads(vocab_file.read_text())
+    assert len(chosen["ids"]) == K and 0 < chosen["covered_tokens"] < chosen["label_tokens"]
+    again = subprocess.run(tool[:3] + [str(tmp_path / "again.json")] + tool[4:], capture_output=True, text=True,
+                           env=child_env(), timeout=600)
+    assert again.returncode == 0 and (tmp_path / "again.json").read_text() == vocab_file.read_text()
+
+    run = run_training(training_argv(tiny_target, tmp_path / "run", *SHORT, "--dflash-draft-vocab-size", str(K),
+                                     "--dflash-draft-vocab", str(vocab_file)))
+    assert run.iterations == 2 and all(math.isfinite(x) for x in run.losses)
+    assert all(0.0 < m["out_of_draft_vocab"] < 1.0 for m in run.metrics)
+    config = json.loads((tmp_path / "run" / "hf" / "config.json").read_text())
+    tensors = safetensors_of(str(tmp_path / "run" / "hf"))
+    assert config["draft_vocab_size"] == K
+    ids = (tensors["d2t"] + torch.arange(K)).tolist()
+    assert ids == chosen["ids"] and torch.nonzero(tensors["t2d"]).view(-1).tolist() == ids
+    assert torch.equal(tensors["lm_head.weight"].float(), _target_rows(tiny_target, ids))  # frozen copies
+
+    trained = run_training(training_argv(tiny_target, tmp_path / "trained", *SHORT, "--dflash-draft-vocab-size", str(K),
+                                         "--dflash-train-draft-head"))
+    assert trained.iterations == 2
+    rows = safetensors_of(str(tmp_path / "trained" / "hf"))["lm_head.weight"].float()
+    assert not torch.equal(rows, _target_rows(tiny_target, ids))
+
+    with pytest.raises(ArgumentError, match="draft_vocab_size is 60 but this run.s is 50"):
+        run_training(training_argv(tiny_target, tmp_path / "bad", *SHORT, "--dflash-draft-vocab-size", "50",
+                                   "--dflash-draft-vocab", str(vocab_file)))
