@@ -921,12 +921,17 @@ def add_target_cache_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dflash-target-cache-dtype", choices=TARGET_CACHE_DTYPES, default=None,
                    help="dtype of the cached states (default: the run's, float32 or bfloat16 with --bf16; float32 "
                    "trains bitwise as online).")
+    g.add_argument("--dflash-target-cache-shard-size", type=int, default=64, metavar="N",
+                   help="samples per cache shard when writing (a killed writer redoes at most one shard per rank).")
 
 
 def check_target_cache_arguments(args: argparse.Namespace) -> None:
     """The cache flags' combinations; sets ``dflash_target_cache_dtype`` to the run's dtype when not given."""
     given = [flag for flag, default in (("--dflash-target-cache-mode", "read"), ("--dflash-target-cache-dtype", None))
              if getattr(args, flag[2:].replace("-", "_")) != default]
+    if args.dflash_target_cache_shard_size < 1:
+        raise ArgumentError(f"--dflash-target-cache-shard-size must be at least 1, got "
+                            f"{args.dflash_target_cache_shard_size}.")
     if args.dflash_target_cache is None:
         if given:
             raise ArgumentError(f"{given[0]} needs --dflash-target-cache DIR.")

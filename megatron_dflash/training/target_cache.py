@@ -32,6 +32,7 @@ from ..target.state_cache import (
     StateCacheReader,
     bytes_per_token,
     missing_shards,
+    read_manifest,
     publish_manifest,
     remove_stale_temporaries,
     shard_name,
@@ -39,14 +40,15 @@ from ..target.state_cache import (
     write_index,
     write_shard,
 )
+from .datasets import build_datasets
+from .device_shim import megatron_target_on_cpu
+from .distributed import initialize_distributed
 from .frozen_target import FrozenTarget
 from .job import Job
 
-__all__ = ["SHARD_SIZE", "run_manifest", "data_fingerprint", "target_fingerprint", "write_target_cache",
-           "CachedTarget", "open_cache_reader", "build_cached_target"]
-
-SHARD_SIZE = 64  # samples per shard: small enough that a killed writer redoes little
-
+__all__ = ["run_manifest", "data_fingerprint", "target_fingerprint", "write_target_cache",
+           "CachedTarget", "open_cache_reader", "build_cached_target",
+           "write_cache_of_job"]
 
 def target_fingerprint(target_dir: str) -> str:
     """sha256 of the target's ``config.json`` and its safetensors headers (names, dtypes, shapes, offsets): a
@@ -82,7 +84,7 @@ def run_manifest(job: Job, train_ds, valid_ds) -> CacheManifest:
         target_layer_ids=tuple(cfg.target_layer_ids), hidden_size=cfg.hidden_size,
         final_hidden=bool(job.variant.needs_final_hidden) or args.dflash_soft_target != "none",
         dtype=args.dflash_target_cache_dtype, seq_length=args.seq_length, packing=bool(args.pack_sequences),
-        data=data_fingerprint(splits), shard_size=SHARD_SIZE,
+        data=data_fingerprint(splits), shard_size=args.dflash_target_cache_shard_size,
         samples={k: (len(v) if v is not None else 0) for k, v in splits.items()},
     )
 
@@ -112,6 +114,11 @@ def write_target_cache(job: Job, target, datasets: dict, directory: str, groups:
 
     Long on purpose: manifest, storage check, the shards and the index are one pass whose order matters."""
     manifest = run_manifest(job, datasets["train"], datasets.get("valid"))
+    found = read_manifest(directory) if os.path.isdir(directory) else None
+    if found is not None and found.shard_size != manifest.shard_size:
+        raise StateCacheError(f"the target-state cache {directory} does not match this run (shard_size: cache "
+                              f"{found.shard_size}, run {manifest.shard_size}); pass --dflash-target-cache-shard-size "
+                              f"{found.shard_size} to finish it.")
     if groups.rank == 0:
         publish_manifest(directory, manifest)  # a differing manifest is refused here
     if groups.is_distributed:
@@ -222,3 +229,25 @@ def build_cached_target(job: Job, datasets: dict, device: torch.device, dtype: t
         f"loaded: {target.loaded_bytes / 2**20:.2f} MiB (embedding, output head), not loaded: "
         f"{target.skipped_bytes / 2**20:.2f} MiB (decoder layers, final norm)")
     return target
+
+
+def write_cache_of_job(job: Job, env=None, log: Callable[[str], None] = print) -> CacheManifest:
+    """`tools/cache_target_states.py`: the write pass of this job's cache in this process (one rank of the launch),
+    the megatron target on CPU ranks as `training.loop.train` runs it."""
+    if job.args.target_backend == "megatron" and not job.args.use_cuda:
+        with megatron_target_on_cpu():
+            return _write_cache_of_job(job, env, log)
+    return _write_cache_of_job(job, env, log)
+
+
+def _write_cache_of_job(job: Job, env, log) -> CacheManifest:
+    ctx = initialize_distributed(job, env)
+    try:
+        train_ds, valid_ds = build_datasets(job)
+        dtype = torch.bfloat16 if job.args.bf16 else torch.float32
+        target = FrozenTarget(job, ctx.device, dtype, ctx.groups)
+        say = log if ctx.rank == 0 else (lambda text: None)
+        return write_target_cache(job, target, {"train": train_ds, "valid": valid_ds}, job.args.dflash_target_cache,
+                                  ctx.groups, log=say)
+    finally:
+        ctx.close()
