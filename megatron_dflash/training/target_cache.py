@@ -107,10 +107,11 @@ def _storage_line(manifest: CacheManifest, samples_to_write: int, free: int) -> 
             f"write: up to {per_sample * samples_to_write / 2**30:.3f} GiB, {free / 2**30:.3f} GiB free")
 
 
-def write_target_cache(job: Job, target, datasets: dict, directory: str, groups: ProcessGroups,
+def write_target_cache(job: Job, make_target: Callable, datasets: dict, directory: str, groups: ProcessGroups,
                        log: Callable[[str], None] = print) -> CacheManifest:
     """Write the shards of the cache that are missing (this DP replica's), then, on global rank 0 once every rank is
-    done, ``index.json``. `target` is a `training.frozen_target.FrozenTarget` (PP = 1). Collective over the world.
+    done, ``index.json``. ``make_target()`` gives a `training.frozen_target.FrozenTarget` (PP = 1), called once the
+    manifest and the free space are checked. Collective over the world.
 
     Long on purpose: manifest, storage check, the shards and the index are one pass whose order matters."""
     manifest = run_manifest(job, datasets["train"], datasets.get("valid"))
@@ -139,6 +140,7 @@ def write_target_cache(job: Job, target, datasets: dict, directory: str, groups:
                               "space or choose another directory (or --dflash-target-cache-dtype bfloat16).")
     collate = Collator(job.pad_token_id, job.args.seq_length, False)
     micro = job.args.micro_batch_size
+    target = make_target()
     for split, k, indices in work:
         ds, states = datasets[split], {}
         for a in range(indices.start, indices.stop, micro):
@@ -220,9 +222,8 @@ def build_cached_target(job: Job, datasets: dict, device: torch.device, dtype: t
     with the whole target, which is then released (collective over the world)."""
     args = job.args
     if args.dflash_target_cache_mode == "write":
-        online = FrozenTarget(job, device, dtype, groups)
-        write_target_cache(job, online, datasets, args.dflash_target_cache, groups, log=log)
-        del online
+        write_target_cache(job, lambda: FrozenTarget(job, device, dtype, groups), datasets, args.dflash_target_cache,
+                           groups, log=log)
     reader = open_cache_reader(job, datasets["train"], datasets.get("valid"))
     target = CachedTarget(job, reader, device, dtype, groups)
     log(f"[cache] target states read from {args.dflash_target_cache} ({reader.manifest.dtype}); target weights "
@@ -245,9 +246,9 @@ def _write_cache_of_job(job: Job, env, log) -> CacheManifest:
     try:
         train_ds, valid_ds = build_datasets(job)
         dtype = torch.bfloat16 if job.args.bf16 else torch.float32
-        target = FrozenTarget(job, ctx.device, dtype, ctx.groups)
         say = log if ctx.rank == 0 else (lambda text: None)
-        return write_target_cache(job, target, {"train": train_ds, "valid": valid_ds}, job.args.dflash_target_cache,
-                                  ctx.groups, log=say)
+        return write_target_cache(job, lambda: FrozenTarget(job, ctx.device, dtype, ctx.groups),
+                                  {"train": train_ds, "valid": valid_ds}, job.args.dflash_target_cache, ctx.groups,
+                                  log=say)
     finally:
         ctx.close()
