@@ -914,7 +914,8 @@ def add_target_cache_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("cached target states")
     g.add_argument("--dflash-target-cache", default=None, metavar="DIR",
                    help="directory of the target's cached states (tools/cache_target_states.py): the run reads the "
-                   "taps (and the final hidden state) from it and loads only the target's embedding and output head.")
+                   "taps (and the final hidden state) from it and loads only the target's embedding and output head (default: "
+                   "none, the target runs online).")
     g.add_argument("--dflash-target-cache-mode", choices=TARGET_CACHE_MODES, default="read",
                    help="read: the cache must be complete; write: write the missing shards first (every rank its "
                    "own), then train reading it.")
