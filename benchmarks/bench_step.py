@@ -480,8 +480,6 @@ def build_cached(args, seq: int):
     from megatron_dflash.variants.registry import get_variant
 
     dspark = args.variant == "dspark"
-    torch.manual_seed(0)
-    model = _hf_target(args, seq)
     fields = dict(hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.draft_layers,
                   num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
                   block_size=args.block_size, mask_token_id=args.vocab - 1, vocab_size=args.vocab,
@@ -493,15 +491,25 @@ def build_cached(args, seq: int):
         config = DFlashConfig(**fields)
     input_ids, mask = _inputs(args, seq)
     directory = tempfile.mkdtemp(prefix="bench-cache-")
-    model.save_pretrained(os.path.join(directory, "target"))
-    out = HFTarget.from_config(model, config)(input_ids, need_final_hidden=dspark)
     manifest = CacheManifest(CACHE_FORMAT_VERSION, "bench", tuple(TARGET_LAYER_IDS), args.hidden, dspark, "float32",
                              seq, False, "bench", 1, {"train": 1, "valid": 0})
     cache = os.path.join(directory, "cache")
-    publish_manifest(cache, manifest)
-    write_shard(cache, "train", 0, {0: (input_ids[0], out.taps[0], out.final_hidden[0] if dspark else None)})
-    write_index(cache, manifest)
-    del model, out
+
+    def write_cache():  # in a child process, as the cache tool writes it: this process never holds the target
+        torch.manual_seed(0)
+        model = _hf_target(args, seq)
+        model.save_pretrained(os.path.join(directory, "target"))
+        out = HFTarget.from_config(model, config)(input_ids, need_final_hidden=dspark)
+        publish_manifest(cache, manifest)
+        write_shard(cache, "train", 0, {0: (input_ids[0], out.taps[0], out.final_hidden[0] if dspark else None)})
+        write_index(cache, manifest)
+
+    import multiprocessing
+
+    writer = multiprocessing.get_context("fork").Process(target=write_cache)
+    writer.start()
+    writer.join()
+    assert writer.exitcode == 0, "the cache writer failed"
     heads = load_frozen_heads(os.path.join(directory, "target"), config, torch.float32, None, tied=False,
                               vocab_parallel=False)
     reader = StateCacheReader(cache, manifest)
