@@ -39,6 +39,13 @@ published recipe), anchors S/4 (512 at S=2048), every token supervised:
           the target's ``[B, N, W, V]`` logits at the aligned positions, `compute_dspark_loss`) -> backward ->
           AdamW over the trainable parameters.
 
+``--target-cache``: our step reading the target's states from a cache (`training/target_cache.py`: a safetensors
+shard written once, before the timed steps, by the same target) against our online step; the cached side holds
+only the target's embedding and LM head (`target/frozen_heads.py`, read from the target's saved files), reads
+the sample's states from the shard every step, and runs no target forward. Sides ``online`` and ``cached``; the
+memory columns are the step's, over what was live once the models existed, so the target's weights are in
+neither (their size is printed apart). Works with ``--variant dspark`` (the final hidden state is cached too).
+
 The anchors differ in position (each side samples its own), not in number. Every (side, size) runs in its own fresh process, and the
 rounds alternate which side goes first, so neither side profits from a warmer machine or allocator.
 
@@ -112,16 +119,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (one process per side per round)")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per process (after one warm-up step)")
-    parser.add_argument("--sides", nargs="+", default=None, choices=["ours", "nemo", "reduced"],
-                        help="default ours nemo (with --draft-vocab-size: ours reduced)")
+    parser.add_argument("--sides", nargs="+", default=None, choices=["ours", "nemo", "reduced", "online", "cached"],
+                        help="default ours nemo (with --draft-vocab-size: ours reduced; with --target-cache: online "
+                        "cached)")
     parser.add_argument("--draft-vocab-size", type=int, default=None, metavar="K",
                         help="side 'reduced': our step with a reduced draft vocabulary of K rows (docs/design.md §20)")
+    parser.add_argument("--target-cache", action="store_true",
+                        help="our step reading cached target states against our online step")
     parser.add_argument("--no-flops", action="store_true", help="skip the GFLOP/s line")
     parser.add_argument("--profile", type=int, default=None, metavar="S", help="print our step's operator profile")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--worker-seq", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--count-flops", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.sides is None:
+        args.sides = (["online", "cached"] if args.target_cache else
+                      ["ours", "reduced"] if args.draft_vocab_size else ["ours", "nemo"])
+    if args.target_cache and (args.layer or set(args.sides) - {"online", "cached"}):
+        parser.error("--target-cache compares our online and cached steps (sides online, cached), not --layer.")
+    if args.target_cache:
+        args.no_flops = True
     if args.seq is None:
         args.seq = [4096] if args.layer else [1024, 2048, 4096]
     if args.anchor_ratio is None:
@@ -133,8 +150,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                  ("decay_gamma", 7.0, 4.0)):
         if getattr(args, name) is None:
             setattr(args, name, dspark_default if dspark else dflash_default)
-    if args.sides is None:
-        args.sides = ["ours", "reduced"] if args.draft_vocab_size else ["ours", "nemo"]
     if "reduced" in args.sides and not args.draft_vocab_size:
         parser.error("side 'reduced' needs --draft-vocab-size K")
     return args
@@ -467,7 +482,86 @@ def build_nemo_layer(args, seq: int):
     return step
 
 
+def build_cached(args, seq: int):
+    """Our step (DFlash or DSpark) with the target's states read from a cache: the states of the one sample written
+    once by the same target (untimed), the target saved and only its embedding and LM head read back."""
+    import tempfile
+
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    from megatron_dflash.draft.config import DFlashConfig
+    from megatron_dflash.objectives.dflash_loss import dflash_loss, embed_blocks
+    from megatron_dflash.plan.batch_plan import build_dflash_batch_plan
+    from megatron_dflash.target.frozen_heads import load_frozen_heads
+    from megatron_dflash.target.state_cache import (CACHE_FORMAT_VERSION, CacheManifest, StateCacheReader,
+                                                    publish_manifest, write_index, write_shard)
+    from megatron_dflash.target.taps import HFTarget
+    from megatron_dflash.variants.dspark import DSparkBody, DSparkConfig
+    from megatron_dflash.variants.registry import get_variant
+
+    dspark = args.variant == "dspark"
+    fields = dict(hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.draft_layers,
+                  num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
+                  block_size=args.block_size, mask_token_id=args.vocab - 1, vocab_size=args.vocab,
+                  num_target_layers=args.target_layers, target_layer_ids=TARGET_LAYER_IDS)
+    if dspark:
+        config = DSparkConfig(**fields, markov_rank=args.markov_rank, markov_head_type="vanilla",
+                              enable_confidence_head=True, confidence_head_with_markov=args.markov_rank > 0)
+    else:
+        config = DFlashConfig(**fields)
+    input_ids, mask = _inputs(args, seq)
+    directory = tempfile.mkdtemp(prefix="bench-cache-")
+    manifest = CacheManifest(CACHE_FORMAT_VERSION, "bench", tuple(TARGET_LAYER_IDS), args.hidden, dspark, "float32",
+                             seq, False, "bench", 1, {"train": 1, "valid": 0})
+    cache = os.path.join(directory, "cache")
+
+    def write_cache():  # in a child process, as the cache tool writes it: this process never holds the target
+        torch.manual_seed(0)
+        model = _hf_target(args, seq)
+        model.save_pretrained(os.path.join(directory, "target"))
+        out = HFTarget.from_config(model, config)(input_ids, need_final_hidden=dspark)
+        publish_manifest(cache, manifest)
+        write_shard(cache, "train", 0, {0: (input_ids[0], out.taps[0], out.final_hidden[0] if dspark else None)})
+        write_index(cache, manifest)
+
+    import multiprocessing
+
+    writer = multiprocessing.get_context("fork").Process(target=write_cache)
+    writer.start()
+    writer.join()
+    assert writer.exitcode == 0, "the cache writer failed"
+    heads = load_frozen_heads(os.path.join(directory, "target"), config, torch.float32, None, tied=False,
+                              vocab_parallel=False)
+    reader = StateCacheReader(cache, manifest)
+    body = (DSparkBody(config) if dspark else __import__("megatron_dflash.draft.body", fromlist=["DFlashBody"])
+            .DFlashBody(config)).train()
+    optimizer = torch.optim.AdamW(body.parameters(), lr=1e-4)
+    anchors = seq // args.anchor_ratio
+
+    def step(index: int):
+        plan = build_dflash_batch_plan(mask, torch.tensor([0]), anchors_per_sample=anchors,
+                                       block_size=args.block_size, optimizer_step=index, seed=0)
+        _, taps, final = reader.sample(0)
+        with torch.no_grad():
+            blocks = embed_blocks(input_ids, plan, heads.embedding, mask_token_id=config.mask_token_id)
+        hidden = body(taps[None], blocks, plan)
+        if dspark:
+            loss = get_variant("dspark").loss(body, hidden, plan, input_ids, heads.head, decay_gamma=args.decay_gamma,
+                                              chunk_slots=args.loss_chunk, final_hidden=final[None], input_mask=mask)
+        else:
+            loss = dflash_loss(hidden, plan, input_ids, heads.head, decay_gamma=args.decay_gamma)
+        (loss.loss_sum / loss.weight_sum.clamp(min=1e-12)).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step.weights = (heads.loaded_bytes, heads.skipped_bytes)
+    return step
+
+
 def _builders(args) -> dict:
+    if args.target_cache:
+        return {"online": build_ours_dspark if args.variant == "dspark" else build_ours, "cached": build_cached}
     if args.layer:
         return {"ours": build_ours_layer, "nemo": build_nemo_layer}
     if args.variant == "dspark":
@@ -493,6 +587,8 @@ def worker(args) -> dict:
         walls.append(time.perf_counter() - wall)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     result = {"wall": statistics.median(walls), "cpu": statistics.median(cpus), "rss": peak - rss_before}
+    if hasattr(step, "weights"):  # the cached side: the target's weights held and left on disk
+        result["held"], result["skipped"] = step.weights
     from peak_memory import alloc_peak  # after the RSS reading: the profiler has its own memory
 
     result["live"] = alloc_peak(lambda: step(args.steps + 1))
@@ -553,6 +649,8 @@ def run_worker(args, side: str, seq: int, count_flops: bool = False) -> dict:
         command += ["--draft-vocab-size", str(args.draft_vocab_size)]
     if args.layer:
         command.append("--layer")
+    if args.target_cache:
+        command += ["--target-cache", "--sides", *args.sides]
     if count_flops:
         command.append("--count-flops")
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONWARNINGS="ignore")
@@ -617,7 +715,14 @@ def main(argv=None) -> None:
                   f"{ours['cpu'] / reduced['cpu']:7.2f}x {ours['rss'] / max(reduced['rss'], 1):13.2f}x "
                   f"{ours['live'] / max(reduced['live'], 1):13.2f}x   (full vocabulary / K={args.draft_vocab_size})",
                   flush=True)
-        if "nemo" in sides and "ours" in sides:
+        if args.target_cache and len(sides) == 2:
+            online, cached = sides["online"], sides["cached"]
+            held = per_side["cached"][0]
+            print(f"{seq:>6} {'':>7} {'ratio':>5} {online['wall'] / cached['wall']:7.2f}x "
+                  f"{online['cpu'] / cached['cpu']:7.2f}x {online['rss'] / max(cached['rss'], 1):13.2f}x "
+                  f"{online['live'] / max(cached['live'], 1):13.2f}x   (online / cached); target weights held by the "
+                  f"cached side {held['held'] / 2**20:.1f} MiB, not loaded {held['skipped'] / 2**20:.1f} MiB", flush=True)
+        elif "nemo" in sides and "ours" in sides:
             ours, nemo = sides["ours"], sides["nemo"]
             print(f"{seq:>6} {'':>7} {'ratio':>5} {nemo['wall'] / ours['wall']:7.2f}x {nemo['cpu'] / ours['cpu']:7.2f}x "
                   f"{nemo['rss'] / max(ours['rss'], 1):13.2f}x {nemo['live'] / max(ours['live'], 1):13.2f}x   "

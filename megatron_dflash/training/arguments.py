@@ -78,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_target_arguments(p)
     _add_draft_arguments(p)
     add_draft_recipe_arguments(p)
+    add_target_cache_arguments(p)
     return p
 
 
@@ -442,6 +443,7 @@ def validate_args(
     _check_chat_options(args)
     _check_target_and_draft(args, cuda)
     _check_eval_prompts(args, fmt)
+    check_target_cache_arguments(args)
     args.use_cuda = bool(cuda)
     return args
 
@@ -934,3 +936,48 @@ def resolve_decay_gamma(args: argparse.Namespace, block_size: int) -> Optional[f
     if args.target is None:
         return float(block_size - 1)
     return RECIPE_DECAY_GAMMA.get(block_size, (block_size - 1) / 2)
+
+
+# ------------------------------------------------------------------------ cached target states
+
+TARGET_CACHE_MODES = ("write", "read")
+TARGET_CACHE_DTYPES = ("float32", "bfloat16")
+
+
+def add_target_cache_arguments(p: argparse.ArgumentParser) -> None:
+    """The "cached target states" options (docs/design.md §8 Data path, "Training from cached target states");
+    `tools/cache_target_states.py` takes them too."""
+    g = p.add_argument_group("cached target states")
+    g.add_argument("--dflash-target-cache", default=None, metavar="DIR",
+                   help="directory of the target's cached states (tools/cache_target_states.py): the run reads the "
+                   "taps (and the final hidden state) from it and loads only the target's embedding and output head (default: "
+                   "none, the target runs online).")
+    g.add_argument("--dflash-target-cache-mode", choices=TARGET_CACHE_MODES, default="read",
+                   help="read: the cache must be complete; write: write the missing shards first (every rank its "
+                   "own), then train reading it.")
+    g.add_argument("--dflash-target-cache-dtype", choices=TARGET_CACHE_DTYPES, default=None,
+                   help="dtype of the cached states (default: the run's, float32 or bfloat16 with --bf16; float32 "
+                   "trains bitwise as online).")
+    g.add_argument("--dflash-target-cache-shard-size", type=int, default=64, metavar="N",
+                   help="samples per cache shard when writing (a killed writer redoes at most one shard per rank).")
+
+
+def check_target_cache_arguments(args: argparse.Namespace) -> None:
+    """The cache flags' combinations; sets ``dflash_target_cache_dtype`` to the run's dtype when not given."""
+    given = [flag for flag, default in (("--dflash-target-cache-mode", "read"), ("--dflash-target-cache-dtype", None))
+             if getattr(args, flag[2:].replace("-", "_")) != default]
+    if args.dflash_target_cache_shard_size < 1:
+        raise ArgumentError(f"--dflash-target-cache-shard-size must be at least 1, got "
+                            f"{args.dflash_target_cache_shard_size}.")
+    if args.dflash_target_cache is None:
+        if given:
+            raise ArgumentError(f"{given[0]} needs --dflash-target-cache DIR.")
+        return
+    if args.pack_sequences:
+        raise ArgumentError("--dflash-target-cache holds the states of each sample alone and does not take "
+                            "--pack-sequences; train unpacked, or without the cache.")
+    if args.pipeline_model_parallel_size > 1:
+        raise ArgumentError("--dflash-target-cache needs --pipeline-model-parallel-size 1 (the run holds only the "
+                            "target's embedding and head, which one stage has).")
+    if args.dflash_target_cache_dtype is None:
+        args.dflash_target_cache_dtype = "bfloat16" if args.bf16 else "float32"

@@ -70,6 +70,7 @@ from .rundir import ConsoleLog, RunWriter
 from .savelock import lock_save_directory
 from .signals import STOPPED_EXIT_STATUS, StopSignals
 from .step import RankData, StepRunner, StepStatistics
+from .target_cache import build_cached_target
 
 __all__ = ["TrainResult", "train", "run", "main"]
 
@@ -213,7 +214,7 @@ class _Training:
         collate = Collator(job.pad_token_id, args.seq_length, args.pack_sequences)
         check_training_data(job, train_ds, collate, log=self.log0)
         self.draft_vocab = resolve_draft_vocab(job, train_ds, log=self.log0)
-        self._build_models()
+        self._build_models({"train": train_ds, "valid": self.valid_ds})
         start_iteration = self._resume()
         data_iter = MicroBatchIterator(
             train_ds, micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
@@ -234,10 +235,14 @@ class _Training:
                   f"{args.global_batch_size} = micro {args.micro_batch_size} x {args.num_micro_batches} x DP {job.dp}; "
                   f"device {ctx.device.type}; loss weights {job.loss_weighting.describe(job.decay_gamma)}")
 
-    def _build_models(self) -> None:
-        """The target (every rank) and, on the draft's stage (PP > 1: one stage only), the body and its engine."""
+    def _build_models(self, datasets: dict) -> None:
+        """The target (every rank; read from `--dflash-target-cache` when given) and, on the draft's stage (PP > 1:
+        one stage only), the body and its engine."""
         job, args, cfg, ctx = self.job, self.args, self.job.draft_config, self.ctx
-        self.target = FrozenTarget(job, ctx.device, self.dtype, ctx.groups)
+        if args.dflash_target_cache is None:
+            self.target = FrozenTarget(job, ctx.device, self.dtype, ctx.groups)
+        else:
+            self.target = build_cached_target(job, datasets, ctx.device, self.dtype, ctx.groups, log=self.log0)
         if self.target.placement is not None:
             self.log0(f"[dflash] pipeline: the draft is on stage {self.target.placement.draft_stage} of {job.pp}")
         torch.manual_seed(args.seed)

@@ -32,3 +32,12 @@ def child_env(**overrides) -> dict:
     first on PYTHONPATH, and `overrides` (e.g. OMP_NUM_THREADS="1")."""
     env = {k: v for k, v in os.environ.items() if k != "HF_HUB_DISABLE_PROGRESS_BARS"}
     return {**env, "PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **overrides}
+
+
+def cache_states_module():
+    sys.path.insert(0, os.path.join(REPO_ROOT, "tools"))
+    try:
+        import cache_target_states
+    finally:
+        sys.path.pop(0)
+    return cache_target_states

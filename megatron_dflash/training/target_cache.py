@@ -1,0 +1,254 @@
+"""Training from cached target states (docs/design.md §8 Data path, "Training from cached target states").
+
+* `run_manifest`: what this run needs of a cache (`target.state_cache.CacheManifest`): the target's and the data's
+  fingerprints, taps, dtype, sequence length;
+* `write_target_cache`: the write pass (``--dflash-target-cache-mode write``, `tools/cache_target_states.py`):
+  the frozen target over every training and validation sample, shard by shard, each data-parallel replica its
+  own shards (``k % DP``), written by TP rank 0; prints the storage per sample first and refuses when the file
+  system has too little free space;
+* `CachedTarget`: the frozen target as the step sees it (`training.frozen_target.FrozenTarget`'s interface),
+  its taps and final hidden state read from the cache, only the target's embedding and output head in memory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..common.parallel import ProcessGroups
+from ..common.safetensors_files import target_safetensors_files
+from ..data.batching import Collator
+from ..target.frozen_heads import load_frozen_heads
+from ..target.state_cache import (
+    CACHE_FORMAT_VERSION,
+    CacheManifest,
+    StateCacheError,
+    StateCacheReader,
+    bytes_per_token,
+    missing_shards,
+    read_manifest,
+    publish_manifest,
+    remove_stale_temporaries,
+    shard_name,
+    shard_ranges,
+    write_index,
+    write_shard,
+)
+from .datasets import build_datasets
+from .device_shim import megatron_target_on_cpu
+from .distributed import initialize_distributed
+from .frozen_target import FrozenTarget
+from .job import Job
+
+__all__ = ["run_manifest", "data_fingerprint", "target_fingerprint", "write_target_cache",
+           "CachedTarget", "open_cache_reader", "build_cached_target",
+           "write_cache_of_job"]
+
+def target_fingerprint(target_dir: str) -> str:
+    """sha256 of the target's ``config.json`` and its safetensors headers (names, dtypes, shapes, offsets): a
+    different checkpoint changes it without reading its weights."""
+    digest = hashlib.sha256()
+    with open(os.path.join(target_dir, "config.json"), "rb") as f:
+        digest.update(json.dumps(json.load(f), sort_keys=True).encode())
+    for path in target_safetensors_files(target_dir):
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            digest.update(os.path.basename(path).encode() + f.read(size))
+    return digest.hexdigest()
+
+
+def data_fingerprint(datasets: dict) -> str:
+    """sha256 of each split's length and the ids and tokens of its first, middle and last samples; every sample's
+    tokens are also compared with the cache's when it is read (`CachedTarget`)."""
+    digest = hashlib.sha256()
+    for split, ds in sorted(datasets.items()):
+        n = len(ds) if ds is not None else 0
+        digest.update(f"{split}:{n}".encode())
+        for i in sorted({0, n // 2, n - 1}) if n else []:
+            sample = ds[i]
+            digest.update(str(int(sample.sample_id)).encode() + sample.input_ids.numpy().tobytes())
+    return digest.hexdigest()
+
+
+def run_manifest(job: Job, train_ds, valid_ds) -> CacheManifest:
+    args, cfg = job.args, job.draft_config
+    splits = {"train": train_ds, "valid": valid_ds}
+    return CacheManifest(
+        format_version=CACHE_FORMAT_VERSION, target=target_fingerprint(job.target_dir),
+        target_layer_ids=tuple(cfg.target_layer_ids), hidden_size=cfg.hidden_size,
+        final_hidden=bool(job.variant.needs_final_hidden) or args.dflash_soft_target != "none",
+        dtype=args.dflash_target_cache_dtype, seq_length=args.seq_length, packing=bool(args.pack_sequences),
+        data=data_fingerprint(splits), shard_size=args.dflash_target_cache_shard_size,
+        samples={k: (len(v) if v is not None else 0) for k, v in splits.items()},
+    )
+
+
+def _owned_missing(directory: str, manifest: CacheManifest, dp_rank: int, dp_size: int) -> list:
+    """(split, shard, sample range) of the shards this DP replica writes that are not on disk yet."""
+    work = []
+    for split in ("train", "valid"):
+        ranges = shard_ranges(manifest.samples[split], manifest.shard_size)
+        work += [(split, k, ranges[k]) for k in missing_shards(directory, split, ranges) if k % dp_size == dp_rank]
+    return work
+
+
+def _storage_line(manifest: CacheManifest, samples_to_write: int, free: int) -> str:
+    taps = len(manifest.target_layer_ids)
+    per_sample = manifest.seq_length * bytes_per_token(manifest)
+    return (f"[cache] storage per sample: up to {manifest.seq_length} tokens x ({taps} taps"
+            f"{' + final hidden' if manifest.final_hidden else ''}) x {manifest.hidden_size} hidden x "
+            f"{manifest.torch_dtype.itemsize} bytes = {per_sample / 2**20:.3f} MiB; {samples_to_write} sample(s) to "
+            f"write: up to {per_sample * samples_to_write / 2**30:.3f} GiB, {free / 2**30:.3f} GiB free")
+
+
+def write_target_cache(job: Job, make_target: Callable, datasets: dict, directory: str, groups: ProcessGroups,
+                       log: Callable[[str], None] = print) -> CacheManifest:
+    """Write the shards of the cache that are missing (this DP replica's), then, on global rank 0 once every rank is
+    done, ``index.json``. ``make_target()`` gives a `training.frozen_target.FrozenTarget` (PP = 1), called once the
+    manifest and the free space are checked. Collective over the world.
+
+    Long on purpose: manifest, storage check, the shards and the index are one pass whose order matters."""
+    manifest = run_manifest(job, datasets["train"], datasets.get("valid"))
+    found = read_manifest(directory) if os.path.isdir(directory) else None
+    if found is not None and found.shard_size != manifest.shard_size:
+        raise StateCacheError(f"the target-state cache {directory} does not match this run (shard_size: cache "
+                              f"{found.shard_size}, run {manifest.shard_size}); pass --dflash-target-cache-shard-size "
+                              f"{found.shard_size} to finish it.")
+    if groups.rank == 0:
+        publish_manifest(directory, manifest)  # a differing manifest is refused here
+    if groups.is_distributed:
+        dist.barrier()
+    publish_manifest(directory, manifest)  # every rank checks it (a no-op where it matches)
+    work = _owned_missing(directory, manifest, groups.dp_rank, groups.dp_size)
+    if groups.is_distributed:  # every TP rank has listed the same shards before any is written
+        dist.barrier()
+    writes = groups.tp_rank == 0
+    if writes:
+        remove_stale_temporaries(directory, [shard_name(split, k) for split, k, _ in work])
+    to_write = sum(len(r) for _, _, r in work)
+    free = shutil.disk_usage(directory).free
+    line = _storage_line(manifest, to_write, free)
+    log(line)
+    if writes and to_write * manifest.seq_length * bytes_per_token(manifest) > free:
+        raise StateCacheError(f"not enough free space for the target-state cache in {directory}: {line[8:]}; free "
+                              "space or choose another directory (or --dflash-target-cache-dtype bfloat16).")
+    collate = Collator(job.pad_token_id, job.args.seq_length, False)
+    micro = job.args.micro_batch_size
+    target = make_target()
+    for split, k, indices in work:
+        ds, states = datasets[split], {}
+        for a in range(indices.start, indices.stop, micro):
+            samples = [ds[i] for i in range(a, min(a + micro, indices.stop))]
+            batch = collate(samples)
+            batch = {key: (v.to(target.device) if isinstance(v, torch.Tensor) else v) for key, v in batch.items()}
+            taps, final = target(batch)
+            for b, sample in enumerate(samples):
+                n = int((batch["document_ids"][b] >= 0).sum())
+                states[int(sample.sample_id)] = (
+                    batch["tokens"][b, :n].cpu(), taps[b, :n].to(manifest.torch_dtype).cpu(),
+                    final[b, :n].to(manifest.torch_dtype).cpu() if manifest.final_hidden else None)
+        if writes:
+            write_shard(directory, split, k, states)
+        log(f"[cache] wrote {shard_name(split, k)} ({len(indices)} samples)")
+    if groups.is_distributed:
+        dist.barrier()
+    if groups.rank == 0:
+        write_index(directory, manifest)
+    if groups.is_distributed:
+        dist.barrier()
+    return manifest
+
+
+class CachedTarget:
+    """The frozen target read from a cache: ``__call__(batch) -> (taps [B, S, T*H], final [B, S, H] or None)``
+    in the run's dtype (zeros on padding), `embedding` and `head` (`target.frozen_heads`); nothing else of the
+    target is loaded (`skipped_bytes` of its weights stay on disk)."""
+
+    placement = None
+    is_draft = True
+    hf_model = None
+
+    def __init__(self, job: Job, reader: StateCacheReader, device: torch.device, dtype: torch.dtype,
+                 groups: ProcessGroups):
+        args = job.args
+        self.reader, self.device, self.dtype = reader, device, dtype
+        self.need_final_hidden = bool(job.variant.needs_final_hidden) or args.dflash_soft_target != "none"
+        tied = bool(job.target_text_config.get("tie_word_embeddings", job.target_config.get("tie_word_embeddings")))
+        heads = load_frozen_heads(job.target_dir, job.draft_config, dtype, groups.tp, tied=tied,
+                                  vocab_parallel=args.target_backend == "megatron")
+        self.embedding = heads.embedding.to(device)
+        self.head = heads.head
+        self.head.layer.to(device)
+        self.loaded_bytes, self.skipped_bytes = heads.loaded_bytes, heads.skipped_bytes
+
+    @torch.no_grad()
+    def __call__(self, batch: dict):
+        tokens = batch["tokens"]
+        B, S = tokens.shape
+        width = len(self.reader.manifest.target_layer_ids) * self.reader.manifest.hidden_size
+        taps = torch.zeros(B, S, width, dtype=self.dtype, device=self.device)
+        final = None
+        if self.need_final_hidden:
+            final = torch.zeros(B, S, self.reader.manifest.hidden_size, dtype=self.dtype, device=self.device)
+        for b in range(B):
+            sample_id = int(batch["sample_ids"][b])
+            if sample_id not in self.reader.where and not bool(batch["loss_mask"][b].any()):
+                continue  # a stand-in row that supervises nothing (`training.step.RankData`): no states needed
+            ids, sample_taps, sample_final = self.reader.sample(sample_id)
+            n = ids.shape[0]
+            if n > S or not torch.equal(ids.to(tokens.device), tokens[b, :n]):
+                raise StateCacheError(f"sample {sample_id}: its tokens differ from those the target-state cache "
+                                      f"{self.reader.directory} holds; write the cache again for this data.")
+            taps[b, :n] = sample_taps.to(self.device, self.dtype)
+            if final is not None:
+                final[b, :n] = sample_final.to(self.device, self.dtype)
+        return taps, final
+
+
+def open_cache_reader(job: Job, train_ds, valid_ds) -> StateCacheReader:
+    """The reader of ``--dflash-target-cache`` for this run (its manifest must match the run's)."""
+    return StateCacheReader(job.args.dflash_target_cache, run_manifest(job, train_ds, valid_ds))
+
+
+def build_cached_target(job: Job, datasets: dict, device: torch.device, dtype: torch.dtype, groups: ProcessGroups,
+                        log: Callable[[str], None] = print) -> CachedTarget:
+    """The run's `CachedTarget`; with ``--dflash-target-cache-mode write`` the missing shards are written first
+    with the whole target, which is then released (collective over the world)."""
+    args = job.args
+    if args.dflash_target_cache_mode == "write":
+        write_target_cache(job, lambda: FrozenTarget(job, device, dtype, groups), datasets, args.dflash_target_cache,
+                           groups, log=log)
+    reader = open_cache_reader(job, datasets["train"], datasets.get("valid"))
+    target = CachedTarget(job, reader, device, dtype, groups)
+    log(f"[cache] target states read from {args.dflash_target_cache} ({reader.manifest.dtype}); target weights "
+        f"loaded: {target.loaded_bytes / 2**20:.2f} MiB (embedding, output head), not loaded: "
+        f"{target.skipped_bytes / 2**20:.2f} MiB (decoder layers, final norm)")
+    return target
+
+
+def write_cache_of_job(job: Job, env=None, log: Callable[[str], None] = print) -> CacheManifest:
+    """`tools/cache_target_states.py`: the write pass of this job's cache in this process (one rank of the launch),
+    the megatron target on CPU ranks as `training.loop.train` runs it."""
+    if job.args.target_backend == "megatron" and not job.args.use_cuda:
+        with megatron_target_on_cpu():
+            return _write_cache_of_job(job, env, log)
+    return _write_cache_of_job(job, env, log)
+
+
+def _write_cache_of_job(job: Job, env, log) -> CacheManifest:
+    ctx = initialize_distributed(job, env)
+    try:
+        train_ds, valid_ds = build_datasets(job)
+        dtype = torch.bfloat16 if job.args.bf16 else torch.float32
+        say = log if ctx.rank == 0 else (lambda text: None)
+        return write_target_cache(job, lambda: FrozenTarget(job, ctx.device, dtype, ctx.groups),
+                                  {"train": train_ds, "valid": valid_ds}, job.args.dflash_target_cache, ctx.groups,
+                                  log=say)
+    finally:
+        ctx.close()

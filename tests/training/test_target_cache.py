@@ -1,0 +1,154 @@
+"""Training from cached target states (`training/target_cache.py`) against training with the target online:
+the same losses, gradients and weights bitwise from an fp32 cache (DFlash, JetSpec, DSpark), an exact resume, the
+same at DP=2 (a cache written at DP=1) and TP=2 (megatron target), a bf16 cache within its rounding, and the
+refusals (a differing manifest names the field, a corrupt shard is named)."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+import torch
+
+from megatron_dflash.common.errors import DataError
+from training_runs import MULTI_RANK_TIMEOUT_S, run_main, run_training, safetensors_of, training_argv
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+RUN = ["--train-iters", "3", "--micro-batch-size", "4", "--global-batch-size", "8", "--dflash-eval-prompts", "0"]
+VARIANTS = ["dflash", "jetspec", "dspark"]
+
+
+def cache_args(directory, mode="read", *extra):
+    return ["--dflash-target-cache", str(directory), "--dflash-target-cache-mode", mode, *extra]
+
+
+def recorded_run(argv) -> list:
+    """Per optimizer step: the loss, the body's gradients (megatron DDP's main_grad) and weights after it."""
+    steps = []
+
+    def on_step(iteration, values, body):
+        grads, weights = {}, {}
+        for name, p in body.named_parameters():
+            grad = getattr(p, "main_grad", None)
+            grads[name] = (grad if grad is not None else p.grad).detach().clone()
+            weights[name] = p.detach().clone()
+        steps.append({"loss": values["loss"], "grad norm": values["grad norm"], "grads": grads, "weights": weights})
+
+    run_training(argv, hooks={"on_step": on_step})
+    return steps
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_target, tmp_path_factory):
+    """Per variant: an online run, and a run that writes its fp32 cache first and then trains reading it."""
+    out = {}
+    for variant in VARIANTS:
+        root = tmp_path_factory.mktemp(variant)
+        args = [*RUN, "--dflash-variant", variant]
+        online = recorded_run(training_argv(tiny_target, root / "online", *args))
+        cached = recorded_run(training_argv(tiny_target, root / "cached", *args,
+                                            *cache_args(root / "cache", "write")))
+        out[variant] = {"online": online, "cached": cached, "cache": root / "cache", "root": root}
+    return out
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_an_fp32_cache_trains_bitwise_as_the_online_target(runs, variant):
+    online, cached = runs[variant]["online"], runs[variant]["cached"]
+    assert len(online) == len(cached) == 3
+    for step, (a, b) in enumerate(zip(online, cached)):
+        assert a["loss"] == b["loss"] and a["grad norm"] == b["grad norm"], (variant, step)
+        for name in a["grads"]:
+            assert torch.equal(a["grads"][name], b["grads"][name]), (variant, step, "grad", name)
+            assert torch.equal(a["weights"][name], b["weights"][name]), (variant, step, "weight", name)
+
+
+def test_a_resumed_run_reading_the_cache_continues_exactly(runs, tiny_target, tmp_path):
+    whole = runs["dflash"]
+    save = tmp_path / "ckpt"
+    args = [*RUN[2:], "--dflash-variant", "dflash", *cache_args(whole["cache"]), "--save", str(save)]
+    first = run_training(training_argv(tiny_target, tmp_path / "first", "--train-iters", "2", *args))
+    rest = run_training(training_argv(tiny_target, tmp_path / "rest", "--train-iters", "3", *args, "--load", str(save)))
+    assert rest.start_iteration == 2
+    assert first.losses + rest.losses == [s["loss"] for s in whole["cached"]]
+    uninterrupted = safetensors_of(whole["root"] / "cached" / "hf")
+    resumed = safetensors_of(tmp_path / "rest" / "hf")
+    assert uninterrupted.keys() == resumed.keys()
+    assert all(torch.equal(uninterrupted[k], resumed[k]) for k in resumed)
+
+
+def test_a_bf16_cache_follows_the_online_loss_curve(runs, tiny_target, tmp_path):
+    """An fp32 run reading states stored in bf16: each state is rounded to 8 significant bits (relative error at
+    most 2^-9 = 0.2 %). The loss is a smooth function of the states through RMSNorm and a few layers, so its
+    relative change stays of that order; 1 % per step over three steps allows for the optimizer's amplification
+    (Adam normalises the step size, so a gradient's 0.2 % change moves the weights by well under 1 % of a step),
+    while a wrong state (another sample's, an unshifted tap) moves the loss by tens of percent."""
+    online = [s["loss"] for s in runs["dflash"]["online"]]
+    cached = run_training(training_argv(tiny_target, tmp_path / "bf16", *RUN, *cache_args(
+        tmp_path / "cache", "write", "--dflash-target-cache-dtype", "bfloat16"))).losses
+    assert len(cached) == len(online)
+    for a, b in zip(online, cached):
+        assert abs(a - b) <= 0.01 * abs(a), (online, cached)
+    assert cached != online  # the states really were rounded
+    size = lambda d: sum(p.stat().st_size for p in pathlib.Path(d).glob("train-*.safetensors"))  # noqa: E731
+    assert size(tmp_path / "cache") < 0.6 * size(runs["dflash"]["cache"])
+
+
+def test_a_cache_of_another_run_is_refused_naming_the_field(runs, tiny_target, tmp_path, capsys, monkeypatch):
+    cache = runs["dflash"]["cache"]
+    for extra, field in ((["--seq-length", "40"], "seq_length: cache 48, run 40"),
+                         (["--dflash-target-layer-ids", "1,4"], "target_layer_ids: cache (1, 3), run (1, 4)"),
+                         (["--dflash-target-cache-dtype", "bfloat16"], "dtype: cache 'float32', run 'bfloat16'")):
+        status, err = run_main(training_argv(tiny_target, tmp_path / field[:6], *RUN, *extra, *cache_args(cache)),
+                               capsys, monkeypatch)
+        assert status == 1 and field in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_corrupt_shard_is_named(runs, tiny_target, tmp_path):
+    import shutil
+
+    cache = tmp_path / "cache"
+    shutil.copytree(runs["dflash"]["cache"], cache)
+    shard = cache / "train-00000.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0x40  # a bit of the last tensor's data
+    shard.write_bytes(bytes(data))
+    with pytest.raises(DataError, match=r"shard train-00000.safetensors of the target-state cache .* is corrupt: its "
+                                        "sha256 differs"):
+        run_training(training_argv(tiny_target, tmp_path / "run", *RUN, *cache_args(cache)))
+
+
+# ------------------------------------------------------------------------------------------ DP = 2, TP = 2
+
+
+def _rank_run(rank, world_size, target, out_dir, extra):
+    """One rank of a two-rank launch: (losses, exported weights on rank 0)."""
+    torch.set_num_threads(1)
+    out = pathlib.Path(out_dir)
+    result = run_training(training_argv(target, out, *RUN, *extra))
+    return result.losses, (safetensors_of(out / "hf") if rank == 0 else None)
+
+
+def _same(a, b) -> bool:
+    return a[0] == b[0] and a[1].keys() == b[1].keys() and all(torch.equal(a[1][k], b[1][k]) for k in a[1])
+
+
+def test_a_cache_written_at_dp1_trains_at_dp2_as_the_online_target(runs, tp_pool, tiny_target, tmp_path):
+    pool = tp_pool(2)
+    online = pool.run(_rank_run, tiny_target, str(tmp_path / "online"), [], tp=1, timeout=MULTI_RANK_TIMEOUT_S)
+    cached = pool.run(_rank_run, tiny_target, str(tmp_path / "cached"), cache_args(runs["dflash"]["cache"]), tp=1,
+                      timeout=MULTI_RANK_TIMEOUT_S)
+    assert online[0][0] == online[1][0] and len(online[0][0]) == 3
+    assert _same(online[0], cached[0]) and cached[1][0] == cached[0][0]
+
+
+def test_tp2_reads_the_cache_of_a_megatron_target_as_the_online_target(tp_pool, tiny_target, tmp_path):
+    """The megatron target at TP=2 writes the cache (TP rank 0 writes), then TP=2 trains from it with the vocab-
+    parallel head read from the target's files alone."""
+    megatron = ["--target-backend", "megatron", "--tensor-model-parallel-size", "2"]
+    pool = tp_pool(2)
+    online = pool.run(_rank_run, tiny_target, str(tmp_path / "online"), megatron, tp=2, timeout=MULTI_RANK_TIMEOUT_S)
+    cached = pool.run(_rank_run, tiny_target, str(tmp_path / "cached"),
+                      [*megatron, *cache_args(tmp_path / "cache", "write")], tp=2, timeout=MULTI_RANK_TIMEOUT_S)
+    assert len(online[0][0]) == 3 and _same(online[0], cached[0])
