@@ -62,7 +62,10 @@ def _read_file(job: Job, path: str) -> DraftVocabFile:
 def resolve_draft_vocab(job: Job, train_ds, log=print) -> Optional[DraftVocabulary]:
     """The run's `DraftVocabulary` (None without ``--dflash-draft-vocab-size``); every rank reads or counts the
     same data, so every rank holds the same ids without a collective."""
-    K = job.draft_config.draft_vocab_size
+    K = getattr(job.draft_config, "draft_vocab_size", None)  # a field of the Qwen3-style family's config only
+    if job.args.dflash_draft_vocab_size is not None and K is None:
+        raise ArgumentError(f"--dflash-draft-vocab-size: the {type(job.draft_config).__name__} draft has no reduced "
+                            "vocabulary (the Qwen3-style DFlash body has); drop the flag.")
     if K is None:
         return None
     path = job.args.dflash_draft_vocab
