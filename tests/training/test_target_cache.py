@@ -1,6 +1,7 @@
 """Training from cached target states (`training/target_cache.py`) against training with the target online:
 the same losses, gradients and weights bitwise from an fp32 cache (DFlash, JetSpec, DSpark), an exact resume, the
-same at DP=2 (a cache written at DP=1) and TP=2 (megatron target), a bf16 cache within its rounding, and the
+same at DP=2 (a cache written at DP=1) and TP=2 (megatron target), a bf16 cache within its rounding in an fp32
+run and bitwise in a bf16 run, the hybrid mode (bitwise as online over epochs, resumed in its first epoch), and the
 refusals (a differing manifest names the field, a corrupt shard is named)."""
 
 from __future__ import annotations
@@ -239,3 +240,22 @@ def test_a_hybrid_run_killed_in_its_first_epoch_resumes_exactly(hybrid, tiny_tar
     assert shard_bytes(cache) == shard_bytes(hybrid["cache"])
     uninterrupted, resumed = safetensors_of(hybrid["root"] / "hybrid" / "hf"), safetensors_of(tmp_path / "rest" / "hf")
     assert all(torch.equal(uninterrupted[k], resumed[k]) for k in resumed)
+
+
+def test_a_bf16_run_reading_a_bf16_cache_trains_bitwise_as_the_online_bf16_run(tiny_target, tmp_path):
+    """A ``--bf16`` run: the online target's taps and final hidden state are already bf16 tensors, the cache (bf16,
+    the default under ``--bf16``) stores them unchanged and the reader's cast to the run's dtype is the identity, so
+    the tolerance is zero: every step's loss, gradients and weights equal the online bf16 run's bitwise (measured so
+    on the tiny target; rounding happens only where the cache's dtype is narrower than the run's, the fp32 run of
+    `test_a_bf16_cache_follows_the_online_loss_curve`)."""
+    bf16 = [*RUN, "--bf16"]
+    online = recorded_run(training_argv(tiny_target, tmp_path / "online", *bf16))
+    cached = recorded_run(training_argv(tiny_target, tmp_path / "cached", *bf16,
+                                        *cache_args(tmp_path / "cache", "write")))
+    assert '"dtype": "bfloat16"' in (tmp_path / "cache" / "manifest.json").read_text()
+    assert len(online) == len(cached) == 3
+    for step, (a, b) in enumerate(zip(online, cached)):
+        assert a["loss"] == b["loss"] and a["grad norm"] == b["grad norm"], step
+        for name in a["grads"]:
+            assert torch.equal(a["grads"][name], b["grads"][name]), (step, "grad", name)
+            assert torch.equal(a["weights"][name], b["weights"][name]), (step, "weight", name)
