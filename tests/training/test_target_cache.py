@@ -259,3 +259,14 @@ def test_a_bf16_run_reading_a_bf16_cache_trains_bitwise_as_the_online_bf16_run(t
         for name in a["grads"]:
             assert torch.equal(a["grads"][name], b["grads"][name]), (step, "grad", name)
             assert torch.equal(a["weights"][name], b["weights"][name]), (step, "weight", name)
+
+
+def test_a_hybrid_run_at_dp2_trains_as_the_online_target(tp_pool, tiny_target, tmp_path):
+    """DP=2: each replica stages the samples it draws, and each writes its own shards from both replicas'
+    staging at the end of the first epoch; losses and weights equal the online DP=2 run's."""
+    pool = tp_pool(2)
+    online = pool.run(_rank_run, tiny_target, str(tmp_path / "online"), HYBRID, tp=1, timeout=MULTI_RANK_TIMEOUT_S)
+    cached = pool.run(_rank_run, tiny_target, str(tmp_path / "hybrid"),
+                      [*HYBRID, *cache_args(tmp_path / "cache", "hybrid")], tp=1, timeout=MULTI_RANK_TIMEOUT_S)
+    assert len(online[0][0]) == 5 and _same(online[0], cached[0]) and cached[1][0] == cached[0][0]
+    assert (tmp_path / "cache" / "index.json").exists() and not (tmp_path / "cache" / "staged").exists()
