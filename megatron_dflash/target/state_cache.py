@@ -38,7 +38,7 @@ __all__ = [
     "CACHE_FORMAT_VERSION", "MANIFEST_NAME", "INDEX_NAME", "CacheManifest", "StateCacheError", "shard_name",
     "shard_ranges", "read_manifest", "publish_manifest", "write_shard", "remove_stale_temporaries",
     "missing_shards", "write_index", "StateCacheReader", "bytes_per_token", "file_sha256", "STAGING_DIR",
-    "stage_sample", "read_staged", "remove_staging", "is_complete",
+    "stage_sample", "is_staged", "read_staged", "remove_staging", "is_complete",
 ]
 
 CACHE_FORMAT_VERSION = 1
@@ -206,12 +206,15 @@ def stage_sample(directory: str, sample_id: int, states: tuple) -> None:
     write_file(_staged_path(directory, sample_id), save_safetensors(tensors))
 
 
+def is_staged(directory: str, sample_id: int) -> bool:
+    return os.path.isfile(_staged_path(directory, sample_id))
+
+
 def read_staged(directory: str, sample_id: int, final_hidden: bool) -> Optional[tuple]:
     """A staged sample's states (`stage_sample`), None when it was not staged."""
-    path = _staged_path(directory, sample_id)
-    if not os.path.isfile(path):
+    if not is_staged(directory, sample_id):
         return None
-    with safe_open(path, framework="pt") as f:
+    with safe_open(_staged_path(directory, sample_id), framework="pt") as f:
         return f.get_tensor("input_ids"), f.get_tensor("taps"), f.get_tensor("final") if final_hidden else None
 
 

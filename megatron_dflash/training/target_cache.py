@@ -7,7 +7,9 @@
   own shards (``k % DP``), written by TP rank 0; prints the storage per sample first and refuses when the file
   system has too little free space;
 * `CachedTarget`: the frozen target as the step sees it (`training.frozen_target.FrozenTarget`'s interface),
-  its taps and final hidden state read from the cache, only the target's embedding and output head in memory.
+  its taps and final hidden state read from the cache, only the target's embedding and output head in memory;
+* `HybridTarget`: ``--dflash-target-cache-mode hybrid``, the target online for the first epoch while its states
+  are staged, then the cache gathered, the decoder layers released and the cache read.
 """
 
 from __future__ import annotations
@@ -35,8 +37,8 @@ from ..target.state_cache import (
     missing_shards,
     read_manifest,
     publish_manifest,
-    STAGING_DIR,
     is_complete,
+    is_staged,
     read_staged,
     remove_stale_temporaries,
     remove_staging,
@@ -113,11 +115,6 @@ def _storage_line(manifest: CacheManifest, samples_to_write: int, free: int) -> 
             f"write: up to {per_sample * samples_to_write / 2**30:.3f} GiB, {free / 2**30:.3f} GiB free")
 
 
-def _all_staged(directory: str, ds, indices: range, manifest: CacheManifest) -> bool:
-    return all(os.path.isfile(os.path.join(directory, STAGING_DIR, f"{int(ds[i].sample_id):019d}.safetensors"))
-               for i in indices)
-
-
 def _shard_states(target, ds, indices: range, collate, micro: int, manifest: CacheManifest,
                   staging: Optional[str]) -> dict:
     """The states of the samples ``indices`` of `ds`, by sample id in index order: the staged ones read from
@@ -146,15 +143,9 @@ def _row_states(batch: dict, b: int, taps, final, manifest: CacheManifest) -> tu
             final[b, :n].to(manifest.torch_dtype).cpu() if manifest.final_hidden else None)
 
 
-def write_target_cache(job: Job, make_target: Callable, datasets: dict, directory: str, groups: ProcessGroups,
-                       log: Callable[[str], None] = print, staged: bool = False) -> CacheManifest:
-    """Write the shards of the cache that are missing (this DP replica's), then, on global rank 0 once every rank is
-    done, ``index.json``. ``make_target()`` gives a `training.frozen_target.FrozenTarget` (PP = 1), called once the
-    manifest and the free space are checked and only when a sample is to be computed. With `staged` (hybrid mode),
-    the samples staged during the first epoch are read instead of computed. Collective over the world.
-
-    Long on purpose: manifest, storage check, the shards and the index are one pass whose order matters."""
-    manifest = run_manifest(job, datasets["train"], datasets.get("valid"))
+def _publish_run_manifest(directory: str, manifest: CacheManifest, groups: ProcessGroups) -> None:
+    """Create the cache's directory and manifest, or check the one there (a differing field is refused, the shard
+    size included: the shards on disk cover its sample ranges). Collective over the world."""
     found = read_manifest(directory) if os.path.isdir(directory) else None
     if found is not None and found.shard_size != manifest.shard_size:
         raise StateCacheError(f"the target-state cache {directory} does not match this run (shard_size: cache "
@@ -165,6 +156,18 @@ def write_target_cache(job: Job, make_target: Callable, datasets: dict, director
     if groups.is_distributed:
         dist.barrier()
     publish_manifest(directory, manifest)  # every rank checks it (a no-op where it matches)
+
+
+def write_target_cache(job: Job, make_target: Callable, datasets: dict, directory: str, groups: ProcessGroups,
+                       log: Callable[[str], None] = print, staged: bool = False) -> CacheManifest:
+    """Write the shards of the cache that are missing (this DP replica's), then, on global rank 0 once every rank is
+    done, ``index.json``. ``make_target()`` gives a `training.frozen_target.FrozenTarget` (PP = 1), called once the
+    manifest and the free space are checked and only when a sample is to be computed. With `staged` (hybrid mode),
+    the samples staged during the first epoch are read instead of computed. Collective over the world.
+
+    Long on purpose: manifest, storage check, the shards and the index are one pass whose order matters."""
+    manifest = run_manifest(job, datasets["train"], datasets.get("valid"))
+    _publish_run_manifest(directory, manifest, groups)
     work = _owned_missing(directory, manifest, groups.dp_rank, groups.dp_size)
     if groups.is_distributed:  # every TP rank has listed the same shards before any is written
         dist.barrier()
@@ -181,7 +184,8 @@ def write_target_cache(job: Job, make_target: Callable, datasets: dict, director
     collate = Collator(job.pad_token_id, job.args.seq_length, False)
     target = None
     for split, k, indices in work:
-        if target is None and not (staged and _all_staged(directory, datasets[split], indices, manifest)):
+        all_staged = staged and all(is_staged(directory, datasets[split][i].sample_id) for i in indices)
+        if target is None and not all_staged:
             target = make_target()
         states = _shard_states(target, datasets[split], indices, collate, job.args.micro_batch_size, manifest,
                                directory if staged else None)
@@ -280,11 +284,7 @@ class HybridTarget:
             groups, log
         self.directory = job.args.dflash_target_cache
         self.manifest = run_manifest(job, datasets["train"], datasets.get("valid"))
-        if groups.rank == 0:
-            publish_manifest(self.directory, self.manifest)  # a differing manifest is refused here
-        if groups.is_distributed:
-            dist.barrier()
-        publish_manifest(self.directory, self.manifest)
+        _publish_run_manifest(self.directory, self.manifest, groups)  # refused before the first epoch, not after
         self.online: Optional[FrozenTarget] = FrozenTarget(job, device, dtype, groups)
         self.embedding, self.head = self.online.embedding, self.online.head
         self.cached: Optional[CachedTarget] = None
