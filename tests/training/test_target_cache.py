@@ -270,3 +270,17 @@ def test_a_hybrid_run_at_dp2_trains_as_the_online_target(tp_pool, tiny_target, t
                       [*HYBRID, *cache_args(tmp_path / "cache", "hybrid")], tp=1, timeout=MULTI_RANK_TIMEOUT_S)
     assert len(online[0][0]) == 5 and _same(online[0], cached[0]) and cached[1][0] == cached[0][0]
     assert (tmp_path / "cache" / "index.json").exists() and not (tmp_path / "cache" / "staged").exists()
+
+
+def test_a_hybrid_run_refuses_a_cache_of_another_run_before_training(tiny_target, tmp_path, capsys, monkeypatch):
+    """The staged states of a first epoch serve only the run they were made for: a differing field (or shard
+    size) is refused at the start, not at the end of the first epoch."""
+    cache = tmp_path / "cache"
+    run_training(training_argv(tiny_target, tmp_path / "first", *SMALL, "--train-iters", "1",
+                               *cache_args(cache, "hybrid")))
+    assert not (cache / "index.json").exists()
+    for extra, field in ((["--seq-length", "40"], "seq_length: cache 48, run 40"),
+                         (["--dflash-target-cache-shard-size", "8"], "shard_size: cache 4, run 8")):
+        status, err = run_main(training_argv(tiny_target, tmp_path / field[:6], *HYBRID, *extra,
+                                             *cache_args(cache, "hybrid")), capsys, monkeypatch)
+        assert status == 1 and field in err and len(err.strip().splitlines()) == 1, err
