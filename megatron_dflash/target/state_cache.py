@@ -6,7 +6,9 @@ Layout of a cache directory::
     manifest.json               what the states are of (`CacheManifest`): written first, compared by every reader
     train-00000.safetensors     the samples of training indices [0, shard_size), then [shard_size, 2 x shard_size), ...
     valid-00000.safetensors     the same for the validation samples
-    index.json                  every shard's sample count and sha256 (written last: its presence = complete)
+    index.json                  every shard's sha256 (written last: its presence = complete)
+    staged/<id>.safetensors     ``--dflash-target-cache-mode hybrid`` only: one sample's states, staged as the first
+                                epoch computes them and gathered into the shards at its end (then removed)
 
 A shard holds, for each of its samples (keyed by the stable sample id, so any plan, batch size, DP or TP size
 reads it), ``<id>.input_ids [L]`` int64 (checked against the batch on reading), ``<id>.taps [L, taps * H]`` and,
@@ -35,12 +37,14 @@ from ..common.errors import DataError
 __all__ = [
     "CACHE_FORMAT_VERSION", "MANIFEST_NAME", "INDEX_NAME", "CacheManifest", "StateCacheError", "shard_name",
     "shard_ranges", "read_manifest", "publish_manifest", "write_shard", "remove_stale_temporaries",
-    "missing_shards", "write_index", "StateCacheReader", "bytes_per_token", "file_sha256",
+    "missing_shards", "write_index", "StateCacheReader", "bytes_per_token", "file_sha256", "STAGING_DIR",
+    "stage_sample", "is_staged", "read_staged", "remove_staging", "is_complete",
 ]
 
 CACHE_FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 INDEX_NAME = "index.json"
+STAGING_DIR = "staged"
 SPLITS = ("train", "valid")
 
 
@@ -180,6 +184,47 @@ def write_index(directory: str, manifest: CacheManifest) -> None:
             name = shard_name(split, k)
             shards[name] = file_sha256(os.path.join(directory, name))
     write_file(os.path.join(directory, INDEX_NAME), json.dumps({"shards": shards}, indent=1, sort_keys=True) + "\n")
+
+
+def is_complete(directory: str) -> bool:
+    """Whether `directory` holds a complete cache (its ``index.json``, written last)."""
+    return os.path.isfile(os.path.join(directory, INDEX_NAME))
+
+
+def _staged_path(directory: str, sample_id: int) -> str:
+    return os.path.join(directory, STAGING_DIR, f"{int(sample_id):019d}.safetensors")
+
+
+def stage_sample(directory: str, sample_id: int, states: tuple) -> None:
+    """Stage one sample's ``(input_ids [L], taps [L, T*H], final [L, H] or None)`` (already in the cache's dtype)
+    as its own file, written whole (a killed writer leaves no partial file under the final name)."""
+    input_ids, taps, final = states
+    tensors = {"input_ids": input_ids.to(torch.int64).contiguous(), "taps": taps.contiguous()}
+    if final is not None:
+        tensors["final"] = final.contiguous()
+    os.makedirs(os.path.join(directory, STAGING_DIR), exist_ok=True)
+    write_file(_staged_path(directory, sample_id), save_safetensors(tensors))
+
+
+def is_staged(directory: str, sample_id: int) -> bool:
+    return os.path.isfile(_staged_path(directory, sample_id))
+
+
+def read_staged(directory: str, sample_id: int, final_hidden: bool) -> Optional[tuple]:
+    """A staged sample's states (`stage_sample`), None when it was not staged."""
+    if not is_staged(directory, sample_id):
+        return None
+    with safe_open(_staged_path(directory, sample_id), framework="pt") as f:
+        return f.get_tensor("input_ids"), f.get_tensor("taps"), f.get_tensor("final") if final_hidden else None
+
+
+def remove_staging(directory: str) -> None:
+    """Remove the staged samples once the shards hold them."""
+    staging = os.path.join(directory, STAGING_DIR)
+    if os.path.isdir(staging):
+        for entry in os.listdir(staging):
+            os.unlink(os.path.join(staging, entry))
+        os.rmdir(staging)
 
 
 class StateCacheReader:

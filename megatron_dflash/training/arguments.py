@@ -940,7 +940,7 @@ def resolve_decay_gamma(args: argparse.Namespace, block_size: int) -> Optional[f
 
 # ------------------------------------------------------------------------ cached target states
 
-TARGET_CACHE_MODES = ("write", "read")
+TARGET_CACHE_MODES = ("write", "read", "hybrid")
 TARGET_CACHE_DTYPES = ("float32", "bfloat16")
 
 
@@ -954,7 +954,10 @@ def add_target_cache_arguments(p: argparse.ArgumentParser) -> None:
                    "none, the target runs online).")
     g.add_argument("--dflash-target-cache-mode", choices=TARGET_CACHE_MODES, default="read",
                    help="read: the cache must be complete; write: write the missing shards first (every rank its "
-                   "own), then train reading it.")
+                   "own), then train reading it; hybrid: the first epoch (the steps that draw a sample of the first "
+                   "pass over the training data) runs the target online and stages each sample's states, the next "
+                   "step completes the cache, releases the target's decoder layers and reads from then on (a rerun "
+                   "with a complete cache reads from the start).")
     g.add_argument("--dflash-target-cache-dtype", choices=TARGET_CACHE_DTYPES, default=None,
                    help="dtype of the cached states (default: the run's, float32 or bfloat16 with --bf16; float32 "
                    "trains bitwise as online).")

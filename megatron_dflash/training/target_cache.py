@@ -7,11 +7,14 @@
   own shards (``k % DP``), written by TP rank 0; prints the storage per sample first and refuses when the file
   system has too little free space;
 * `CachedTarget`: the frozen target as the step sees it (`training.frozen_target.FrozenTarget`'s interface),
-  its taps and final hidden state read from the cache, only the target's embedding and output head in memory.
+  its taps and final hidden state read from the cache, only the target's embedding and output head in memory;
+* `HybridTarget`: ``--dflash-target-cache-mode hybrid``, the target online for the first epoch while its states
+  are staged, then the cache gathered, the decoder layers released and the cache read.
 """
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import os
@@ -34,9 +37,14 @@ from ..target.state_cache import (
     missing_shards,
     read_manifest,
     publish_manifest,
+    is_complete,
+    is_staged,
+    read_staged,
     remove_stale_temporaries,
+    remove_staging,
     shard_name,
     shard_ranges,
+    stage_sample,
     write_index,
     write_shard,
 )
@@ -47,7 +55,7 @@ from .frozen_target import FrozenTarget
 from .job import Job
 
 __all__ = ["run_manifest", "data_fingerprint", "target_fingerprint", "write_target_cache",
-           "CachedTarget", "open_cache_reader", "build_cached_target",
+           "CachedTarget", "HybridTarget", "open_cache_reader", "build_cached_target",
            "write_cache_of_job"]
 
 def target_fingerprint(target_dir: str) -> str:
@@ -107,14 +115,37 @@ def _storage_line(manifest: CacheManifest, samples_to_write: int, free: int) -> 
             f"write: up to {per_sample * samples_to_write / 2**30:.3f} GiB, {free / 2**30:.3f} GiB free")
 
 
-def write_target_cache(job: Job, make_target: Callable, datasets: dict, directory: str, groups: ProcessGroups,
-                       log: Callable[[str], None] = print) -> CacheManifest:
-    """Write the shards of the cache that are missing (this DP replica's), then, on global rank 0 once every rank is
-    done, ``index.json``. ``make_target()`` gives a `training.frozen_target.FrozenTarget` (PP = 1), called once the
-    manifest and the free space are checked. Collective over the world.
+def _shard_states(target, ds, indices: range, collate, micro: int, manifest: CacheManifest,
+                  staging: Optional[str]) -> dict:
+    """The states of the samples ``indices`` of `ds`, by sample id in index order: the staged ones read from
+    `staging` (hybrid mode), the others computed by `target` in micro-batches of consecutive samples."""
+    staged = {}
+    if staging is not None:
+        for i in indices:
+            found = read_staged(staging, ds[i].sample_id, manifest.final_hidden)
+            if found is not None:
+                staged[i] = found
+    todo = [i for i in indices if i not in staged]
+    for a in range(0, len(todo), micro):
+        samples = [ds[i] for i in todo[a:a + micro]]
+        batch = collate(samples)
+        batch = {key: (v.to(target.device) if isinstance(v, torch.Tensor) else v) for key, v in batch.items()}
+        taps, final = target(batch)
+        for b, i in enumerate(todo[a:a + micro]):
+            staged[i] = _row_states(batch, b, taps, final, manifest)
+    return {int(ds[i].sample_id): staged[i] for i in indices}
 
-    Long on purpose: manifest, storage check, the shards and the index are one pass whose order matters."""
-    manifest = run_manifest(job, datasets["train"], datasets.get("valid"))
+
+def _row_states(batch: dict, b: int, taps, final, manifest: CacheManifest) -> tuple:
+    """Row `b`'s real tokens and their states, in the cache's dtype, on the CPU."""
+    n = int((batch["document_ids"][b] >= 0).sum())
+    return (batch["tokens"][b, :n].cpu(), taps[b, :n].to(manifest.torch_dtype).cpu(),
+            final[b, :n].to(manifest.torch_dtype).cpu() if manifest.final_hidden else None)
+
+
+def _publish_run_manifest(directory: str, manifest: CacheManifest, groups: ProcessGroups) -> None:
+    """Create the cache's directory and manifest, or check the one there (a differing field is refused, the shard
+    size included: the shards on disk cover its sample ranges). Collective over the world."""
     found = read_manifest(directory) if os.path.isdir(directory) else None
     if found is not None and found.shard_size != manifest.shard_size:
         raise StateCacheError(f"the target-state cache {directory} does not match this run (shard_size: cache "
@@ -125,6 +156,18 @@ def write_target_cache(job: Job, make_target: Callable, datasets: dict, director
     if groups.is_distributed:
         dist.barrier()
     publish_manifest(directory, manifest)  # every rank checks it (a no-op where it matches)
+
+
+def write_target_cache(job: Job, make_target: Callable, datasets: dict, directory: str, groups: ProcessGroups,
+                       log: Callable[[str], None] = print, staged: bool = False) -> CacheManifest:
+    """Write the shards of the cache that are missing (this DP replica's), then, on global rank 0 once every rank is
+    done, ``index.json``. ``make_target()`` gives a `training.frozen_target.FrozenTarget` (PP = 1), called once the
+    manifest and the free space are checked and only when a sample is to be computed. With `staged` (hybrid mode),
+    the samples staged during the first epoch are read instead of computed. Collective over the world.
+
+    Long on purpose: manifest, storage check, the shards and the index are one pass whose order matters."""
+    manifest = run_manifest(job, datasets["train"], datasets.get("valid"))
+    _publish_run_manifest(directory, manifest, groups)
     work = _owned_missing(directory, manifest, groups.dp_rank, groups.dp_size)
     if groups.is_distributed:  # every TP rank has listed the same shards before any is written
         dist.barrier()
@@ -139,20 +182,13 @@ def write_target_cache(job: Job, make_target: Callable, datasets: dict, director
         raise StateCacheError(f"not enough free space for the target-state cache in {directory}: {line[8:]}; free "
                               "space or choose another directory (or --dflash-target-cache-dtype bfloat16).")
     collate = Collator(job.pad_token_id, job.args.seq_length, False)
-    micro = job.args.micro_batch_size
-    target = make_target()
+    target = None
     for split, k, indices in work:
-        ds, states = datasets[split], {}
-        for a in range(indices.start, indices.stop, micro):
-            samples = [ds[i] for i in range(a, min(a + micro, indices.stop))]
-            batch = collate(samples)
-            batch = {key: (v.to(target.device) if isinstance(v, torch.Tensor) else v) for key, v in batch.items()}
-            taps, final = target(batch)
-            for b, sample in enumerate(samples):
-                n = int((batch["document_ids"][b] >= 0).sum())
-                states[int(sample.sample_id)] = (
-                    batch["tokens"][b, :n].cpu(), taps[b, :n].to(manifest.torch_dtype).cpu(),
-                    final[b, :n].to(manifest.torch_dtype).cpu() if manifest.final_hidden else None)
+        all_staged = staged and all(is_staged(directory, datasets[split][i].sample_id) for i in indices)
+        if target is None and not all_staged:
+            target = make_target()
+        states = _shard_states(target, datasets[split], indices, collate, job.args.micro_batch_size, manifest,
+                               directory if staged else None)
         if writes:
             write_shard(directory, split, k, states)
         log(f"[cache] wrote {shard_name(split, k)} ({len(indices)} samples)")
@@ -175,10 +211,14 @@ class CachedTarget:
     hf_model = None
 
     def __init__(self, job: Job, reader: StateCacheReader, device: torch.device, dtype: torch.dtype,
-                 groups: ProcessGroups):
+                 groups: ProcessGroups, heads: Optional[tuple] = None):
         args = job.args
         self.reader, self.device, self.dtype = reader, device, dtype
         self.need_final_hidden = bool(job.variant.needs_final_hidden) or args.dflash_soft_target != "none"
+        if heads is not None:  # hybrid mode: the online target's own embedding and head, kept
+            self.embedding, self.head = heads
+            self.loaded_bytes = self.skipped_bytes = 0
+            return
         tied = bool(job.target_text_config.get("tie_word_embeddings", job.target_config.get("tie_word_embeddings")))
         heads = load_frozen_heads(job.target_dir, job.draft_config, dtype, groups.tp, tied=tied,
                                   vocab_parallel=args.target_backend == "megatron")
@@ -216,11 +256,85 @@ def open_cache_reader(job: Job, train_ds, valid_ds) -> StateCacheReader:
     return StateCacheReader(job.args.dflash_target_cache, run_manifest(job, train_ds, valid_ds))
 
 
+def _parameter_bytes(modules) -> dict:
+    """data pointer -> bytes of the distinct parameters and buffers of `modules`."""
+    out = {}
+    for module in modules:
+        for t in [*module.parameters(), *module.buffers()]:
+            out[t.data_ptr()] = t.numel() * t.element_size()
+    return out
+
+
+class HybridTarget:
+    """``--dflash-target-cache-mode hybrid`` (docs/design.md §8 Data path, "Training from cached target states"):
+    during the first epoch, the steps ``[0, ceil(train samples / global batch))`` that draw a sample of the first pass
+    over the training data, the target runs online (as without a cache) and TP rank 0 of each replica stages every
+    supervised row's states (`target.state_cache.stage_sample`); before the first step after it, `before_step`
+    gathers the shards (the staged samples read, the others — validation samples, those a killed run lost —
+    computed), publishes ``index.json``, removes the staging, releases the target's decoder layers (the embedding and
+    head stay) and from then on reads the cache (`CachedTarget`). Collective over the world at that step."""
+
+    placement = None
+    is_draft = True
+    hf_model = None  # the acceptance evaluation is skipped, as when reading a cache
+
+    def __init__(self, job: Job, datasets: dict, device: torch.device, dtype: torch.dtype, groups: ProcessGroups,
+                 log: Callable[[str], None] = print):
+        self.job, self.datasets, self.device, self.dtype, self.groups, self.log = job, datasets, device, dtype, \
+            groups, log
+        self.directory = job.args.dflash_target_cache
+        self.manifest = run_manifest(job, datasets["train"], datasets.get("valid"))
+        _publish_run_manifest(self.directory, self.manifest, groups)  # refused before the first epoch, not after
+        self.online: Optional[FrozenTarget] = FrozenTarget(job, device, dtype, groups)
+        self.embedding, self.head = self.online.embedding, self.online.head
+        self.cached: Optional[CachedTarget] = None
+        self.first_epoch_steps = -(-len(datasets["train"]) // job.args.global_batch_size)
+        log(f"[cache] hybrid: the target runs online for the first {self.first_epoch_steps} step(s) (one epoch) "
+            f"while its states are staged in {self.directory}; the cache is read after them")
+
+    @torch.no_grad()
+    def __call__(self, batch: dict):
+        if self.cached is not None:
+            return self.cached(batch)
+        taps, final = self.online(batch)
+        if self.groups.tp_rank == 0:
+            for b in range(taps.shape[0]):
+                if bool(batch["loss_mask"][b].any()):  # not a stand-in row (`training.step.RankData`)
+                    stage_sample(self.directory, int(batch["sample_ids"][b]),
+                                 _row_states(batch, b, taps, final, self.manifest))
+        return taps, final
+
+    def before_step(self, iteration: int) -> None:
+        """At the first step after the first epoch (or the first of a run resumed past it): complete the cache."""
+        if self.cached is None and iteration >= self.first_epoch_steps:
+            self.complete()
+
+    def complete(self) -> None:
+        write_target_cache(self.job, lambda: self.online, self.datasets, self.directory, self.groups, log=self.log,
+                           staged=True)
+        if self.groups.rank == 0:
+            remove_staging(self.directory)
+        reader = open_cache_reader(self.job, self.datasets["train"], self.datasets.get("valid"))
+        kept = _parameter_bytes([self.embedding, self.head.layer])
+        held = [m for m in (self.online.module, self.online.hf_model) if isinstance(m, torch.nn.Module)]
+        freed = sum(n for ptr, n in _parameter_bytes(held).items() if ptr not in kept)
+        self.online = None  # the decoder layers and the final norm go with it
+        gc.collect()
+        self.cached = CachedTarget(self.job, reader, self.device, self.dtype, self.groups,
+                                   heads=(self.embedding, self.head))
+        self.log(f"[cache] hybrid: the cache is complete; target states read from {self.directory} from now on; "
+                 f"released the target's decoder layers: {freed / 2**20:.2f} MiB freed (embedding and output head "
+                 f"kept: {sum(kept.values()) / 2**20:.2f} MiB)")
+
+
 def build_cached_target(job: Job, datasets: dict, device: torch.device, dtype: torch.dtype, groups: ProcessGroups,
-                        log: Callable[[str], None] = print) -> CachedTarget:
+                        log: Callable[[str], None] = print):
     """The run's `CachedTarget`; with ``--dflash-target-cache-mode write`` the missing shards are written first
-    with the whole target, which is then released (collective over the world)."""
+    with the whole target, which is then released; with ``hybrid`` a `HybridTarget` unless the cache is complete
+    (collective over the world)."""
     args = job.args
+    if args.dflash_target_cache_mode == "hybrid" and not is_complete(args.dflash_target_cache):
+        return HybridTarget(job, datasets, device, dtype, groups, log=log)
     if args.dflash_target_cache_mode == "write":
         write_target_cache(job, lambda: FrozenTarget(job, device, dtype, groups), datasets, args.dflash_target_cache,
                            groups, log=log)

@@ -1,6 +1,7 @@
 """Training from cached target states (`training/target_cache.py`) against training with the target online:
 the same losses, gradients and weights bitwise from an fp32 cache (DFlash, JetSpec, DSpark), an exact resume, the
-same at DP=2 (a cache written at DP=1) and TP=2 (megatron target), a bf16 cache within its rounding, and the
+same at DP=2 (a cache written at DP=1) and TP=2 (megatron target), a bf16 cache within its rounding in an fp32
+run and bitwise in a bf16 run, the hybrid mode (bitwise as online over epochs, resumed in its first epoch), and the
 refusals (a differing manifest names the field, a corrupt shard is named)."""
 
 from __future__ import annotations
@@ -152,3 +153,134 @@ def test_tp2_reads_the_cache_of_a_megatron_target_as_the_online_target(tp_pool, 
     cached = pool.run(_rank_run, tiny_target, str(tmp_path / "cached"),
                       [*megatron, *cache_args(tmp_path / "cache", "write")], tp=2, timeout=MULTI_RANK_TIMEOUT_S)
     assert len(online[0][0]) == 3 and _same(online[0], cached[0])
+
+
+# ------------------------------------------------------------------------------------------ hybrid mode
+
+# 16 training samples in global batches of 8: an epoch is 2 steps, 5 steps cover two and a half epochs; 4-sample
+# shards: 4 training and 4 validation shards.
+SMALL = ["--synthetic-train-samples", "16", "--micro-batch-size", "4", "--global-batch-size", "8",
+         "--dflash-eval-prompts", "0", "--eval-interval", "2", "--dflash-target-cache-shard-size", "4",
+         "--lr-decay-iters", "5"]  # the schedule of the 5-step run, also in the shorter runs that resume into it
+HYBRID = [*SMALL, "--train-iters", "5"]
+
+
+def shard_bytes(directory) -> dict:
+    return {p.name: p.read_bytes() for p in sorted(pathlib.Path(directory).glob("*-*.safetensors"))}
+
+
+@pytest.fixture(scope="module")
+def hybrid(tiny_target, tmp_path_factory):
+    """An online run over two and a half epochs, the same run in hybrid mode, and its log."""
+    root = tmp_path_factory.mktemp("hybrid")
+    online = recorded_run(training_argv(tiny_target, root / "online", *HYBRID))
+    hybrid_run = recorded_run(training_argv(tiny_target, root / "hybrid", *HYBRID,
+                                            *cache_args(root / "cache", "hybrid")))
+    return {"online": online, "hybrid": hybrid_run, "cache": root / "cache", "root": root}
+
+
+def test_a_hybrid_run_trains_bitwise_as_the_online_target(hybrid):
+    """fp32: the first epoch runs the target online, the later ones read the states it staged; every step's loss,
+    gradients and weights equal the online run's, through the switch (step 3) and into the third epoch."""
+    online, cached = hybrid["online"], hybrid["hybrid"]
+    assert len(online) == len(cached) == 5
+    for step, (a, b) in enumerate(zip(online, cached)):
+        assert a["loss"] == b["loss"] and a["grad norm"] == b["grad norm"], step
+        for name in a["grads"]:
+            assert torch.equal(a["grads"][name], b["grads"][name]), (step, "grad", name)
+            assert torch.equal(a["weights"][name], b["weights"][name]), (step, "weight", name)
+
+
+def test_a_hybrid_run_leaves_the_cache_the_write_pass_writes(hybrid, tiny_target, tmp_path):
+    """The shards gathered from the staged states are byte for byte those of ``--dflash-target-cache-mode write``
+    (which computes every shard in consecutive micro-batches), the index is there and the staging is gone."""
+    run_training(training_argv(tiny_target, tmp_path / "write", *SMALL, "--train-iters", "2",
+                               *cache_args(tmp_path / "cache", "write")))
+    written, gathered = shard_bytes(tmp_path / "cache"), shard_bytes(hybrid["cache"])
+    assert len(written) == 8 and written.keys() == gathered.keys()
+    assert all(written[k] == gathered[k] for k in written)
+    assert (hybrid["cache"] / "index.json").read_bytes() == (tmp_path / "cache" / "index.json").read_bytes()
+    assert not (hybrid["cache"] / "staged").exists()
+
+
+def test_a_hybrid_rerun_with_a_complete_cache_reads_from_the_start(hybrid, tiny_target, tmp_path, capsys):
+    capsys.readouterr()
+    losses = run_training(training_argv(tiny_target, tmp_path / "rerun", *HYBRID,
+                                        *cache_args(hybrid["cache"], "hybrid"))).losses
+    out = capsys.readouterr().out
+    assert "target states read from" in out and "hybrid:" not in out, out
+    assert losses == [s["loss"] for s in hybrid["online"]]
+
+
+def test_a_hybrid_run_releases_the_decoder_layers_at_the_end_of_the_first_epoch(tiny_target, tmp_path, capsys):
+    capsys.readouterr()
+    run_training(training_argv(tiny_target, tmp_path / "run", *SMALL, "--train-iters", "3",
+                               *cache_args(tmp_path / "cache", "hybrid")))
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if "released the target's decoder layers" in x)
+    freed = float(line.split("layers: ")[1].split(" MiB")[0])
+    assert freed > 0, line
+
+
+def test_a_hybrid_run_killed_in_its_first_epoch_resumes_exactly(hybrid, tiny_target, tmp_path):
+    """Stopped after step 1 of the 2-step first epoch (half of the samples staged, one staged file left half
+    written as a kill would leave it, one staged sample lost), the resumed run stages the rest, gathers the cache at
+    step 2 (computing the lost sample again) and continues as the uninterrupted run."""
+    save, cache = tmp_path / "ckpt", tmp_path / "cache"
+    args = [*SMALL, *cache_args(cache, "hybrid"), "--save", str(save)]
+    first = run_training(training_argv(tiny_target, tmp_path / "first", *args, "--train-iters", "1"))
+    staged = sorted((cache / "staged").glob("*.safetensors"))
+    assert len(staged) >= 8 and not (cache / "index.json").exists()  # step 1's samples (and validation's)
+    staged[0].unlink()
+    (cache / "staged" / f".{staged[1].name}.partial").write_bytes(staged[1].read_bytes()[:100])
+    rest = run_training(training_argv(tiny_target, tmp_path / "rest", *args, "--train-iters", "5", "--load",
+                                      str(save)))
+    assert rest.start_iteration == 1
+    assert first.losses + rest.losses == [s["loss"] for s in hybrid["online"]]
+    assert shard_bytes(cache) == shard_bytes(hybrid["cache"])
+    uninterrupted, resumed = safetensors_of(hybrid["root"] / "hybrid" / "hf"), safetensors_of(tmp_path / "rest" / "hf")
+    assert all(torch.equal(uninterrupted[k], resumed[k]) for k in resumed)
+
+
+def test_a_bf16_run_reading_a_bf16_cache_trains_bitwise_as_the_online_bf16_run(tiny_target, tmp_path):
+    """A ``--bf16`` run: the online target's taps and final hidden state are already bf16 tensors, the cache (bf16,
+    the default under ``--bf16``) stores them unchanged and the reader's cast to the run's dtype is the identity, so
+    the tolerance is zero: every step's loss, gradients and weights equal the online bf16 run's bitwise (measured so
+    on the tiny target; rounding happens only where the cache's dtype is narrower than the run's, the fp32 run of
+    `test_a_bf16_cache_follows_the_online_loss_curve`)."""
+    bf16 = [*RUN, "--bf16"]
+    online = recorded_run(training_argv(tiny_target, tmp_path / "online", *bf16))
+    cached = recorded_run(training_argv(tiny_target, tmp_path / "cached", *bf16,
+                                        *cache_args(tmp_path / "cache", "write")))
+    assert '"dtype": "bfloat16"' in (tmp_path / "cache" / "manifest.json").read_text()
+    assert len(online) == len(cached) == 3
+    for step, (a, b) in enumerate(zip(online, cached)):
+        assert a["loss"] == b["loss"] and a["grad norm"] == b["grad norm"], step
+        for name in a["grads"]:
+            assert torch.equal(a["grads"][name], b["grads"][name]), (step, "grad", name)
+            assert torch.equal(a["weights"][name], b["weights"][name]), (step, "weight", name)
+
+
+def test_a_hybrid_run_at_dp2_trains_as_the_online_target(tp_pool, tiny_target, tmp_path):
+    """DP=2: each replica stages the samples it draws, and each writes its own shards from both replicas'
+    staging at the end of the first epoch; losses and weights equal the online DP=2 run's."""
+    pool = tp_pool(2)
+    online = pool.run(_rank_run, tiny_target, str(tmp_path / "online"), HYBRID, tp=1, timeout=MULTI_RANK_TIMEOUT_S)
+    cached = pool.run(_rank_run, tiny_target, str(tmp_path / "hybrid"),
+                      [*HYBRID, *cache_args(tmp_path / "cache", "hybrid")], tp=1, timeout=MULTI_RANK_TIMEOUT_S)
+    assert len(online[0][0]) == 5 and _same(online[0], cached[0]) and cached[1][0] == cached[0][0]
+    assert (tmp_path / "cache" / "index.json").exists() and not (tmp_path / "cache" / "staged").exists()
+
+
+def test_a_hybrid_run_refuses_a_cache_of_another_run_before_training(tiny_target, tmp_path, capsys, monkeypatch):
+    """The staged states of a first epoch serve only the run they were made for: a differing field (or shard
+    size) is refused at the start, not at the end of the first epoch."""
+    cache = tmp_path / "cache"
+    run_training(training_argv(tiny_target, tmp_path / "first", *SMALL, "--train-iters", "1",
+                               *cache_args(cache, "hybrid")))
+    assert not (cache / "index.json").exists()
+    for extra, field in ((["--seq-length", "40"], "seq_length: cache 48, run 40"),
+                         (["--dflash-target-cache-shard-size", "8"], "shard_size: cache 4, run 8")):
+        status, err = run_main(training_argv(tiny_target, tmp_path / field[:6], *HYBRID, *extra,
+                                             *cache_args(cache, "hybrid")), capsys, monkeypatch)
+        assert status == 1 and field in err and len(err.strip().splitlines()) == 1, err
