@@ -15,7 +15,6 @@ rebuild with `--install`.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -29,24 +28,18 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
+from megatron_dflash.common.atomic import file_sha256  # noqa: E402
 from megatron_dflash.common.cli import ArgumentParser, quiet_dependency_warnings, usage_error  # noqa: E402
 
 PROG = "build_tiny_target.py"
 
 
-def _sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
 
 def compare(built: str, shipped: str) -> tuple[bool, str]:
     """(identical, description) of two targets' `model.safetensors`."""
     a, b = os.path.join(built, "model.safetensors"), os.path.join(shipped, "model.safetensors")
-    if _sha256(a) == _sha256(b):
-        return True, f"identical to the shipped target (sha256 {_sha256(a)[:16]}...)"
+    if file_sha256(a) == file_sha256(b):
+        return True, f"identical to the shipped target (sha256 {file_sha256(a)[:16]}...)"
     from safetensors.torch import load_file
 
     x, y = load_file(a), load_file(b)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import os
 import re
 import shutil
@@ -48,6 +49,7 @@ __all__ = [
     "recover",
     "remove_stale_siblings",
     "temporary_of",
+    "file_sha256",
     "check_destination",
     "check_not_a_link",
 ]
@@ -402,3 +404,13 @@ def check_destination(output: str, *, replace: bool, source: Optional[str] = Non
             f"{output} exists and is not empty; pass {replace_flag} to replace it, or choose a new "
             "or empty directory."
         )
+
+
+def file_sha256(path: str) -> str:
+    """The hex sha256 of a published file's bytes, read in 1 MiB pieces: the one digest that names a file's
+    content (a regeneration input, a cache shard, the tiny target's rebuild)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()

@@ -38,7 +38,7 @@ import sys
 import time
 from typing import Callable, Optional, Protocol, Sequence
 
-from ..common.atomic import remove_stale_siblings, write_file
+from ..common.atomic import file_sha256, remove_stale_siblings, write_file
 from ..common.errors import DataError
 from ..data.chat import CHAT_ROLES, check_messages
 from ..data.formats import BadRecords, NormalizedRecord, data_files, file_kind, open_records, normalize_record, \
@@ -214,13 +214,6 @@ def shard_path(output: str, shard: int, kind: str = "jsonl") -> str:
 def _failed_path(output: str, shard: int) -> str:
     return os.path.join(output, f"_shard-{shard:05d}.failed.json")
 
-
-def file_sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def input_sha256(path: str) -> str:

@@ -21,7 +21,6 @@ are a pure function of the states (no time stamps), so the result equals an unin
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass
@@ -31,13 +30,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save as save_safetensors
 
-from ..common.atomic import temporary_of, write_file
+from ..common.atomic import file_sha256, temporary_of, write_file
 from ..common.errors import DataError
 
 __all__ = [
     "CACHE_FORMAT_VERSION", "MANIFEST_NAME", "INDEX_NAME", "CacheManifest", "StateCacheError", "shard_name",
     "shard_ranges", "read_manifest", "publish_manifest", "write_shard", "remove_stale_temporaries",
-    "missing_shards", "write_index", "StateCacheReader", "bytes_per_token", "file_sha256", "STAGING_DIR",
+    "missing_shards", "write_index", "StateCacheReader", "bytes_per_token", "STAGING_DIR",
     "stage_sample", "is_staged", "read_staged", "remove_staging", "is_complete",
 ]
 
@@ -108,13 +107,6 @@ def shard_ranges(samples: int, shard_size: int) -> list[range]:
     """The sample index ranges of a split's shards, in order."""
     return [range(a, min(a + shard_size, samples)) for a in range(0, samples, shard_size)]
 
-
-def file_sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def read_manifest(directory: str) -> Optional[CacheManifest]:
