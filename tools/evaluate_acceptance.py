@@ -50,7 +50,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-from megatron_dflash.common.cli import ArgumentParser, UsageError, quiet_dependency_warnings, report_failure, require_dir, require_file, usage_error  # noqa: E402,E501
+from megatron_dflash.common.cli import ArgumentParser, UsageError, json_object_option, quiet_dependency_warnings, report_failure, require_dir, require_file, usage_error  # noqa: E402,E501
 from megatron_dflash.decoding.metric import (  # noqa: E402  (no torch: the headline metric, shared with training)
     decode_summary,
     row_tokens_per_target_forward,
@@ -162,14 +162,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         parser.error("--confidence-threshold must be in [0, 1]")
     if args.num_samples < 1:
         parser.error("--num-samples must be >= 1")
-    args.template_kwargs = {}
-    if args.chat_template_kwargs is not None:
-        try:
-            args.template_kwargs = json.loads(args.chat_template_kwargs)
-        except ValueError as err:
-            parser.error(f"--chat-template-kwargs is not JSON ({err})")
-        if not isinstance(args.template_kwargs, dict):
-            parser.error("--chat-template-kwargs must be a JSON object, e.g. '{\"enable_thinking\": false}'")
+    try:
+        args.template_kwargs = json_object_option("--chat-template-kwargs", args.chat_template_kwargs)
+    except UsageError as err:
+        parser.error(str(err))
     _check_modes(parser, args)
     if compare_only(args):
         return args

@@ -23,7 +23,6 @@ Exit status 0 when every record of this rank was written, 1 when some kept faili
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -32,7 +31,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-from megatron_dflash.common.cli import ArgumentParser, UsageError, quiet_dependency_warnings, report_failure, report_interrupt, require_dir, usage_error  # noqa: E402,E501
+from megatron_dflash.common.cli import ArgumentParser, UsageError, json_object_option, quiet_dependency_warnings, report_failure, report_interrupt, require_dir, usage_error  # noqa: E402,E501
 from megatron_dflash.common.errors import DataError  # noqa: E402
 from megatron_dflash.data.formats import BAD_RECORD_MODES, DEFAULT_MAX_BAD_FRACTION, BadRecords, data_path_problem  # noqa: E402,E501  (no torch)
 from megatron_dflash.decoding.regenerate import Settings, regenerate  # noqa: E402  (no torch)
@@ -74,14 +73,7 @@ def build_parser() -> ArgumentParser:
 
 
 def settings_of(args) -> Settings:
-    kwargs = None
-    if args.chat_template_kwargs is not None:
-        try:
-            kwargs = json.loads(args.chat_template_kwargs)
-        except ValueError as err:
-            raise UsageError(f"--chat-template-kwargs is not JSON ({err}).")
-        if not isinstance(kwargs, dict):
-            raise UsageError("--chat-template-kwargs must be a JSON object, e.g. '{\"enable_thinking\": true}'.")
+    kwargs = json_object_option("--chat-template-kwargs", args.chat_template_kwargs, '{"enable_thinking": true}') or None
     if (args.target is None) == (args.server is None):
         raise UsageError("pass exactly one of --target (in this process) and --server (with --model).")
     if args.server is not None and not args.model:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import copy
 import difflib
+import json
 import os
 import re
 import sys
@@ -41,6 +42,7 @@ __all__ = [
     "suggest_option",
     "require_file",
     "require_dir",
+    "json_object_option",
 ]
 
 USAGE_EXIT_CODE = 2  # every tool: a bad command line or input path
@@ -218,3 +220,19 @@ def require_dir(flag: str, path: str, what: str = "directory", must_contain: Opt
         raise UsageError(f"{flag} {path}: not a directory.")
     if must_contain is not None and not os.path.exists(os.path.join(path, must_contain)):
         raise UsageError(f"{flag} {path}: no {must_contain} in it; expected a {what}.")
+
+
+def json_object_option(flag: str, text: Optional[str], example: str = '{"enable_thinking": false}') -> dict:
+    """The value of an option that takes a JSON object (``--chat-template-kwargs``), decoded: ``{}`` when the
+    option is absent, `UsageError` naming the flag when it is no JSON or no object. The one reading of such
+    an option for the training job and every tool."""
+    if text is None:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise UsageError(f"{flag} is not JSON ({err.msg} at column {err.colno}): give a JSON object, e.g. "
+                         f"'{example}'.") from None
+    if not isinstance(value, dict):
+        raise UsageError(f"{flag} must be a JSON object, got {type(value).__name__}; e.g. '{example}'.")
+    return value

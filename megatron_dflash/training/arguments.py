@@ -16,12 +16,11 @@ sequence-length / learning-rate defaults are that job's; set them for real runs.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 from typing import Mapping, Optional, Sequence
 
-from ..common.cli import ArgumentParser, UsageError, require_dir, require_file
+from ..common.cli import ArgumentParser, UsageError, json_object_option, require_dir, require_file
 from ..common.errors import RunError
 from ..data.chat import LOSS_TURNS, REASONING_MODES
 from ..data.formats import BAD_RECORD_MODES, DEFAULT_MAX_BAD_FRACTION, data_path_problem
@@ -556,17 +555,10 @@ def _check_checkpoints_and_logging(args: argparse.Namespace) -> None:
 
 def chat_template_kwargs(args: argparse.Namespace) -> dict:
     """``--chat-template-kwargs`` decoded (an empty dict when not given); `ArgumentError` unless a JSON object."""
-    text = getattr(args, "chat_template_kwargs", None)
-    if text is None:
-        return {}
     try:
-        value = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ArgumentError(f"--chat-template-kwargs is not JSON ({err.msg} at column {err.colno}): give a JSON "
-                            'object, e.g. \'{"enable_thinking": false}\'.') from None
-    if not isinstance(value, dict):
-        raise ArgumentError(f"--chat-template-kwargs must be a JSON object, got {type(value).__name__}.")
-    return value
+        return json_object_option("--chat-template-kwargs", getattr(args, "chat_template_kwargs", None))
+    except UsageError as err:
+        raise ArgumentError(str(err)) from None
 
 
 def _check_chat_options(args: argparse.Namespace) -> None:

@@ -14,22 +14,13 @@ from megatron_dflash.checkpoint import convert
 from megatron_dflash.checkpoint.conversion import convert_hf_to_megatron
 from megatron_dflash.checkpoint.hf import save_hf_checkpoint
 from megatron_dflash.checkpoint.serving import check_serving
-from entry_points import child_env
+from entry_points import TORCH_PROBE, child_env
 from repo_paths import REPO_ROOT
 from variant_drafts import variant_draft
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 TOOL = os.path.join(REPO_ROOT, "tools", "check_serving.py")
-_PROBE = """
-import runpy, sys
-sys.argv = sys.argv[1:]
-try:
-    runpy.run_path(sys.argv[0], run_name="__main__")
-except SystemExit as e:
-    code = e.code
-print("torch loaded:", "torch" in sys.modules, "exit:", code)
-"""
 
 
 @pytest.mark.parametrize("argv, expected, message", [
@@ -38,7 +29,7 @@ print("torch loaded:", "torch" in sys.modules, "exit:", code)
     ([REPO_ROOT], "exit: 2", f"draft {REPO_ROOT}: no config.json in it"),
 ], ids=["help", "missing-draft", "not-a-draft"])
 def test_help_and_usage_errors_answer_before_torch_loads(argv, expected, message):
-    done = subprocess.run([sys.executable, "-c", _PROBE, TOOL, *argv], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", TORCH_PROBE, TOOL, *argv], capture_output=True, text=True,
                           timeout=120, env=child_env())
     assert done.stdout.strip().splitlines()[-1] == f"torch loaded: False {expected}", done.stdout + done.stderr
     if message is not None:

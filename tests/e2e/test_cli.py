@@ -21,7 +21,7 @@ import warnings
 import pytest
 
 from megatron_dflash.common import cli
-from entry_points import child_env, evaluate_module
+from entry_points import TORCH_PROBE, child_env, evaluate_module
 from repo_paths import REPO_ROOT
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -89,15 +89,6 @@ def test_a_mistyped_flag_gets_one_line_and_a_suggestion():
     assert cli.suggest_option("--zzz", ["--dflash-block-size", "--seed"]) is None
 
 
-_PROBE = """
-import runpy, sys
-sys.argv = sys.argv[1:]
-try:
-    runpy.run_path(sys.argv[0], run_name="__main__")
-except SystemExit as e:
-    code = e.code
-print("torch loaded:", "torch" in sys.modules, "exit:", code)
-"""
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -129,7 +120,7 @@ print("torch loaded:", "torch" in sys.modules, "exit:", code)
         "pretrain-missing-indexed-prefix", "pretrain-missing-tokenizer", "pretrain-init-from-not-a-drafter",
         "pretrain-missing-eval-prompts", "pretrain-load-is-a-file"])
 def test_bad_paths_fail_in_one_line_before_torch_loads(argv, message):
-    done = subprocess.run([sys.executable, "-c", _PROBE, *argv], capture_output=True, text=True, timeout=120,
+    done = subprocess.run([sys.executable, "-c", TORCH_PROBE, *argv], capture_output=True, text=True, timeout=120,
                           env=child_env())
     assert done.stdout.strip() == "torch loaded: False exit: 2", (done.stdout, done.stderr)
     assert done.stderr.count("\n") == 1 and message in done.stderr, done.stderr

@@ -62,7 +62,7 @@ VALIDATION_CASES = [
      "--train-data /nonexistent-dir: no such data file or directory."),
     (["--chat-template", "/nonexistent.jinja"], 1, "--chat-template /nonexistent.jinja: no such chat template file."),
     (["--chat-template-kwargs", "{enable_thinking: false}"], 1, "--chat-template-kwargs is not JSON"),
-    (["--chat-template-kwargs", "[1]"], 1, "--chat-template-kwargs must be a JSON object, got list."),
+    (["--chat-template-kwargs", "[1]"], 1, "--chat-template-kwargs must be a JSON object, got list;"),
     (["--max-bad-fraction", "2"], 1, "--max-bad-fraction must be in [0, 1], got 2.0."),
 ]
 

@@ -3,28 +3,45 @@ environment of a child process that runs one (`pretrain_dflash.py`, a tool, a `p
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 
 from repo_paths import REPO_ROOT
 
 
-def evaluate_module():
+def tool_module(name: str):
+    """The module of `tools/<name>.py`, imported as the tests call its functions."""
     sys.path.insert(0, os.path.join(REPO_ROOT, "tools"))
     try:
-        import evaluate_acceptance
+        return importlib.import_module(name)
     finally:
         sys.path.pop(0)
-    return evaluate_acceptance
+
+
+def evaluate_module():
+    return tool_module("evaluate_acceptance")
 
 
 def regenerate_module():
-    sys.path.insert(0, os.path.join(REPO_ROOT, "tools"))
-    try:
-        import regenerate_data
-    finally:
-        sys.path.pop(0)
-    return regenerate_data
+    return tool_module("regenerate_data")
+
+
+def cache_states_module():
+    return tool_module("cache_target_states")
+
+
+TORCH_PROBE = """
+import runpy, sys
+sys.argv = sys.argv[1:]
+try:
+    runpy.run_path(sys.argv[0], run_name="__main__")
+except SystemExit as e:
+    code = e.code
+print("torch loaded:", "torch" in sys.modules, "exit:", code)
+"""
+"""`python -c TORCH_PROBE SCRIPT ARGS...` runs SCRIPT as its command line and prints whether torch was imported
+and the exit status: a usage error or --help must answer before torch loads."""
 
 
 def child_env(**overrides) -> dict:
@@ -33,11 +50,3 @@ def child_env(**overrides) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "HF_HUB_DISABLE_PROGRESS_BARS"}
     return {**env, "PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **overrides}
 
-
-def cache_states_module():
-    sys.path.insert(0, os.path.join(REPO_ROOT, "tools"))
-    try:
-        import cache_target_states
-    finally:
-        sys.path.pop(0)
-    return cache_target_states
