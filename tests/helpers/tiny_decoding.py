@@ -125,15 +125,20 @@ def make_draft(vocab: int, *, dflash2: bool = False, block_size: int = 4, seed: 
     config = draft_config(vocab, dflash2=dflash2, block_size=block_size, **overrides)
     body = (DFlash2Body if dflash2 else DFlashBody)(config, attention_backend=backend).eval()
     if dflash2:
-        # Random convolutions and selector (they start as the identity).
-        with torch.no_grad():
-            for name, param in body.named_parameters():
-                if "conv" in name or "candidate_selector" in name:
-                    param.normal_(0.0, 0.2)
-            for layer in body.layers:
-                for conv in (layer.attention_conv, layer.mlp_conv):
-                    conv.base_kernel[:, 0] += 1.0
+        randomize_dflash2(body)
     return body
+
+
+def randomize_dflash2(body) -> None:
+    """Random in-block convolutions and selector for a DFlash 2 body (they start as the identity, which would
+    hide their part in any comparison); the kernels stay near the identity so the draft stays useful."""
+    with torch.no_grad():
+        for name, param in body.named_parameters():
+            if "conv" in name or "candidate_selector" in name:
+                param.normal_(0.0, 0.2)
+        for layer in body.layers:
+            for conv in (layer.attention_conv, layer.mlp_conv):
+                conv.base_kernel[:, 0] += 1.0
 
 
 def hf_greedy(target, prompt: list[int], max_new_tokens: int) -> list[int]:

@@ -12,6 +12,8 @@ from megatron_dflash.variants.domino import DominoBody, DominoConfig
 from megatron_dflash.variants.dspark import DSparkBody, DSparkConfig
 from megatron_dflash.variants.jetspec import JetSpecConfig
 
+from tiny_decoding import randomize_dflash2
+
 VOCAB = 96
 VARIANTS = ("dflash", "dflash2", "jetspec", "domino", "dspark")
 
@@ -49,13 +51,7 @@ def variant_draft(variant: str, **overrides):
     if variant == "dflash2":
         config = DFlash2Config(**common, conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4)
         body = DFlash2Body(config, attention_backend="chunked")
-        with torch.no_grad():  # the convolutions and the selector start as the identity
-            for name, param in body.named_parameters():
-                if "conv" in name or "candidate_selector" in name:
-                    param.normal_(0.0, 0.2)
-            for layer in body.layers:
-                for conv in (layer.attention_conv, layer.mlp_conv):
-                    conv.base_kernel[:, 0] += 1.0
+        randomize_dflash2(body)
         return body, DFlash2Body, DFlash2Config
     if variant == "dspark":
         config = DSparkConfig(**common, markov_rank=8, markov_head_type="rnn")
