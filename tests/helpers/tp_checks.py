@@ -1,6 +1,6 @@
 """What the tensor-parallel tests of the draft bodies share: plans that exercise the edge cases, a weight's
-shard on a rank, the relative error of a TP=N result against TP=1, the error a call raises, and the inputs
-that make one rank of the group bad.
+shard on a rank, the relative error of a TP=N result against TP=1, the error a call raises, the inputs
+that make one rank of the group bad, and the check that a body's files move between TP sizes.
 """
 
 from __future__ import annotations
@@ -83,3 +83,57 @@ def bad_inputs(variant: str, rank: int, world_size: int, th, be, plan):
     if variant == "block_embeddings_dims" and rank == 1:
         return th, be[:, 0], plan  # a 3-d tensor where a 4-d one is expected
     return th, be, plan
+
+
+def save_here_and_load_tp1(rank: int, world_size: int, body_class, config, hf_tp1: str, megatron_tp1: str,
+                           hf_out: str, megatron_out: str):
+    """On each rank of a TP=N pool: save the seed-0 body at this TP size in both formats (`hf_out`,
+    `megatron_out`), load the TP=1 files here (gathered back to full tensors by `hf_state_dict`)."""
+    from megatron_dflash.checkpoint.hf import hf_state_dict, load_hf_checkpoint, save_hf_checkpoint
+    from megatron_dflash.checkpoint.torch_dist import load_megatron_draft, save_megatron_draft
+    from megatron_dflash.draft.body import default_parallel_config
+
+    torch.manual_seed(0)
+    body = body_class(config, default_parallel_config())
+    save_hf_checkpoint(body, hf_out)
+    save_megatron_draft(body, megatron_out)
+    from_megatron = load_megatron_draft(megatron_tp1)
+    assert isinstance(from_megatron, body_class) and from_megatron.tp_group.size() == world_size
+    return hf_state_dict(load_hf_checkpoint(hf_tp1)), hf_state_dict(from_megatron)
+
+
+def check_checkpoints_move_between_tp_sizes(pool, tmp_path, world_size: int, body_class, config) -> None:
+    """HF and torch_dist files written at TP=1 (the converter's output among them) load at TP=`world_size`,
+    and the files written there (and the converter's HF output of them) load at TP=1, tensor for tensor."""
+    from megatron_dflash.checkpoint.conversion import convert_hf_to_megatron, convert_megatron_to_hf
+    from megatron_dflash.checkpoint.hf import hf_state_dict, load_hf_checkpoint, save_hf_checkpoint
+    from megatron_dflash.checkpoint.torch_dist import load_megatron_draft, resolve_iteration_dir
+
+    torch.manual_seed(4)
+    source = body_class(config)
+    with torch.no_grad():  # not the seed-0 init the ranks save: a mix-up of the two files cannot pass
+        for p in source.parameters():
+            p.normal_(0.0, 0.3)
+    save_hf_checkpoint(source, str(tmp_path / "hf1"))
+    convert_hf_to_megatron(str(tmp_path / "hf1"), str(tmp_path / "meg1"), validate=True)
+    expected = hf_state_dict(source)
+    torch.manual_seed(0)
+    written_at_tp = hf_state_dict(body_class(config))  # TP-independent init: what the ranks save
+
+    results = pool.run(save_here_and_load_tp1, body_class, config, str(tmp_path / "hf1"),
+                       resolve_iteration_dir(str(tmp_path / "meg1")), str(tmp_path / "hfN"), str(tmp_path / "megN"),
+                       timeout=300)
+    for rank, (from_hf, from_megatron) in enumerate(results):
+        for name, tensor in expected.items():
+            assert torch.equal(from_hf[name], tensor), f"rank {rank} HF {name}"
+            assert torch.equal(from_megatron[name], tensor), f"rank {rank} torch_dist {name}"
+    convert_megatron_to_hf(str(tmp_path / "megN"), str(tmp_path / "hfN_back"), validate=True)
+    for label, loaded in (
+        ("HF", load_hf_checkpoint(str(tmp_path / "hfN"))),
+        ("torch_dist", load_megatron_draft(str(tmp_path / "megN"))),
+        ("converted", load_hf_checkpoint(str(tmp_path / "hfN_back"))),
+    ):
+        got = hf_state_dict(loaded)
+        assert got.keys() == written_at_tp.keys()
+        for name, tensor in written_at_tp.items():
+            assert torch.equal(got[name], tensor), f"{label} written at TP={world_size}: {name}"

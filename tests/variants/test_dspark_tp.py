@@ -25,7 +25,7 @@ from megatron_dflash.variants.dspark import (
 )
 
 from builders import tiny_draft_kwargs
-from tp_checks import RTOL, relative_error, tp_plan
+from tp_checks import RTOL, check_checkpoints_move_between_tp_sizes, relative_error, tp_plan
 from kimi_k3_configs import DRAFT as K3_DRAFT, target_dict as k3_target_dict
 
 VOCAB, PADDED = 300, 512
@@ -184,19 +184,6 @@ def _on_ranks_loss(rank: int, world_size: int, cases) -> dict:
     return report
 
 
-def _on_ranks_checkpoints(rank: int, world_size: int, hf_tp1: str, megatron_tp1: str, hf_out: str, megatron_out: str):
-    from megatron_dflash.checkpoint.hf import hf_state_dict, load_hf_checkpoint, save_hf_checkpoint
-    from megatron_dflash.checkpoint.torch_dist import load_megatron_draft, save_megatron_draft
-
-    torch.manual_seed(0)
-    body = DSparkBody(config("rnn"), default_parallel_config())
-    save_hf_checkpoint(body, hf_out)
-    save_megatron_draft(body, megatron_out)
-    from_megatron = load_megatron_draft(megatron_tp1)
-    assert isinstance(from_megatron, DSparkBody) and from_megatron.tp_group.size() == world_size
-    return hf_state_dict(load_hf_checkpoint(hf_tp1)), hf_state_dict(from_megatron)
-
-
 @pytest.mark.parametrize("world_size", [2])
 def test_tp_matches_tp1_outputs_and_every_gradient(tp_pool, world_size):
     reports = tp_pool(world_size).run(_on_ranks_parity, ["vanilla", "gated", "rnn", "k3_rnn"], timeout=300)
@@ -231,36 +218,4 @@ def test_tp_matches_tp1_full_loss_and_every_gradient(tp_pool, world_size):
 def test_checkpoints_and_the_converter_move_between_tp_sizes(tp_pool, tmp_path, world_size):
     """HF and torch_dist files written at TP=1 (the converter's output among them) load at TP=2, and the
     files written at TP=2 load at TP=1, tensor for tensor."""
-    from megatron_dflash.checkpoint.conversion import convert_hf_to_megatron, convert_megatron_to_hf
-    from megatron_dflash.checkpoint.hf import hf_state_dict, load_hf_checkpoint, save_hf_checkpoint
-    from megatron_dflash.checkpoint.torch_dist import load_megatron_draft, resolve_iteration_dir
-
-    torch.manual_seed(4)
-    source = DSparkBody(config("rnn"))
-    with torch.no_grad():
-        for p in source.parameters():
-            p.normal_(0.0, 0.3)
-    save_hf_checkpoint(source, str(tmp_path / "hf1"))
-    convert_hf_to_megatron(str(tmp_path / "hf1"), str(tmp_path / "meg1"), validate=True)
-    expected = hf_state_dict(source)
-    torch.manual_seed(0)
-    written_at_tp = hf_state_dict(DSparkBody(config("rnn")))  # TP-independent init: what the ranks save
-
-    results = tp_pool(world_size).run(
-        _on_ranks_checkpoints, str(tmp_path / "hf1"), resolve_iteration_dir(str(tmp_path / "meg1")),
-        str(tmp_path / "hfN"), str(tmp_path / "megN"), timeout=300,
-    )
-    for rank, (from_hf, from_megatron) in enumerate(results):
-        for name, tensor in expected.items():
-            assert torch.equal(from_hf[name], tensor), f"rank {rank} HF {name}"
-            assert torch.equal(from_megatron[name], tensor), f"rank {rank} torch_dist {name}"
-    convert_megatron_to_hf(str(tmp_path / "megN"), str(tmp_path / "hfN_back"), validate=True)
-    for label, loaded in (
-        ("HF", load_hf_checkpoint(str(tmp_path / "hfN"))),
-        ("torch_dist", load_megatron_draft(str(tmp_path / "megN"))),
-        ("converted", load_hf_checkpoint(str(tmp_path / "hfN_back"))),
-    ):
-        got = hf_state_dict(loaded)
-        assert got.keys() == written_at_tp.keys()
-        for name, tensor in written_at_tp.items():
-            assert torch.equal(got[name], tensor), f"{label} written at TP={world_size}: {name}"
+    check_checkpoints_move_between_tp_sizes(tp_pool(world_size), tmp_path, world_size, DSparkBody, config("rnn"))

@@ -18,7 +18,7 @@ from megatron_dflash.draft.kimi_k3 import KimiK3Body, KimiK3DraftConfig
 from megatron_dflash.common.parallel import SingleRankGroup
 
 from kimi_k3_configs import DRAFT, our_config, target_dict
-from tp_checks import RTOL, bad_inputs, error_of, relative_error, shard, tp_plan
+from tp_checks import RTOL, bad_inputs, check_checkpoints_move_between_tp_sizes, error_of, relative_error, shard, tp_plan
 
 WORLD_SIZES = (2, 4)
 COLUMN_PARALLEL = ("q_b_proj", "q_proj", "kv_b_proj", "g_proj", "gate_proj", "up_proj")
@@ -170,22 +170,6 @@ def _on_ranks_one_bad_rank(rank: int, world_size: int, variants) -> dict:
     return {"errors": errors, "sync": check.item() == sum(range(world_size)), "finite": bool(torch.isfinite(out).all())}
 
 
-def _on_ranks_checkpoints(rank: int, world_size: int, hf_tp1: str, megatron_tp1: str, hf_out: str, megatron_out: str):
-    """Save the seed-0 body at this TP size in both formats; load the TP=1 files (gathered back)."""
-    from megatron_dflash.checkpoint.hf import hf_state_dict
-    from megatron_dflash.checkpoint.torch_dist import load_megatron_draft, save_megatron_draft
-    from megatron_dflash.checkpoint.hf import load_hf_checkpoint, save_hf_checkpoint
-
-    torch.manual_seed(0)
-    body = KimiK3Body(our_config("lora_gated"), default_parallel_config())
-    save_hf_checkpoint(body, hf_out)
-    save_megatron_draft(body, megatron_out)
-    from_hf = load_hf_checkpoint(hf_tp1)
-    from_megatron = load_megatron_draft(megatron_tp1)
-    assert isinstance(from_megatron, KimiK3Body) and from_megatron.tp_group.size() == world_size
-    return hf_state_dict(from_hf), hf_state_dict(from_megatron)
-
-
 # --------------------------------------------------------------------------------------
 # Tests
 # --------------------------------------------------------------------------------------
@@ -193,37 +177,10 @@ def _on_ranks_checkpoints(rank: int, world_size: int, hf_tp1: str, megatron_tp1:
 
 @pytest.mark.parametrize("world_size", [2])
 def test_checkpoints_move_between_tp_sizes_in_both_formats(tp_pool, tmp_path, world_size):
-    """HF and torch_dist files written at TP=1 load at TP=N and the reverse, tensor for tensor."""
-    from megatron_dflash.checkpoint.hf import hf_state_dict
-    from megatron_dflash.checkpoint.conversion import convert_hf_to_megatron
-    from megatron_dflash.checkpoint.torch_dist import load_megatron_draft, resolve_iteration_dir
-    from megatron_dflash.checkpoint.hf import load_hf_checkpoint, save_hf_checkpoint
-
-    config = our_config("lora_gated")
-    torch.manual_seed(4)
-    source = KimiK3Body(config)
-    save_hf_checkpoint(source, str(tmp_path / "hf1"))
-    convert_hf_to_megatron(str(tmp_path / "hf1"), str(tmp_path / "meg1"))
-    expected = hf_state_dict(source)
-    torch.manual_seed(0)
-    written_at_tp = hf_state_dict(KimiK3Body(config))  # TP-independent init: what the ranks save
-
-    results = tp_pool(world_size).run(
-        _on_ranks_checkpoints, str(tmp_path / "hf1"), resolve_iteration_dir(str(tmp_path / "meg1")),
-        str(tmp_path / "hfN"), str(tmp_path / "megN"), timeout=300,
-    )
-    for rank, (from_hf, from_megatron) in enumerate(results):
-        for name, tensor in expected.items():
-            assert torch.equal(from_hf[name], tensor), f"rank {rank} HF {name}"
-            assert torch.equal(from_megatron[name], tensor), f"rank {rank} torch_dist {name}"
-    for label, loaded in (
-        ("HF", load_hf_checkpoint(str(tmp_path / "hfN"))),
-        ("torch_dist", load_megatron_draft(str(tmp_path / "megN"))),
-    ):
-        got = hf_state_dict(loaded)
-        assert got.keys() == written_at_tp.keys()
-        for name, tensor in written_at_tp.items():
-            assert torch.equal(got[name], tensor), f"{label} written at TP={world_size}: {name}"
+    """HF and torch_dist files written at TP=1 (the converter's output among them) load at TP=N and the
+    reverse (the converter's HF output of the TP=N files too), tensor for tensor."""
+    check_checkpoints_move_between_tp_sizes(tp_pool(world_size), tmp_path, world_size, KimiK3Body,
+                                            our_config("lora_gated"))
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
