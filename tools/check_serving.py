@@ -28,12 +28,12 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 from megatron_dflash.common.cli import (  # noqa: E402  (no torch: --help and usage errors answer at once)
-    USAGE_EXIT_CODE,
     ArgumentParser,
     UsageError,
     quiet_dependency_warnings,
     report_failure,
     require_dir,
+    usage_status,
 )
 
 PROG = "check_serving.py"
@@ -72,8 +72,7 @@ def main(argv=None) -> int:
     try:
         _check_paths(args)
     except UsageError as err:
-        print(f"{PROG}: error: {err}", file=sys.stderr)
-        return USAGE_EXIT_CODE
+        return usage_status(PROG, err)
     from megatron_dflash.checkpoint.serving import check_serving, exit_status, report_lines  # loads torch
 
     try:

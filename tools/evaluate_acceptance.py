@@ -50,7 +50,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-from megatron_dflash.common.cli import ArgumentParser, UsageError, json_object_option, quiet_dependency_warnings, report_failure, require_dir, require_file, usage_error  # noqa: E402,E501
+from megatron_dflash.common.cli import ArgumentParser, UsageError, json_object_option, quiet_dependency_warnings, report_failure, require_dir, require_file, usage_error, usage_status  # noqa: E402,E501
 from megatron_dflash.decoding.metric import (  # noqa: E402  (no torch: the headline metric, shared with training)
     decode_summary,
     row_tokens_per_target_forward,
@@ -923,8 +923,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if base is not None:
             print_comparison(base, args.compare[0], report, args.output or "this run")
     except UsageError as err:
-        print(f"{PROG}: error: {err}", file=sys.stderr, flush=True)
-        return 2
+        return usage_status(PROG, err)
     except (ValueError, OSError) as err:  # unreadable or mismatched files, bad decoding inputs
         report_failure(PROG, err)
         return 1
