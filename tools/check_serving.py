@@ -27,13 +27,14 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
+from megatron_dflash.common.atomic import write_file  # noqa: E402  (standard library only)
 from megatron_dflash.common.cli import (  # noqa: E402  (no torch: --help and usage errors answer at once)
-    USAGE_EXIT_CODE,
     ArgumentParser,
     UsageError,
     quiet_dependency_warnings,
     report_failure,
     require_dir,
+    usage_status,
 )
 
 PROG = "check_serving.py"
@@ -72,8 +73,7 @@ def main(argv=None) -> int:
     try:
         _check_paths(args)
     except UsageError as err:
-        print(f"{PROG}: error: {err}", file=sys.stderr)
-        return USAGE_EXIT_CODE
+        return usage_status(PROG, err)
     from megatron_dflash.checkpoint.serving import check_serving, exit_status, report_lines  # loads torch
 
     try:
@@ -83,10 +83,13 @@ def main(argv=None) -> int:
         return 1
     print("\n".join(report_lines(args.draft, reports)))
     if args.json is not None:
-        with open(args.json, "w") as f:
-            json.dump({"draft": os.path.abspath(args.draft), "target": args.target,
-                       "exit_status": exit_status(reports), "runtimes": [r.to_json() for r in reports]}, f, indent=2)
-            f.write("\n")
+        verdicts = {"draft": os.path.abspath(args.draft), "target": args.target,
+                    "exit_status": exit_status(reports), "runtimes": [r.to_json() for r in reports]}
+        try:  # the repository's one writer: the previous file or the whole new one, never a partial one
+            write_file(args.json, json.dumps(verdicts, indent=2) + "\n")
+        except OSError as err:  # an unwritable directory, a full disk
+            report_failure(PROG, err)
+            return 1
     return exit_status(reports)
 
 

@@ -50,7 +50,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-from megatron_dflash.common.cli import ArgumentParser, UsageError, json_object_option, quiet_dependency_warnings, report_failure, require_dir, require_file, usage_error  # noqa: E402,E501
+from megatron_dflash.common.cli import ArgumentParser, UsageError, json_object_option, quiet_dependency_warnings, report_failure, require_dir, require_file, usage_error, usage_status  # noqa: E402,E501
 from megatron_dflash.decoding.metric import (  # noqa: E402  (no torch: the headline metric, shared with training)
     decode_summary,
     row_tokens_per_target_forward,
@@ -232,7 +232,7 @@ def check_paths(args: argparse.Namespace) -> None:
     if not looks_like_save_dir(args.draft):  # else a megatron checkpoint, checked when it is read
         require_dir("--draft", args.draft, "HF draft directory", must_contain="config.json")
     if benchmark:
-        read_benchmark_items(args)  # a bad record is named before torch loads
+        args.benchmark_items = read_benchmark_items(args)  # a bad record is named before torch loads; read once
     else:
         require_file("--prompts", args.prompts, "prompt file")
     if args.tokenizer is not None and not _looks_like_hub_id(args.tokenizer):
@@ -319,31 +319,29 @@ class PromptTokenizer:
 
 
 def read_prompts(path: str, limit: Optional[int], tokenizer: PromptTokenizer,
-                 template_kwargs: Optional[dict] = None) -> tuple[list[list[int]], list[str]]:
-    """Token ids of every prompt (chats rendered with ``template_kwargs``, --chat-template-kwargs), and a
-    warning for each prompt that is mostly unknown tokens."""
-    from megatron_dflash.data.prompts import PromptError, read_prompt_file, tokenize_prompt, unknown_token_warning
+                 template_kwargs: Optional[dict] = None) -> tuple[list[list[int]], list[str], list[Optional[str]]]:
+    """Token ids of every prompt (chats rendered with ``template_kwargs``, --chat-template-kwargs), a warning
+    for each prompt that is mostly unknown tokens, and each line's category (None where it names none), from
+    one reading of the file."""
+    from megatron_dflash.data.prompts import (
+        PromptError,
+        prompt_category,
+        read_prompt_file,
+        tokenize_prompt,
+        unknown_token_warning,
+    )
 
     try:
         items = read_prompt_file(path, limit)
         prompts = [tokenize_prompt(item, tokenizer.get, template_kwargs) for item in items]
+        categories = [prompt_category(item) for item in items]
     except PromptError as err:
         raise UsageError(str(err)) from None
     warnings = []
     if any("input_ids" not in item.record for item in items):  # the tokenizer is loaded anyway
         tok = tokenizer.get()
         warnings = [w for w in (unknown_token_warning(ids, tok, item.where) for item, ids in zip(items, prompts)) if w]
-    return prompts, warnings
-
-
-def read_prompt_categories(path: str, limit: Optional[int]) -> list[Optional[str]]:
-    """Each prompt line's category (None where the line names none)."""
-    from megatron_dflash.data.prompts import PromptError, prompt_category, read_prompt_file
-
-    try:
-        return [prompt_category(item) for item in read_prompt_file(path, limit)]
-    except PromptError as err:
-        raise UsageError(str(err)) from None
+    return prompts, warnings, categories
 
 
 def read_benchmark_items(args: argparse.Namespace) -> list:
@@ -513,12 +511,12 @@ class _Run:
         self.items: list = []  # the benchmark's questions (--benchmark)
         self.categories: list = []  # each --prompts line's category
         if args.benchmark:
-            self.items = read_benchmark_items(args)
+            self.items = args.benchmark_items  # read (and checked) by `check_paths`
             tokenizer.get()  # the questions are text: a bad --tokenizer / --target is named before the models load
             self.prompts = []  # filled turn by turn as they are decoded (`_benchmark_rows`)
         else:
-            self.prompts, prompt_warnings = read_prompts(args.prompts, args.limit, tokenizer, self.template_kwargs)
-            self.categories = read_prompt_categories(args.prompts, args.limit)
+            self.prompts, prompt_warnings, self.categories = read_prompts(args.prompts, args.limit, tokenizer,
+                                                                          self.template_kwargs)
             for warning in prompt_warnings:
                 print(warning, file=sys.stderr, flush=True)
         try:
@@ -925,8 +923,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if base is not None:
             print_comparison(base, args.compare[0], report, args.output or "this run")
     except UsageError as err:
-        print(f"{PROG}: error: {err}", file=sys.stderr, flush=True)
-        return 2
+        return usage_status(PROG, err)
     except (ValueError, OSError) as err:  # unreadable or mismatched files, bad decoding inputs
         report_failure(PROG, err)
         return 1

@@ -21,13 +21,13 @@ from typing import Optional
 
 from ..common.atomic import NoSpaceError, check_destination
 from ..common.cli import (
-    USAGE_EXIT_CODE,
     ArgumentParser,
     UsageError,
     quiet_dependency_warnings,
     report_failure,
     require_dir,
     require_file,
+    usage_status,
 )
 from .torch_dist import RELEASE, Iteration, iteration_dir_name, parse_iteration
 
@@ -140,8 +140,7 @@ def main(argv: Optional[list[str]] = None, prog: str = _PROG) -> int:
     try:
         _check_cli_paths(args)
     except UsageError as err:
-        print(f"{prog}: error: {err}", file=sys.stderr)
-        return USAGE_EXIT_CODE
+        return usage_status(prog, err)
     from .conversion import convert_hf_to_megatron, convert_megatron_to_hf  # loads torch and megatron
 
     try:

@@ -42,9 +42,10 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import struct
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence
+
+from safetensors import SafetensorError, safe_open
 
 from ..common.safetensors_files import safetensors_files
 from ..draft.config import default_target_layer_ids, resolve_text_config
@@ -111,7 +112,7 @@ class DraftFile:
 
     directory: str
     config: dict
-    tensors: dict  # name -> (dtype, shape, file, data offsets)
+    tensors: dict  # name -> (dtype, shape, file)
     trained: Any = None
     trained_error: Optional[str] = None
 
@@ -167,41 +168,39 @@ def _dotted(path: Optional[Path]) -> str:
     return ".".join(path) if path else "-"
 
 
-def _safetensors_headers(directory: str) -> dict:
-    """name -> (dtype, shape, file, (begin, end)) of every tensor of the directory, from the headers only."""
+def _tensor_headers(directory: str) -> dict:
+    """name -> (dtype, shape, file) of every tensor of the directory, from the headers only (`ValueError` naming
+    a file that is no safetensors file)."""
     out = {}
     for path in safetensors_files(directory):
-        with open(path, "rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(length))
-        for name, info in header.items():
-            if name != "__metadata__":
-                out[name] = (info["dtype"], list(info["shape"]), path, (8 + length + info["data_offsets"][0],
-                                                                         8 + length + info["data_offsets"][1]))
+        try:
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():
+                    header = f.get_slice(name)
+                    out[name] = (header.get_dtype(), list(header.get_shape()), path)
+        except SafetensorError as err:
+            raise ValueError(f"{path} is not a readable safetensors file ({err}).") from None
     return out
 
 
-_INT_FORMATS = {"I64": "q", "I32": "i", "I16": "h", "I8": "b", "U8": "B"}
+_INT_DTYPES = ("I64", "I32", "I16", "I8", "U8")
 
 
 def read_int_tensor(draft: DraftFile, name: str) -> Optional[list[int]]:
     """The values of an integer tensor of the draft (flattened), or None when it is absent or not integer."""
     if name not in draft.tensors:
         return None
-    dtype, shape, path, (begin, end) = draft.tensors[name]
-    code = _INT_FORMATS.get(dtype)
-    if code is None:
+    dtype, _, path = draft.tensors[name]
+    if dtype not in _INT_DTYPES:
         return None
-    with open(path, "rb") as f:
-        f.seek(begin)
-        data = f.read(end - begin)
-    return list(struct.unpack(f"<{len(data) // struct.calcsize(code)}{code}", data))
+    with safe_open(path, framework="pt") as f:
+        return f.get_tensor(name).flatten().tolist()
 
 
 def read_draft_file(directory: str) -> DraftFile:
     """The directory's config.json and tensor headers, and this package's reading of it."""
     config = read_json_object(os.path.join(directory, "config.json"))
-    draft = DraftFile(directory=os.path.abspath(directory), config=config, tensors=_safetensors_headers(directory))
+    draft = DraftFile(directory=os.path.abspath(directory), config=config, tensors=_tensor_headers(directory))
     try:
         _, draft.trained = config_from_dict(json.loads(json.dumps(config)), "config.json")
     except (ValueError, TypeError, KeyError) as err:
@@ -293,7 +292,7 @@ _GENERIC_CHECKS = (_check_taps, _check_block_size, _check_mask, _check_direction
 
 
 def _projector(draft: DraftFile) -> Any:
-    path, value = first_present(draft.config, (("dflash_config", "projector_type"), ("projector_type",)))
+    _, value = first_present(draft.config, (("dflash_config", "projector_type"), ("projector_type",)))
     return value
 
 

@@ -7,7 +7,8 @@
   default is shown in `--help` exactly once (`DefaultsOnceFormatter`), a usage error is one
   line plus a "did you mean" suggestion for a mistyped flag (no usage block), exit status 2.
 * `usage_error(prog, message)` ends a tool the same way for errors found after parsing (a
-  missing path, a bad file); `require_*` check paths without importing anything heavy.
+  missing path, a bad file); `usage_status` prints the same line and returns 2, for a `main` that
+  returns its exit status; `require_*` check paths without importing anything heavy.
 
 This module imports only the standard library (and `atomic`, which does too), so a tool can parse and check its command
 line in a fraction of a second, before torch / megatron / transformers load.
@@ -34,6 +35,7 @@ __all__ = [
     "ArgumentParser",
     "UsageError",
     "usage_error",
+    "usage_status",
     "report_failure",
     "is_no_space",
     "report_interrupt",
@@ -155,11 +157,17 @@ def report_interrupt(prog: str, where: str = "") -> int:
     return INTERRUPTED_EXIT_STATUS
 
 
-def usage_error(prog: str, message: str, stream=None) -> NoReturn:
-    """Print `prog: error: message` (one line) and exit with status 2."""
+def usage_status(prog: str, message, stream=None) -> int:
+    """Print `prog: error: message` (one line) and return the usage exit status 2: for an entry point whose
+    `main` returns its status (``except UsageError as err: return usage_status(PROG, err)``)."""
     stream = sys.stderr if stream is None else stream
     print(f"{prog}: error: {message}", file=stream, flush=True)
-    sys.exit(USAGE_EXIT_CODE)
+    return USAGE_EXIT_CODE
+
+
+def usage_error(prog: str, message: str, stream=None) -> NoReturn:
+    """Print `prog: error: message` (one line) and exit with status 2."""
+    sys.exit(usage_status(prog, message, stream))
 
 
 def suggest_option(word: str, options) -> Optional[str]:

@@ -31,6 +31,7 @@ __all__ = [
     "chat_roles",
     "check_messages",
     "unicode_problem",
+    "json_kind",
 ]
 
 _GENERATION_TAG = re.compile(r"\{\%-?\s*generation\s*-?\%\}")
@@ -311,7 +312,7 @@ def chat_roles(tokenizer) -> tuple[str, ...]:
         (role != "tool" or _TOOL_ROLE.search(template)) and not _renders_as_assistant(tokenizer, role)))
 
 
-def _json_kind(value) -> str:
+def json_kind(value) -> str:
     """How JSON spells the type of a decoded value (for messages about records)."""
     if value is None:
         return "null"
@@ -347,12 +348,12 @@ def check_messages(messages, where: str, roles: Sequence[str]) -> list:
             raise DataError(f"{where}: message {j} must be an object with a 'role', got {message!r:.80}.")
         role = message["role"]
         if not isinstance(role, str) or role not in roles:
-            shown = json.dumps(role)[:40] if isinstance(role, str) else _json_kind(role)
+            shown = json.dumps(role)[:40] if isinstance(role, str) else json_kind(role)
             raise DataError(f"{where}: message {j}: role is {shown}, not one of the roles the chat template "
                             f"renders ({', '.join(roles)}).")
         content = message.get("content")
         if not isinstance(content, str):
-            raise DataError(f"{where}: message {j} ({role}): content is {_json_kind(content)}, not a string.")
+            raise DataError(f"{where}: message {j} ({role}): content is {json_kind(content)}, not a string.")
         problem = unicode_problem(content)
         if problem is not None:
             raise DataError(f"{where}: message {j} ({role}): the content {problem}.")

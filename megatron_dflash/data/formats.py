@@ -35,6 +35,7 @@ import numpy as np
 
 from ..common.atomic import write_file
 from ..common.errors import DataError
+from .chat import json_kind
 
 __all__ = [
     "RECORD_STYLES",
@@ -91,11 +92,6 @@ class NormalizedRecord:
         return self.messages is not None
 
 
-def _kind(value) -> str:
-    return {type(None): "null", bool: "a boolean", int: "a number", float: "a number", dict: "an object",
-            list: "an array", str: "a string"}.get(type(value), type(value).__name__)
-
-
 def _content_text(content, where: str):
     """A message's content as a string: list-of-parts content keeps its text parts, joined; anything
     else but a string is returned as is (and refused by ``chat.check_messages`` with the message named)."""
@@ -108,7 +104,7 @@ def _content_text(content, where: str):
         elif isinstance(part, dict) and part.get("type", "text") == "text" and isinstance(part.get("text"), str):
             texts.append(part["text"])
         else:
-            shown = part.get("type") if isinstance(part, dict) else _kind(part)
+            shown = part.get("type") if isinstance(part, dict) else json_kind(part)
             raise DataError(f"{where}: content part {k} is {shown!r:.40}, not a text part ({{'type': 'text', "
                             "'text': ...}); only text is trained on.")
     return "".join(texts)
@@ -160,7 +156,7 @@ def normalize_record(record: Any, where: str) -> NormalizedRecord:
     fields = {key: v for key, v in record.items() if key not in RECORD_STYLES}  # Arrow's null columns too
     if style == "text":
         if not isinstance(value, str):
-            raise DataError(f"{where}: no text (expected a string under 'text', got {_kind(value)}).")
+            raise DataError(f"{where}: no text (expected a string under 'text', got {json_kind(value)}).")
         return NormalizedRecord("text", text=value, fields=fields)
     if not isinstance(value, list) or not value:
         raise DataError(f"{where}: no messages (expected a non-empty list under '{style}').")
@@ -265,7 +261,7 @@ class _ListSource(RecordSource):
                     from None
             raise DataError(f"{path}: invalid JSON ({err}).") from None
         if not isinstance(records, list):
-            raise DataError(f"{path}: a .json data file holds an array of records, got {_kind(records)}.")
+            raise DataError(f"{path}: a .json data file holds an array of records, got {json_kind(records)}.")
         self._records = records
 
     def __len__(self) -> int:

@@ -239,7 +239,7 @@ def test_one_prompt_format_for_both_tools(tmp_path):
     tool = evaluate_module()
     holder = tool.PromptTokenizer("unused")
     holder._tokenizer = tokenizer
-    ids, tool_warnings = tool.read_prompts(str(path), None, holder)
+    ids, tool_warnings, _ = tool.read_prompts(str(path), None, holder)
     assert ids == trainer
     assert trainer[0] == trainer[1] == tokenizer("count from 3 to 9")["input_ids"]
     chat = tokenizer.apply_chat_template([{"role": "user", "content": "count from 3 to 9"}], tokenize=True,

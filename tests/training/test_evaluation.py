@@ -77,10 +77,10 @@ def test_the_tool_renders_chat_prompts_with_the_runs_template_and_kwargs(tmp_pat
     (tmp_path / "config.json").write_text("{}")  # the draft is not loaded here
     args = tool.parse_args(["--draft", str(tmp_path), "--target", SHIPPED_TARGET_DIR, "--prompts", str(prompts),
                             "--chat-template", str(template), "--chat-template-kwargs", '{"short": true}'])
-    ids, _ = tool.read_prompts(args.prompts, None, tool.PromptTokenizer(args.target, args.chat_template),
+    ids, _, _ = tool.read_prompts(args.prompts, None, tool.PromptTokenizer(args.target, args.chat_template),
                                args.template_kwargs)
     assert ids == [_rendered(tok, m, short=True) for m in chats]
-    plain, _ = tool.read_prompts(args.prompts, None, tool.PromptTokenizer(args.target, args.chat_template), {})
+    plain, _, _ = tool.read_prompts(args.prompts, None, tool.PromptTokenizer(args.target, args.chat_template), {})
     assert plain == [_rendered(tok, m) for m in chats] != ids
     with pytest.raises(SystemExit) as stop:
         tool.parse_args(["--draft", str(tmp_path), "--chat-template-kwargs", "[1]"])
