@@ -116,11 +116,14 @@ class OutputHead:
     @classmethod
     def of_draft(cls, body: nn.Module, target_head: "OutputHead",
                  vocab: Optional[DraftVocabulary] = None) -> "OutputHead":
-        """The draft's own head over its reduced vocabulary (``body.lm_head``, ``body.d2t``), with the target
-        head's output transform; a rank holding fewer rows than its shard's width gets zero rows (columns past
-        the draft vocabulary, which `local_logits` sets to ``-inf``). Build it per step when the head trains
-        (the padding is then part of the graph), passing the ``vocab`` read once from ``body.d2t`` (reading it
-        here copies ``d2t`` to the host and checks it, a device sync)."""
+        """The head ``body`` proposes through: ``target_head`` itself, or with a reduced vocabulary the draft's
+        own head (``body.lm_head``, ``body.d2t``) with the target head's output transform; a rank holding fewer
+        rows than its shard's width gets zero rows (columns past the draft vocabulary, which `local_logits` sets
+        to ``-inf``). Build it per step when the head trains (the padding is then part of the graph), passing
+        the ``vocab`` read once from ``body.d2t`` (reading it here copies ``d2t`` to the host and checks it, a
+        device sync)."""
+        if not hasattr(body, "lm_head"):  # the full target vocabulary
+            return target_head
         layer = body.lm_head
         rows, width = layer.weight.shape[0], layer.output_size_per_partition
         weight = None if rows == width else F.pad(layer.weight, (0, 0, 0, width - rows))
