@@ -516,9 +516,8 @@ class _DraftSide:
     def of(cls, target: nn.Module, draft: DraftBody, confidence_threshold: Optional[float] = None) -> "_DraftSide":
         head_layer = target.get_output_embeddings()
         variant = variant_of(draft)
-        head = OutputHead.from_config(head_layer, draft.config)
-        if hasattr(draft, "lm_head"):  # a reduced draft vocabulary: the draft's own head (docs/design.md §20)
-            head = OutputHead.of_draft(draft, head)
+        # a reduced draft vocabulary: the draft's own head (docs/design.md §20)
+        head = OutputHead.of_draft(draft, OutputHead.from_config(head_layer, draft.config))
         return cls(
             draft=draft,
             embedding=target.get_input_embeddings(),

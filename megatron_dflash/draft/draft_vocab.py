@@ -15,7 +15,7 @@ Shapes: K draft vocabulary, V target vocabulary, H hidden size.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -35,6 +35,8 @@ class DraftVocabulary:
 
     ids: torch.Tensor
     target_vocab_size: int
+    # `draft_index` per device, built once: the losses map every micro-batch's labels through it
+    _index: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         ids, V = self.ids, int(self.target_vocab_size)
@@ -83,9 +85,14 @@ class DraftVocabulary:
         return mask
 
     def draft_index(self, device=None) -> torch.Tensor:
-        """``[V]`` int64: the draft id of each target id, -1 outside the draft vocabulary."""
-        index = torch.full((self.target_vocab_size,), -1, dtype=torch.int64, device=device)
-        index[self.ids.to(device)] = torch.arange(self.size, dtype=torch.int64, device=device)
+        """``[V]`` int64: the draft id of each target id, -1 outside the draft vocabulary (built once per
+        device)."""
+        device = torch.device(device if device is not None else "cpu")
+        index = self._index.get(device)
+        if index is None:
+            index = torch.full((self.target_vocab_size,), -1, dtype=torch.int64, device=device)
+            index[self.ids.to(device)] = torch.arange(self.size, dtype=torch.int64, device=device)
+            self._index[device] = index
         return index
 
     def to(self, device) -> "DraftVocabulary":

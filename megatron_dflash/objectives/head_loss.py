@@ -32,7 +32,7 @@ E Domino's ``emb_dim``, c rows per chunk.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 import torch
@@ -825,8 +825,7 @@ def _draft_vocab_loss(hidden, labels, weights, head: OutputHead, *, row_weights,
     if row_weights is not None:
         given = row_weights
         row_weights = lambda nll: torch.where(inside, given(nll), zero)  # noqa: E731
-    plain = OutputHead(head.layer, head.vocab_size, head.tp_group, head.output_multiplier,
-                       head.final_logit_softcapping, head.weight)
+    plain = replace(head, draft_vocab=None)
     terms = head_loss(hidden, columns, weights, plain, row_weights=row_weights, top_k=top_k, **options)
     terms.base_correct = terms.base_correct & inside
     terms.final_correct = terms.final_correct & inside

@@ -114,15 +114,21 @@ class OutputHead:
         )
 
     @classmethod
-    def of_draft(cls, body: nn.Module, target_head: "OutputHead") -> "OutputHead":
-        """The draft's own head over its reduced vocabulary (``body.lm_head``, ``body.d2t``), with the target
-        head's output transform; a rank holding fewer rows than its shard's width gets zero rows (columns past
-        the draft vocabulary, which `local_logits` sets to ``-inf``). Build it per step when the head trains
-        (the padding is then part of the graph)."""
+    def of_draft(cls, body: nn.Module, target_head: "OutputHead",
+                 vocab: Optional[DraftVocabulary] = None) -> "OutputHead":
+        """The head ``body`` proposes through: ``target_head`` itself, or with a reduced vocabulary the draft's
+        own head (``body.lm_head``, ``body.d2t``) with the target head's output transform; a rank holding fewer
+        rows than its shard's width gets zero rows (columns past the draft vocabulary, which `local_logits` sets
+        to ``-inf``). Build it per step when the head trains (the padding is then part of the graph), passing
+        the ``vocab`` read once from ``body.d2t`` (reading it here copies ``d2t`` to the host and checks it, a
+        device sync)."""
+        if not hasattr(body, "lm_head"):  # the full target vocabulary
+            return target_head
         layer = body.lm_head
         rows, width = layer.weight.shape[0], layer.output_size_per_partition
         weight = None if rows == width else F.pad(layer.weight, (0, 0, 0, width - rows))
-        vocab = DraftVocabulary.from_d2t(body.d2t, target_head.vocab_size)
+        if vocab is None:
+            vocab = DraftVocabulary.from_d2t(body.d2t, target_head.vocab_size).to(body.d2t.device)
         return cls(layer=layer, vocab_size=vocab.size, tp_group=layer.tp_group,
                    output_multiplier=target_head.output_multiplier,
                    final_logit_softcapping=target_head.final_logit_softcapping, weight=weight, draft_vocab=vocab)
@@ -133,10 +139,7 @@ class OutputHead:
         without a reduced vocabulary."""
         if self.draft_vocab is None:
             return labels, torch.ones_like(labels, dtype=torch.bool)
-        index = getattr(self, "_draft_index", None)
-        if index is None or index.device != labels.device:
-            index = self._draft_index = self.draft_vocab.draft_index(labels.device)
-        draft = index[labels]
+        draft = self.draft_vocab.draft_index(labels.device)[labels]
         inside = draft >= 0
         return draft.clamp(min=0), inside
 

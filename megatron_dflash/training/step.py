@@ -90,6 +90,7 @@ class StepRunner:
         self.args = job.args
         self.config = job.draft_config
         self._verified_step: Optional[int] = None  # last step whose plan the TP group compared
+        self._draft_vocab = None  # a reduced draft vocabulary, read once from body.d2t (its host read syncs)
 
     def micro_batch(self, batch: dict, step: int, seed: int, backward: bool) -> StepStatistics:
         """Forward (+ backward) of one micro-batch; returns its additive statistics."""
@@ -125,9 +126,8 @@ class StepRunner:
         with torch.no_grad():
             blocks = embed_blocks(batch["tokens"], plan, self.target.embedding, mask_token_id=cfg.mask_token_id,
                                   input_embedding_scale=cfg.input_embedding_scale, prefix_lengths=prefix)
-        head = self.target.head
-        if hasattr(self.body, "lm_head"):  # a reduced draft vocabulary (docs/design.md §20)
-            head = OutputHead.of_draft(self.body, head)
+        head = OutputHead.of_draft(self.body, self.target.head, self._draft_vocab)  # docs/design.md §20
+        self._draft_vocab = head.draft_vocab
         with torch.set_grad_enabled(backward):
             hidden = self.model(taps, blocks, plan)
             out = self.job.variant.loss(

@@ -67,13 +67,17 @@ def test_special_ids_are_the_tokenizers_and_the_mask():
 
 def test_the_file_is_reproducible_and_reads_back(tmp_path):
     tokenizer = _Tokenizer()
-    first = DraftVocabFile.build(count_label_tokens(_samples(1), 12), 6, [0, 1, 11], tokenizer)
+    data = _samples(1)
+    first = DraftVocabFile.build(count_label_tokens(data, 12), 6, [0, 1, 11], tokenizer)
     again = DraftVocabFile.build(count_label_tokens(_samples(1), 12), 6, [0, 1, 11], tokenizer)
     first.write(str(tmp_path / "a.json"))
     again.write(str(tmp_path / "b.json"))
     assert (tmp_path / "a.json").read_bytes() == (tmp_path / "b.json").read_bytes()
     read = DraftVocabFile.read(str(tmp_path / "a.json"))
-    assert read == first and {0, 1, 11} <= set(read.ids) and 0 < read.coverage <= 1
+    assert read == first and {0, 1, 11} <= set(read.ids) and 0 < read.coverage < 1
+    # the coverage counts the supervised tokens of the data inside the chosen ids
+    labels = [int(t) for s in data for t, m in zip(s.input_ids, s.loss_mask) if m]
+    assert read.label_tokens == len(labels) and read.covered_tokens == sum(t in read.ids for t in labels)
     other = DraftVocabFile.build(count_label_tokens(_samples(2), 12), 6, [0, 1, 11], tokenizer)
     assert other.data_fingerprint != first.data_fingerprint
     assert tokenizer_fingerprint(_Tokenizer(template="u")) != first.tokenizer_fingerprint

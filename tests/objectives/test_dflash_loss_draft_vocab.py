@@ -112,13 +112,34 @@ def test_loss_over_the_draft_rows_equals_the_dense_reference(trainable, chunk):
 
 
 def test_some_labels_fall_outside_and_none_reach_the_loss():
-    """The case has labels outside the draft vocabulary; moving them inside changes the loss (they were
-    excluded, not silently mapped to another id)."""
+    """The case has supervised labels outside the draft vocabulary. They add nothing to the loss, its gradient
+    or its denominator: the loss equals the loss with those slots unsupervised (an explicit ``loss_mask``), while
+    the metrics count them as supervised and wrong. Moving them inside changes the loss (they were excluded, not
+    silently mapped to another id)."""
     plan, ids, hidden, weight, vocab = _case()
     head = _draft_head(weight, vocab, False)
     _, inside = head.to_draft(ids)
     assert 0 < int((~inside).sum()) < ids.numel()
-    base = dflash_loss(hidden, plan, ids, head, decay_gamma=2.0)
+    B, N, W = plan.batch_size, plan.num_blocks, plan.block_size
+    at = (plan.anchor_positions[:, :, None] + torch.arange(W)).clamp(max=ids.shape[1] - 1)
+    label_inside = torch.gather(inside, 1, at.reshape(B, -1)).view(B, N, W)
+    outside = plan.loss_mask & plan.block_valid[:, :, None] & ~label_inside
+    outside[:, :, 0] = False  # the anchor slot is never predicted
+    assert int(outside.sum()) > 0
+
+    def run(loss_mask):
+        h = hidden.clone().requires_grad_()
+        out = dflash_loss(h, plan, ids, head, decay_gamma=2.0, loss_mask=loss_mask)
+        out.loss_sum.backward()
+        return out, h.grad
+
+    (base, base_grad), (masked, masked_grad) = run(None), run(plan.loss_mask & ~outside)
+    # exact: an excluded slot enters the sums as a weight-0 term, an exact zero
+    torch.testing.assert_close(base.loss_sum.detach(), masked.loss_sum.detach(), rtol=0, atol=0)
+    assert float(base.weight_sum) == float(masked.weight_sum)
+    torch.testing.assert_close(base_grad, masked_grad, rtol=0, atol=0)
+    assert float(base.metrics.supervised_tokens) == float(masked.metrics.supervised_tokens) + int(outside.sum())
+    assert float(base.metrics.correct_tokens) == float(masked.metrics.correct_tokens)
     moved = torch.where(inside, ids, vocab.ids[0])
     other = dflash_loss(hidden, plan, moved, head, decay_gamma=2.0)
     assert float(other.weight_sum) > float(base.weight_sum)
