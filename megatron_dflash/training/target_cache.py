@@ -51,7 +51,7 @@ from ..target.state_cache import (
 from .datasets import build_datasets
 from .device_shim import megatron_target_on_cpu
 from .distributed import initialize_distributed
-from .frozen_target import FrozenTarget
+from .frozen_target import FrozenTarget, needs_final_hidden
 from .job import Job
 
 __all__ = ["run_manifest", "data_fingerprint", "target_fingerprint", "write_target_cache",
@@ -90,7 +90,7 @@ def run_manifest(job: Job, train_ds, valid_ds) -> CacheManifest:
     return CacheManifest(
         format_version=CACHE_FORMAT_VERSION, target=target_fingerprint(job.target_dir),
         target_layer_ids=tuple(cfg.target_layer_ids), hidden_size=cfg.hidden_size,
-        final_hidden=bool(job.variant.needs_final_hidden) or args.dflash_soft_target != "none",
+        final_hidden=needs_final_hidden(job),
         dtype=args.dflash_target_cache_dtype, seq_length=args.seq_length, packing=bool(args.pack_sequences),
         data=data_fingerprint(splits), shard_size=args.dflash_target_cache_shard_size,
         samples={k: (len(v) if v is not None else 0) for k, v in splits.items()},
@@ -214,7 +214,7 @@ class CachedTarget:
                  groups: ProcessGroups, heads: Optional[tuple] = None):
         args = job.args
         self.reader, self.device, self.dtype = reader, device, dtype
-        self.need_final_hidden = bool(job.variant.needs_final_hidden) or args.dflash_soft_target != "none"
+        self.need_final_hidden = needs_final_hidden(job)
         if heads is not None:  # hybrid mode: the online target's own embedding and head, kept
             self.embedding, self.head = heads
             self.loaded_bytes = self.skipped_bytes = 0
@@ -229,26 +229,26 @@ class CachedTarget:
 
     @torch.no_grad()
     def __call__(self, batch: dict):
-        tokens = batch["tokens"]
+        # Assembled on the host and moved once: one device sync per batch, not one per row.
+        tokens = batch["tokens"].cpu()
         B, S = tokens.shape
         width = len(self.reader.manifest.target_layer_ids) * self.reader.manifest.hidden_size
-        taps = torch.zeros(B, S, width, dtype=self.dtype, device=self.device)
-        final = None
-        if self.need_final_hidden:
-            final = torch.zeros(B, S, self.reader.manifest.hidden_size, dtype=self.dtype, device=self.device)
-        for b in range(B):
-            sample_id = int(batch["sample_ids"][b])
-            if sample_id not in self.reader.where and not bool(batch["loss_mask"][b].any()):
+        taps = torch.zeros(B, S, width, dtype=self.dtype)
+        final = torch.zeros(B, S, self.reader.manifest.hidden_size, dtype=self.dtype) if self.need_final_hidden \
+            else None
+        supervised = batch["loss_mask"].any(dim=1).tolist()
+        for b, sample_id in enumerate(batch["sample_ids"].tolist()):
+            if sample_id not in self.reader.where and not supervised[b]:
                 continue  # a stand-in row that supervises nothing (`training.step.RankData`): no states needed
             ids, sample_taps, sample_final = self.reader.sample(sample_id)
             n = ids.shape[0]
-            if n > S or not torch.equal(ids.to(tokens.device), tokens[b, :n]):
+            if n > S or not torch.equal(ids, tokens[b, :n]):
                 raise StateCacheError(f"sample {sample_id}: its tokens differ from those the target-state cache "
                                       f"{self.reader.directory} holds; write the cache again for this data.")
-            taps[b, :n] = sample_taps.to(self.device, self.dtype)
+            taps[b, :n] = sample_taps
             if final is not None:
-                final[b, :n] = sample_final.to(self.device, self.dtype)
-        return taps, final
+                final[b, :n] = sample_final
+        return taps.to(self.device), final.to(self.device) if final is not None else None
 
 
 def open_cache_reader(job: Job, train_ds, valid_ds) -> StateCacheReader:
@@ -298,8 +298,9 @@ class HybridTarget:
             return self.cached(batch)
         taps, final = self.online(batch)
         if self.groups.tp_rank == 0:
+            supervised = batch["loss_mask"].any(dim=1).tolist()  # one sync, not one per row
             for b in range(taps.shape[0]):
-                if bool(batch["loss_mask"][b].any()):  # not a stand-in row (`training.step.RankData`)
+                if supervised[b]:  # not a stand-in row (`training.step.RankData`)
                     stage_sample(self.directory, int(batch["sample_ids"][b]),
                                  _row_states(batch, b, taps, final, self.manifest))
         return taps, final
