@@ -38,7 +38,6 @@ from ..target.state_cache import (
     read_manifest,
     publish_manifest,
     is_complete,
-    is_staged,
     read_staged,
     remove_stale_temporaries,
     remove_staging,
@@ -115,25 +114,27 @@ def _storage_line(manifest: CacheManifest, samples_to_write: int, free: int) -> 
             f"write: up to {per_sample * samples_to_write / 2**30:.3f} GiB, {free / 2**30:.3f} GiB free")
 
 
-def _shard_states(target, ds, indices: range, collate, micro: int, manifest: CacheManifest,
+def _shard_states(get_target: Callable, ds, indices: range, collate, micro: int, manifest: CacheManifest,
                   staging: Optional[str]) -> dict:
     """The states of the samples ``indices`` of `ds`, by sample id in index order: the staged ones read from
-    `staging` (hybrid mode), the others computed by `target` in micro-batches of consecutive samples."""
-    staged = {}
+    `staging` (hybrid mode), the others computed by ``get_target()`` (asked only then) in micro-batches of
+    consecutive samples."""
+    samples = {i: ds[i] for i in indices}  # read once: a dataset tokenizes its sample on every access
+    states = {}
     if staging is not None:
-        for i in indices:
-            found = read_staged(staging, ds[i].sample_id, manifest.final_hidden)
+        for i, sample in samples.items():
+            found = read_staged(staging, sample.sample_id, manifest.final_hidden)
             if found is not None:
-                staged[i] = found
-    todo = [i for i in indices if i not in staged]
+                states[i] = found
+    todo = [i for i in indices if i not in states]
     for a in range(0, len(todo), micro):
-        samples = [ds[i] for i in todo[a:a + micro]]
-        batch = collate(samples)
+        target = get_target()
+        batch = collate([samples[i] for i in todo[a:a + micro]])
         batch = {key: (v.to(target.device) if isinstance(v, torch.Tensor) else v) for key, v in batch.items()}
         taps, final = target(batch)
         for b, i in enumerate(todo[a:a + micro]):
-            staged[i] = _row_states(batch, b, taps, final, manifest)
-    return {int(ds[i].sample_id): staged[i] for i in indices}
+            states[i] = _row_states(batch, b, taps, final, manifest)
+    return {int(samples[i].sample_id): states[i] for i in indices}
 
 
 def _row_states(batch: dict, b: int, taps, final, manifest: CacheManifest) -> tuple:
@@ -182,12 +183,15 @@ def write_target_cache(job: Job, make_target: Callable, datasets: dict, director
         raise StateCacheError(f"not enough free space for the target-state cache in {directory}: {line[8:]}; free "
                               "space or choose another directory (or --dflash-target-cache-dtype bfloat16).")
     collate = Collator(job.pad_token_id, job.args.seq_length, False)
-    target = None
+    target = []  # made by the first shard that computes a sample
+
+    def get_target():
+        if not target:
+            target.append(make_target())
+        return target[0]
+
     for split, k, indices in work:
-        all_staged = staged and all(is_staged(directory, datasets[split][i].sample_id) for i in indices)
-        if target is None and not all_staged:
-            target = make_target()
-        states = _shard_states(target, datasets[split], indices, collate, job.args.micro_batch_size, manifest,
+        states = _shard_states(get_target, datasets[split], indices, collate, job.args.micro_batch_size, manifest,
                                directory if staged else None)
         if writes:
             write_shard(directory, split, k, states)
