@@ -46,7 +46,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from ..common.safetensors_files import safetensors_files
+from ..common.safetensors_files import safetensors_files, safetensors_header_bytes
 from ..draft.config import default_target_layer_ids, resolve_text_config
 from ..variants.domino import DOMINO_ARCHITECTURE, DOMINO_PROJECTOR_TYPE
 from ..variants.dspark import DSPARK_SERVING_METHOD
@@ -171,9 +171,8 @@ def _safetensors_headers(directory: str) -> dict:
     """name -> (dtype, shape, file, (begin, end)) of every tensor of the directory, from the headers only."""
     out = {}
     for path in safetensors_files(directory):
-        with open(path, "rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(length))
+        raw = safetensors_header_bytes(path)
+        length, header = len(raw), json.loads(raw)
         for name, info in header.items():
             if name != "__metadata__":
                 out[name] = (info["dtype"], list(info["shape"]), path, (8 + length + info["data_offsets"][0],

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..common.parallel import ProcessGroups
-from ..common.safetensors_files import target_safetensors_files
+from ..common.safetensors_files import safetensors_header_bytes, target_safetensors_files
 from ..data.batching import Collator
 from ..target.frozen_heads import load_frozen_heads
 from ..target.state_cache import (
@@ -64,9 +64,7 @@ def target_fingerprint(target_dir: str) -> str:
     with open(os.path.join(target_dir, "config.json"), "rb") as f:
         digest.update(json.dumps(json.load(f), sort_keys=True).encode())
     for path in target_safetensors_files(target_dir):
-        with open(path, "rb") as f:
-            size = int.from_bytes(f.read(8), "little")
-            digest.update(os.path.basename(path).encode() + f.read(size))
+        digest.update(os.path.basename(path).encode() + safetensors_header_bytes(path))
     return digest.hexdigest()
 
 
