@@ -183,6 +183,14 @@ def _inputs(args, seq: int):
     return input_ids, torch.ones(1, seq, dtype=torch.bool)
 
 
+def _draft_fields(args) -> dict:
+    """The draft's shape fields common to the DFlash and DSpark steps timed here (their configs add their own)."""
+    return dict(hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.draft_layers,
+                num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
+                block_size=args.block_size, mask_token_id=args.vocab - 1, vocab_size=args.vocab,
+                num_target_layers=args.target_layers, target_layer_ids=TARGET_LAYER_IDS)
+
+
 def build_reduced(args, seq: int):
     """Our step with a reduced draft vocabulary: the draft's own frozen head over ``--draft-vocab-size`` rows of
     the target's (ids 0..K-1; every slot is computed whatever its label), the loss over those K columns."""
@@ -201,12 +209,7 @@ def build_ours(args, seq: int, draft_vocab_size=None):
 
     torch.manual_seed(0)
     model = _hf_target(args, seq)
-    config = DFlashConfig(
-        hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.draft_layers,
-        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
-        block_size=args.block_size, mask_token_id=args.vocab - 1, vocab_size=args.vocab,
-        num_target_layers=args.target_layers, target_layer_ids=TARGET_LAYER_IDS, draft_vocab_size=draft_vocab_size,
-    )
+    config = DFlashConfig(**_draft_fields(args), draft_vocab_size=draft_vocab_size)
     target = HFTarget.from_config(model, config)
     body = DFlashBody(config).train()
     head = target.output_head
@@ -304,13 +307,8 @@ def build_ours_dspark(args, seq: int):
 
     torch.manual_seed(0)
     model = _hf_target(args, seq)
-    config = DSparkConfig(
-        hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.draft_layers,
-        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
-        block_size=args.block_size, mask_token_id=args.vocab - 1, vocab_size=args.vocab,
-        num_target_layers=args.target_layers, target_layer_ids=TARGET_LAYER_IDS, markov_rank=args.markov_rank,
-        markov_head_type="vanilla", enable_confidence_head=True, confidence_head_with_markov=args.markov_rank > 0,
-    )
+    config = DSparkConfig(**_draft_fields(args), markov_rank=args.markov_rank, markov_head_type="vanilla",
+                          enable_confidence_head=True, confidence_head_with_markov=args.markov_rank > 0)
     target = HFTarget.from_config(model, config)
     body = DSparkBody(config).train()
     variant = get_variant("dspark")
@@ -501,10 +499,7 @@ def build_cached(args, seq: int):
     from megatron_dflash.variants.registry import get_variant
 
     dspark = args.variant == "dspark"
-    fields = dict(hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.draft_layers,
-                  num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
-                  block_size=args.block_size, mask_token_id=args.vocab - 1, vocab_size=args.vocab,
-                  num_target_layers=args.target_layers, target_layer_ids=TARGET_LAYER_IDS)
+    fields = _draft_fields(args)
     if dspark:
         config = DSparkConfig(**fields, markov_rank=args.markov_rank, markov_head_type="vanilla",
                               enable_confidence_head=True, confidence_head_with_markov=args.markov_rank > 0)

@@ -15,6 +15,7 @@ __all__ = [
     "safetensors_index_files",
     "safetensors_files",
     "target_safetensors_files",
+    "safetensors_header_bytes",
 ]
 
 SAFETENSORS_NAME = "model.safetensors"
@@ -73,3 +74,10 @@ def target_safetensors_files(directory: str) -> list[str]:
     return safetensors_files(directory, missing=(
         f"{directory} holds no model.safetensors or model.safetensors.index.json; save the target with "
         "save_pretrained(safe_serialization=True)."))
+
+
+def safetensors_header_bytes(path: str) -> bytes:
+    """The JSON header of the safetensors file `path`, as stored (its first 8 bytes give its length, little
+    endian; the tensors' data follows it): names, dtypes, shapes and offsets without reading any tensor."""
+    with open(path, "rb") as f:
+        return f.read(int.from_bytes(f.read(8), "little"))

@@ -9,6 +9,7 @@ target; the embedding is whole on every rank (a lookup, equal to the vocab-paral
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -47,7 +48,7 @@ class FrozenHeads:
 
 
 def _tensor_names(files: list) -> dict:
-    """name -> (file, numel) of every tensor of the target's safetensors files (headers only)."""
+    """name -> (file, shape) of every tensor of the target's safetensors files (headers only)."""
     names = {}
     for path in files:
         with safe_open(path, framework="pt") as f:
@@ -65,13 +66,8 @@ def _embedding_name(names: dict) -> str:
 
 
 def target_weight_bytes(names: dict, dtype: torch.dtype) -> int:
-    total = 0
-    for _, shape in names.values():
-        numel = 1
-        for size in shape:
-            numel *= int(size)
-        total += numel * dtype.itemsize
-    return total
+    """Bytes of the tensors `names` (`_tensor_names`) at `dtype`."""
+    return sum(math.prod(shape) for _, shape in names.values()) * dtype.itemsize
 
 
 def load_frozen_heads(target_dir: str, config: DFlashConfig, dtype: torch.dtype, tp_group, *, tied: bool,

@@ -108,6 +108,19 @@ def shard_ranges(samples: int, shard_size: int) -> list[range]:
     return [range(a, min(a + shard_size, samples)) for a in range(0, samples, shard_size)]
 
 
+def _sample_key(sample_id: int) -> str:
+    """A sample's name in a shard and in the staging directory: its id, zero-padded (names sort as ids)."""
+    return f"{int(sample_id):019d}"
+
+
+def _sample_tensors(states: tuple, prefix: str = "") -> dict:
+    """``(input_ids [L], taps [L, T*H], final [L, H] or None)`` as the tensors of a safetensors file."""
+    input_ids, taps, final = states
+    tensors = {f"{prefix}input_ids": input_ids.to(torch.int64).contiguous(), f"{prefix}taps": taps.contiguous()}
+    if final is not None:
+        tensors[f"{prefix}final"] = final.contiguous()
+    return tensors
+
 
 def read_manifest(directory: str) -> Optional[CacheManifest]:
     """The manifest of `directory`, None when there is none (a refusal when it cannot be read)."""
@@ -159,12 +172,8 @@ def write_shard(directory: str, split: str, k: int, states: dict) -> None:
     """Write shard `k` of `split` whole: ``states`` maps a sample id to ``(input_ids [L], taps [L, T*H],
     final [L, H] or None)``, already in the cache's dtype."""
     tensors = {}
-    for sample_id, (input_ids, taps, final) in states.items():
-        key = f"{int(sample_id):019d}"
-        tensors[f"{key}.input_ids"] = input_ids.to(torch.int64).contiguous()
-        tensors[f"{key}.taps"] = taps.contiguous()
-        if final is not None:
-            tensors[f"{key}.final"] = final.contiguous()
+    for sample_id, sample in states.items():
+        tensors.update(_sample_tensors(sample, f"{_sample_key(sample_id)}."))
     write_file(os.path.join(directory, shard_name(split, k)), save_safetensors(tensors))
 
 
@@ -184,18 +193,14 @@ def is_complete(directory: str) -> bool:
 
 
 def _staged_path(directory: str, sample_id: int) -> str:
-    return os.path.join(directory, STAGING_DIR, f"{int(sample_id):019d}.safetensors")
+    return os.path.join(directory, STAGING_DIR, f"{_sample_key(sample_id)}.safetensors")
 
 
 def stage_sample(directory: str, sample_id: int, states: tuple) -> None:
     """Stage one sample's ``(input_ids [L], taps [L, T*H], final [L, H] or None)`` (already in the cache's dtype)
     as its own file, written whole (a killed writer leaves no partial file under the final name)."""
-    input_ids, taps, final = states
-    tensors = {"input_ids": input_ids.to(torch.int64).contiguous(), "taps": taps.contiguous()}
-    if final is not None:
-        tensors["final"] = final.contiguous()
     os.makedirs(os.path.join(directory, STAGING_DIR), exist_ok=True)
-    write_file(_staged_path(directory, sample_id), save_safetensors(tensors))
+    write_file(_staged_path(directory, sample_id), save_safetensors(_sample_tensors(states)))
 
 
 def is_staged(directory: str, sample_id: int) -> bool:
@@ -267,6 +272,6 @@ class StateCacheReader:
         if name is None:
             raise StateCacheError(f"sample {int(sample_id)} is not in the target-state cache {self.directory}: the "
                                   "cache was written for other data; write it again for this run.")
-        shard, key = self._shard(name), f"{int(sample_id):019d}"
+        shard, key = self._shard(name), _sample_key(sample_id)
         final = shard.get_tensor(f"{key}.final") if self.manifest.final_hidden else None
         return shard.get_tensor(f"{key}.input_ids"), shard.get_tensor(f"{key}.taps"), final

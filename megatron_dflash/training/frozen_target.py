@@ -18,7 +18,12 @@ from ..target.megatron.pipeline import copy_frozen_target_heads, resolve_draft_s
 from ..target.taps import HFTarget, concat_taps
 from .job import Job
 
-__all__ = ["FrozenTarget", "load_hf_model"]
+__all__ = ["FrozenTarget", "load_hf_model", "needs_final_hidden"]
+
+
+def needs_final_hidden(job: Job) -> bool:
+    """Whether a loss of this run reads the target's final hidden state (the variant's, or a soft target)."""
+    return bool(job.variant.needs_final_hidden) or job.args.dflash_soft_target != "none"
 
 
 class FrozenTarget:
@@ -38,7 +43,7 @@ class FrozenTarget:
         self.hf_model = None
         self.placement = None
         self.is_draft = True
-        self.need_final_hidden = bool(job.variant.needs_final_hidden) or job.args.dflash_soft_target != "none"
+        self.need_final_hidden = needs_final_hidden(job)
         if self.backend == "hf":
             self.hf_model = load_hf_model(job, dtype).to(device)
             self.module = HFTarget.from_config(self.hf_model, job.draft_config)

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..common.parallel import ProcessGroups
-from ..common.safetensors_files import target_safetensors_files
+from ..common.safetensors_files import safetensors_header_bytes, target_safetensors_files
 from ..data.batching import Collator
 from ..target.frozen_heads import load_frozen_heads
 from ..target.state_cache import (
@@ -38,7 +38,6 @@ from ..target.state_cache import (
     read_manifest,
     publish_manifest,
     is_complete,
-    is_staged,
     read_staged,
     remove_stale_temporaries,
     remove_staging,
@@ -51,7 +50,7 @@ from ..target.state_cache import (
 from .datasets import build_datasets
 from .device_shim import megatron_target_on_cpu
 from .distributed import initialize_distributed
-from .frozen_target import FrozenTarget
+from .frozen_target import FrozenTarget, needs_final_hidden
 from .job import Job
 
 __all__ = ["run_manifest", "data_fingerprint", "target_fingerprint", "write_target_cache",
@@ -65,9 +64,7 @@ def target_fingerprint(target_dir: str) -> str:
     with open(os.path.join(target_dir, "config.json"), "rb") as f:
         digest.update(json.dumps(json.load(f), sort_keys=True).encode())
     for path in target_safetensors_files(target_dir):
-        with open(path, "rb") as f:
-            size = int.from_bytes(f.read(8), "little")
-            digest.update(os.path.basename(path).encode() + f.read(size))
+        digest.update(os.path.basename(path).encode() + safetensors_header_bytes(path))
     return digest.hexdigest()
 
 
@@ -90,7 +87,7 @@ def run_manifest(job: Job, train_ds, valid_ds) -> CacheManifest:
     return CacheManifest(
         format_version=CACHE_FORMAT_VERSION, target=target_fingerprint(job.target_dir),
         target_layer_ids=tuple(cfg.target_layer_ids), hidden_size=cfg.hidden_size,
-        final_hidden=bool(job.variant.needs_final_hidden) or args.dflash_soft_target != "none",
+        final_hidden=needs_final_hidden(job),
         dtype=args.dflash_target_cache_dtype, seq_length=args.seq_length, packing=bool(args.pack_sequences),
         data=data_fingerprint(splits), shard_size=args.dflash_target_cache_shard_size,
         samples={k: (len(v) if v is not None else 0) for k, v in splits.items()},
@@ -115,25 +112,27 @@ def _storage_line(manifest: CacheManifest, samples_to_write: int, free: int) -> 
             f"write: up to {per_sample * samples_to_write / 2**30:.3f} GiB, {free / 2**30:.3f} GiB free")
 
 
-def _shard_states(target, ds, indices: range, collate, micro: int, manifest: CacheManifest,
+def _shard_states(get_target: Callable, ds, indices: range, collate, micro: int, manifest: CacheManifest,
                   staging: Optional[str]) -> dict:
     """The states of the samples ``indices`` of `ds`, by sample id in index order: the staged ones read from
-    `staging` (hybrid mode), the others computed by `target` in micro-batches of consecutive samples."""
-    staged = {}
+    `staging` (hybrid mode), the others computed by ``get_target()`` (asked only then) in micro-batches of
+    consecutive samples."""
+    samples = {i: ds[i] for i in indices}  # read once: a dataset tokenizes its sample on every access
+    states = {}
     if staging is not None:
-        for i in indices:
-            found = read_staged(staging, ds[i].sample_id, manifest.final_hidden)
+        for i, sample in samples.items():
+            found = read_staged(staging, sample.sample_id, manifest.final_hidden)
             if found is not None:
-                staged[i] = found
-    todo = [i for i in indices if i not in staged]
+                states[i] = found
+    todo = [i for i in indices if i not in states]
     for a in range(0, len(todo), micro):
-        samples = [ds[i] for i in todo[a:a + micro]]
-        batch = collate(samples)
+        target = get_target()
+        batch = collate([samples[i] for i in todo[a:a + micro]])
         batch = {key: (v.to(target.device) if isinstance(v, torch.Tensor) else v) for key, v in batch.items()}
         taps, final = target(batch)
         for b, i in enumerate(todo[a:a + micro]):
-            staged[i] = _row_states(batch, b, taps, final, manifest)
-    return {int(ds[i].sample_id): staged[i] for i in indices}
+            states[i] = _row_states(batch, b, taps, final, manifest)
+    return {int(samples[i].sample_id): states[i] for i in indices}
 
 
 def _row_states(batch: dict, b: int, taps, final, manifest: CacheManifest) -> tuple:
@@ -182,12 +181,15 @@ def write_target_cache(job: Job, make_target: Callable, datasets: dict, director
         raise StateCacheError(f"not enough free space for the target-state cache in {directory}: {line[8:]}; free "
                               "space or choose another directory (or --dflash-target-cache-dtype bfloat16).")
     collate = Collator(job.pad_token_id, job.args.seq_length, False)
-    target = None
+    target = []  # made by the first shard that computes a sample
+
+    def get_target():
+        if not target:
+            target.append(make_target())
+        return target[0]
+
     for split, k, indices in work:
-        all_staged = staged and all(is_staged(directory, datasets[split][i].sample_id) for i in indices)
-        if target is None and not all_staged:
-            target = make_target()
-        states = _shard_states(target, datasets[split], indices, collate, job.args.micro_batch_size, manifest,
+        states = _shard_states(get_target, datasets[split], indices, collate, job.args.micro_batch_size, manifest,
                                directory if staged else None)
         if writes:
             write_shard(directory, split, k, states)
@@ -214,7 +216,7 @@ class CachedTarget:
                  groups: ProcessGroups, heads: Optional[tuple] = None):
         args = job.args
         self.reader, self.device, self.dtype = reader, device, dtype
-        self.need_final_hidden = bool(job.variant.needs_final_hidden) or args.dflash_soft_target != "none"
+        self.need_final_hidden = needs_final_hidden(job)
         if heads is not None:  # hybrid mode: the online target's own embedding and head, kept
             self.embedding, self.head = heads
             self.loaded_bytes = self.skipped_bytes = 0
@@ -229,26 +231,26 @@ class CachedTarget:
 
     @torch.no_grad()
     def __call__(self, batch: dict):
-        tokens = batch["tokens"]
+        # Assembled on the host and moved once: one device sync per batch, not one per row.
+        tokens = batch["tokens"].cpu()
         B, S = tokens.shape
         width = len(self.reader.manifest.target_layer_ids) * self.reader.manifest.hidden_size
-        taps = torch.zeros(B, S, width, dtype=self.dtype, device=self.device)
-        final = None
-        if self.need_final_hidden:
-            final = torch.zeros(B, S, self.reader.manifest.hidden_size, dtype=self.dtype, device=self.device)
-        for b in range(B):
-            sample_id = int(batch["sample_ids"][b])
-            if sample_id not in self.reader.where and not bool(batch["loss_mask"][b].any()):
+        taps = torch.zeros(B, S, width, dtype=self.dtype)
+        final = torch.zeros(B, S, self.reader.manifest.hidden_size, dtype=self.dtype) if self.need_final_hidden \
+            else None
+        supervised = batch["loss_mask"].any(dim=1).tolist()
+        for b, sample_id in enumerate(batch["sample_ids"].tolist()):
+            if sample_id not in self.reader.where and not supervised[b]:
                 continue  # a stand-in row that supervises nothing (`training.step.RankData`): no states needed
             ids, sample_taps, sample_final = self.reader.sample(sample_id)
             n = ids.shape[0]
-            if n > S or not torch.equal(ids.to(tokens.device), tokens[b, :n]):
+            if n > S or not torch.equal(ids, tokens[b, :n]):
                 raise StateCacheError(f"sample {sample_id}: its tokens differ from those the target-state cache "
                                       f"{self.reader.directory} holds; write the cache again for this data.")
-            taps[b, :n] = sample_taps.to(self.device, self.dtype)
+            taps[b, :n] = sample_taps
             if final is not None:
-                final[b, :n] = sample_final.to(self.device, self.dtype)
-        return taps, final
+                final[b, :n] = sample_final
+        return taps.to(self.device), final.to(self.device) if final is not None else None
 
 
 def open_cache_reader(job: Job, train_ds, valid_ds) -> StateCacheReader:
@@ -298,8 +300,9 @@ class HybridTarget:
             return self.cached(batch)
         taps, final = self.online(batch)
         if self.groups.tp_rank == 0:
+            supervised = batch["loss_mask"].any(dim=1).tolist()  # one sync, not one per row
             for b in range(taps.shape[0]):
-                if bool(batch["loss_mask"][b].any()):  # not a stand-in row (`training.step.RankData`)
+                if supervised[b]:  # not a stand-in row (`training.step.RankData`)
                     stage_sample(self.directory, int(batch["sample_ids"][b]),
                                  _row_states(batch, b, taps, final, self.manifest))
         return taps, final
