@@ -62,6 +62,10 @@ class FrozenTarget:
         self.embedding = self.module.embedding
         self.head = self.module.output_head
 
+    def before_step(self, iteration: int) -> None:
+        """Called by the loop before every optimizer step; the online target has nothing to do (the hybrid cache
+        target completes its cache there, `training.target_cache.HybridTarget`)."""
+
     @torch.no_grad()
     def __call__(self, batch: dict):
         tokens = batch["tokens"]

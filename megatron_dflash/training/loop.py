@@ -365,9 +365,7 @@ class _Training:
         self.stop.install()  # SIGTERM / SIGINT: finish the step, save, exit (until the last checkpoint is written)
         while iteration < args.train_iters:
             step_t0 = time.time()
-            before_step = getattr(self.target, "before_step", None)  # hybrid cache mode: its first epoch ends
-            if before_step is not None:
-                before_step(iteration)
+            self.target.before_step(iteration)  # hybrid cache mode: the first epoch's end completes the cache
             totals = self._step(iteration)
             iteration += 1
             values = self._record(iteration, totals, step_t0)

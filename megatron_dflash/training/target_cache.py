@@ -229,6 +229,9 @@ class CachedTarget:
         self.head.layer.to(device)
         self.loaded_bytes, self.skipped_bytes = heads.loaded_bytes, heads.skipped_bytes
 
+    def before_step(self, iteration: int) -> None:
+        """Called by the loop before every optimizer step; a complete cache has nothing to do."""
+
     @torch.no_grad()
     def __call__(self, batch: dict):
         # Assembled on the host and moved once: one device sync per batch, not one per row.
