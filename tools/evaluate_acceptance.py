@@ -122,7 +122,7 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--top-k", type=int, default=0, help="0 = off.")
     parser.add_argument("--batch-size", type=int, default=1, help="prompts decoded together.")
     parser.add_argument("--limit", type=int, default=None,
-                        help="use only the first N prompts (--benchmark: questions).")
+                        help="use only N prompts (--benchmark: questions), spread over their categories, in file order.")
     parser.add_argument("--output", default=None, help="write the JSON report here.")
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu.")
     parser.add_argument("--dtype", choices=DTYPES, default=None,

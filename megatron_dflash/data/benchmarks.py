@@ -21,8 +21,8 @@ Per set: the fields read (the published layout), the category, and the user's tu
 * ``livecodebench``: ``question_content``, ``question_id``, ``difficulty``; category ``difficulty``; the
   question as written.
 
-The files are read through `data.formats.open_records` (JSONL, JSON arrays, Parquet, ``save_to_disk``
-directories): a record's place is ``file:line`` (JSONL) or ``file[index]``. A record without a field its set
+The files are read through `data.formats.open_records` (JSONL and JSON arrays, gzipped as HumanEval and MBPP are
+published or not, Parquet, ``save_to_disk`` directories): a record's place is ``file:line`` (JSONL) or ``file[index]``. A record without a field its set
 needs is a `BenchmarkError` naming that place and the field. Nothing here downloads anything, and no torch.
 """
 
@@ -33,6 +33,7 @@ from typing import Any, Callable, Optional
 
 from ..common.errors import DataError
 from .formats import open_records
+from .prompts import spread_over_categories
 
 __all__ = [
     "BENCHMARK_NAMES",
@@ -150,7 +151,7 @@ BENCHMARK_SETS = {s.name: s for s in (
                  "JSONL/Parquet copy of the HF data set HuggingFaceH4/mt_bench_prompts", _mt_bench),
     BenchmarkSet("gsm8k", "grade_school_math/data/test.jsonl of openai/grade-school-math, or the test split of the "
                  "HF data set openai/gsm8k (main)", _gsm8k),
-    BenchmarkSet("humaneval", "data/HumanEval.jsonl.gz of openai/human-eval (gunzipped), or the HF data set "
+    BenchmarkSet("humaneval", "data/HumanEval.jsonl.gz of openai/human-eval, or the HF data set "
                  "openai/openai_humaneval", _humaneval),
     BenchmarkSet("mbpp", "sanitized-mbpp.json or mbpp.jsonl of google-research/google-research (mbpp/), or the HF "
                  "data set google-research-datasets/mbpp (sanitized, test split)", _mbpp),
@@ -170,16 +171,16 @@ def benchmark_set(name: str) -> BenchmarkSet:
 
 
 def read_benchmark(name: str, path: str, limit: Optional[int] = None) -> list[BenchmarkItem]:
-    """The first ``limit`` questions (all without it) of set ``name``'s file at ``path``, in file order."""
+    """The questions of set ``name``'s file at ``path`` (gzipped as published, or not), in file order; with
+    ``limit``, that many spread over the categories (`data.prompts.spread_over_categories`). Every record is
+    read and checked, also with a limit."""
     bench = benchmark_set(name)
-    if path.endswith(".gz"):
-        raise BenchmarkError(f"{path}: a compressed file; gunzip it and pass the .jsonl it holds.")
     try:
         source = open_records(path)
     except (DataError, OSError) as err:
         raise BenchmarkError(f"--benchmark-file {path}: {err}") from None
     items: list[BenchmarkItem] = []
-    for index in range(len(source) if limit is None else min(limit, len(source))):
+    for index in range(len(source)):
         where = source.where(index)
         try:
             record: Any = source.record(index)
@@ -191,7 +192,7 @@ def read_benchmark(name: str, path: str, limit: Optional[int] = None) -> list[Be
         items.append(BenchmarkItem(name, qid, category, turns, where))
     if not items:
         raise BenchmarkError(f"{path} holds no {name} question.")
-    return items
+    return spread_over_categories(items, limit, lambda item: item.category)
 
 
 def missing_file_message(name: str) -> str:

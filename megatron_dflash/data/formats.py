@@ -2,8 +2,15 @@
 path).
 
 Files: JSONL (one record per non-blank line), JSON arrays (``[record, ...]``), Parquet, directories written by
-the ``datasets`` library (``save_to_disk``) and directories holding such files (read in name order). Parquet
-and ``save_to_disk`` directories are read through ``datasets`` (memory-mapped Arrow), an optional dependency.
+the ``datasets`` library (``save_to_disk``) and directories holding such files (read in name order). JSONL and
+JSON files may be gzip-compressed as published (``HumanEval.jsonl.gz``: the kind is the name without ``.gz``;
+they are decompressed in memory once). Parquet and ``save_to_disk`` directories are read through ``datasets``
+(memory-mapped Arrow), an optional dependency.
+
+A JSON array cut or damaged mid-record (a download or a packaged copy that stops early) keeps its whole records
+before the damage: the damage is one more record, unreadable, whose error names the byte where the array stops
+being readable, so the one bad-records policy decides (fails by default; skipped and named under
+``--bad-records skip``).
 
 Records, detected one by one (`normalize_record`):
 
@@ -27,8 +34,11 @@ from __future__ import annotations
 import abc
 import bisect
 import dataclasses
+import gzip
+import io
 import json
 import os
+import zlib
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
@@ -73,6 +83,7 @@ SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistan
 
 _TO_SHAREGPT = {"user": "human", "assistant": "gpt", "system": "system", "tool": "tool"}
 _FILE_KINDS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet"}
+_GZIP = ".gz"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,12 +217,14 @@ class RecordSource(abc.ABC):
 
 
 class _JSONLSource(RecordSource):
-    """Byte offsets of the non-blank lines; a line is read and parsed when asked for."""
+    """Byte offsets of the non-blank lines; a line is read and parsed when asked for. A gzip-compressed file
+    is decompressed once and its lines read from memory (a compressed stream has no cheap seek)."""
 
     def __init__(self, path: str):
         super().__init__(path)
+        self._data = _gunzipped(path) if _is_gzip_name(path) else None
         offsets, lines = [], []
-        with open(path, "rb") as f:
+        with (io.BytesIO(self._data) if self._data is not None else open(path, "rb")) as f:
             lineno, offset = 0, 0
             for raw in f:
                 lineno += 1
@@ -232,7 +245,7 @@ class _JSONLSource(RecordSource):
         return f"{self.path}:{int(self._lines[index])}"
 
     def raw(self, index: int) -> bytes:
-        with open(self.path, "rb") as f:
+        with (io.BytesIO(self._data) if self._data is not None else open(self.path, "rb")) as f:
             f.seek(int(self._offsets[index]))
             return f.readline().rstrip(b"\r\n")
 
@@ -248,27 +261,90 @@ class _JSONLSource(RecordSource):
 
 
 class _ListSource(RecordSource):
-    """A JSON array, decoded whole (JSON arrays cannot be read a record at a time)."""
+    """A JSON array, decoded whole (JSON arrays cannot be read a record at a time). An array cut or damaged
+    mid-record keeps the whole records before the damage, and the damage is one more record that cannot be
+    read (`record` raises a `DataError` naming the byte where the array stops being readable)."""
 
     def __init__(self, path: str):
         super().__init__(path)
+        self.damage: Optional[str] = None
+        data = _gunzipped(path) if _is_gzip_name(path) else _read_bytes(path)
         try:
-            with open(path, "rb") as f:
-                records = json.load(f)
+            records = json.loads(data)
         except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
             if isinstance(err, json.JSONDecodeError) and err.msg == "Extra data":  # JSONL named .json
                 raise DataError(f"{path}: not one JSON array (several JSON values): name a JSONL file .jsonl.") \
                     from None
-            raise DataError(f"{path}: invalid JSON ({err}).") from None
+            records, self.damage = _whole_records_of_array(data, path, err)
         if not isinstance(records, list):
             raise DataError(f"{path}: a .json data file holds an array of records, got {json_kind(records)}.")
         self._records = records
 
     def __len__(self) -> int:
-        return len(self._records)
+        return len(self._records) + (self.damage is not None)
 
     def record(self, index: int) -> Any:
+        if index == len(self._records) and self.damage is not None:
+            raise DataError(self.damage)
         return self._records[index]
+
+
+def _whole_records_of_array(data: bytes, path: str, err: Exception) -> tuple[list, str]:
+    """The records of a JSON array that `json.loads` could not read whole, up to the first that does not
+    decode, and the one line that says where the array stops being readable; a `DataError` when ``data`` is
+    no array at all (nothing before the damage to keep)."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as bad:
+        raise DataError(f"{path}: not UTF-8 text ({bad.reason} at byte {bad.start}).") from None
+    decoder, records = json.JSONDecoder(), []
+    pos = _skip_space(text, 0)
+    if not text.startswith("[", pos):
+        raise DataError(f"{path}: invalid JSON ({err}).") from None
+    pos = _skip_space(text, pos + 1)
+    while True:
+        try:
+            record, end = decoder.raw_decode(text, pos)
+        except (json.JSONDecodeError, RecursionError) as bad:
+            detail = (bad.msg.removesuffix(" at").lower() if isinstance(bad, json.JSONDecodeError)
+                      else "nested deeper than the JSON parser reads")
+            break
+        records.append(record)
+        pos = _skip_space(text, end)
+        if text.startswith(",", pos):
+            pos = _skip_space(text, pos + 1)
+            continue
+        detail = "the array does not close" if pos >= len(text) else "expected ',' or ']' after a record"
+        break
+    where = len(text[:pos].encode("utf-8"))
+    return records, (f"{path}[{len(records)}]: the JSON array is cut or damaged at byte {where} of {len(data)} "
+                     f"({detail}); the {len(records)} whole records before it are readable, nothing from there on "
+                     "(with --bad-records skip they are used).")
+
+
+def _skip_space(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos] in " \t\r\n":
+        pos += 1
+    return pos
+
+
+def _read_bytes(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _is_gzip_name(path: str) -> bool:
+    return path.lower().endswith(_GZIP)
+
+
+def _gunzipped(path: str) -> bytes:
+    """The decompressed bytes of a gzip file; a one-line `DataError` naming it when it is not one."""
+    try:
+        with gzip.open(path, "rb") as f:
+            return f.read()
+    except (OSError, EOFError, zlib.error) as err:
+        raise DataError(f"{path}: not a readable gzip file ({err}); give the file as published, or gunzip it.") \
+            from None
 
 
 class _ArrowSource(RecordSource):
@@ -319,9 +395,16 @@ class _ConcatSource(RecordSource):
         return source.record(i)
 
 
+def _extension(path: str) -> str:
+    """A data file's extension, ``.gz`` aside (``HumanEval.jsonl.gz`` -> ``.jsonl``)."""
+    name = path[:-len(_GZIP)] if _is_gzip_name(path) else path
+    return os.path.splitext(name)[1].lower()
+
+
 def file_kind(path: str) -> str:
-    """How a data file is read, by its extension: ``jsonl`` (also any unknown extension), ``json`` or ``parquet``."""
-    return _FILE_KINDS.get(os.path.splitext(path)[1].lower(), "jsonl")
+    """How a data file is read, by its extension (``.gz`` aside): ``jsonl`` (also any unknown extension),
+    ``json`` or ``parquet``."""
+    return _FILE_KINDS.get(_extension(path), "jsonl")
 
 
 def _saved_dataset(path: str):
@@ -341,7 +424,8 @@ def _is_saved_dataset(path: str) -> bool:
 def _data_file_names(path: str) -> list:
     """The data files of a directory, in name order; names starting with ``.`` or ``_`` are not data."""
     return sorted(n for n in os.listdir(path)
-                  if os.path.splitext(n)[1].lower() in _FILE_KINDS and not n.startswith((".", "_")))
+                  if _extension(n) in _FILE_KINDS and not n.startswith((".", "_"))
+                  and not (_is_gzip_name(n) and _extension(n) == ".parquet"))
 
 
 def data_files(path: str) -> list:
@@ -364,7 +448,8 @@ def data_path_problem(path: str) -> Optional[str]:
     if os.path.isdir(path):
         if _is_saved_dataset(path) or _data_file_names(path):
             return None
-        return ("a data directory holds .jsonl, .json or .parquet files (names not starting with '.' or '_'), "
+        return ("a data directory holds .jsonl, .json or .parquet files, the first two maybe gzipped (names not "
+                "starting with '.' or '_'), "
                 "or was written by datasets' save_to_disk; this one has none of them.")
     return None if os.path.isfile(path) else "no such data file or directory."
 
@@ -382,6 +467,8 @@ def open_records(path: str) -> RecordSource:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} does not exist (expected a data file or directory).")
     kind = file_kind(path)
+    if kind == "parquet" and _is_gzip_name(path):
+        raise DataError(f"{path}: a gzip-compressed Parquet file; Parquet compresses its own pages: gunzip it.")
     if kind == "parquet":
         datasets = need_datasets(f"{path} (Parquet)")
         return _ArrowSource(path, datasets.Dataset.from_parquet(path))
@@ -499,7 +586,8 @@ def _parquet_bytes(path: str, rows: list) -> bytes:
 def write_records(path: str, records: Iterable[NormalizedRecord], *, style: Optional[str] = "messages") -> int:
     """Write ``records`` to ``path`` in ``style`` (`RECORD_STYLES`; ``None``: each record in the style it was
     read in; text records always as ``text``), each with its other ``fields``, as JSONL, a JSON array
-    (``.json``) or Parquet (``.parquet``, needs ``datasets``) by the file's extension; returns the count. The
+    (``.json``) or Parquet (``.parquet``, needs ``datasets``) by the file's extension, gzip-compressed when the
+    name ends in ``.gz``; returns the count. The
     file appears whole or not at all (``common.atomic.write_file``)."""
     path = os.fspath(path)
     rows = [_as_style(r, "text" if not r.is_chat else (style or r.style)) for r in records]
@@ -510,5 +598,8 @@ def write_records(path: str, records: Iterable[NormalizedRecord], *, style: Opti
         data = json.dumps(rows, ensure_ascii=False, indent=1) + "\n"
     else:
         data = "".join(record_to_json(row) + "\n" for row in rows)
-    write_file(path, data.encode("utf-8") if isinstance(data, str) else data)
+    data = data.encode("utf-8") if isinstance(data, str) else data
+    if _is_gzip_name(path) and kind != "parquet":
+        data = gzip.compress(data, mtime=0)  # mtime 0: the same records give the same bytes
+    write_file(path, data)
     return len(rows)

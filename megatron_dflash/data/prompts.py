@@ -27,6 +27,7 @@ __all__ = [
     "PromptError",
     "PromptRecord",
     "read_prompt_file",
+    "spread_over_categories",
     "prompt_category",
     "read_data_prompts",
     "tokenize_prompt",
@@ -50,8 +51,28 @@ class PromptRecord:
     where: str  # "path:line"
 
 
+def spread_over_categories(items: list, limit: Optional[int], category_of: Callable[[Any], Any]) -> list:
+    """``limit`` of ``items`` (all without a limit) spread over their categories, in file order: the first of
+    each category (in the order the categories first appear), then the second of each, and so on, so a subset
+    of a set written category by category (MT-Bench's file is) holds every category, not the first one only;
+    items without categories give the first ``limit``. E.g. categories ``a a a b b c``, limit 4 -> the first
+    and second ``a``, the first ``b``, the ``c``."""
+    if limit is None or limit >= len(items):
+        return list(items)
+    by_category: dict = {}
+    for index, item in enumerate(items):
+        by_category.setdefault(category_of(item), []).append(index)
+    chosen: list = []
+    for rank in range(max(len(group) for group in by_category.values())):
+        chosen.extend(group[rank] for group in by_category.values() if rank < len(group))
+        if len(chosen) >= limit:
+            break
+    return [items[index] for index in sorted(chosen[:limit])]
+
+
 def read_prompt_file(path: str, limit: Optional[int] = None) -> list[PromptRecord]:
-    """The prompt objects of a JSONL file (blank lines skipped), checked for a known field."""
+    """The prompt objects of a JSONL file (blank lines skipped), checked for a known field; with ``limit``,
+    that many spread over the lines' categories (`spread_over_categories`; every line is read and checked)."""
     records: list[PromptRecord] = []
     try:
         f = open(path, "rb")  # decoded line by line: a bad byte is named by its line
@@ -75,11 +96,9 @@ def read_prompt_file(path: str, limit: Optional[int] = None) -> list[PromptRecor
                     f"{where}: expected a JSON object with one of {', '.join(repr(k) for k in PROMPT_FIELDS)}."
                 )
             records.append(PromptRecord(record, where))
-            if limit is not None and len(records) >= limit:
-                break
     if not records:
         raise PromptError(f"{path} holds no prompt.")
-    return records
+    return spread_over_categories(records, limit, prompt_category)
 
 
 def prompt_category(item: PromptRecord) -> Optional[str]:

@@ -2,6 +2,7 @@
 the DFlash evaluation asks them: the reference package's own formatting (`dflash.benchmark.DATASETS`) is the
 oracle for the five sets it covers."""
 
+import gzip
 import json
 
 import pytest
@@ -134,8 +135,11 @@ def test_bad_values_and_files(tmp_path):
     turns = _write_jsonl(tmp_path / "q.jsonl", [{"question_id": 1, "category": "x", "turns": "one string"}])
     with pytest.raises(BenchmarkError, match=r"q\.jsonl:1: field 'turns' is not a list of non-empty strings"):
         read_benchmark("mt-bench", turns)
-    with pytest.raises(BenchmarkError, match=r"gunzip it"):
-        read_benchmark("humaneval", str(tmp_path / "HumanEval.jsonl.gz"))
+    not_gzip = tmp_path / "HumanEval.jsonl.gz"
+    not_gzip.write_text(json.dumps(LAYOUTS["humaneval"][0]) + "\n")  # named .gz, not compressed
+    with pytest.raises(BenchmarkError, match=r"HumanEval\.jsonl\.gz: not a readable gzip file") as err:
+        read_benchmark("humaneval", str(not_gzip))
+    assert "\n" not in str(err.value)
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
     with pytest.raises(BenchmarkError, match="holds no gsm8k question"):
@@ -152,3 +156,38 @@ def test_every_set_says_where_its_file_is_published():
     for name in BENCHMARK_NAMES:
         message = missing_file_message(name)
         assert message.startswith(f"--benchmark {name} needs --benchmark-file PATH") and "\n" not in message
+
+
+def test_compressed_files_are_read_as_published(tmp_path):
+    """HumanEval is published as HumanEval.jsonl.gz and MBPP's JSON copies gzipped too: read as they are, the
+    questions and their places equal those of the uncompressed file."""
+    for name, file in (("humaneval", "HumanEval.jsonl"), ("mbpp", "mbpp.jsonl"), ("alpaca", "alpaca_data.json")):
+        plain = tmp_path / file
+        text = (json.dumps(LAYOUTS[name]) if file.endswith(".json")
+                else "".join(json.dumps(r) + "\n" for r in LAYOUTS[name]))
+        plain.write_text(text)
+        packed = tmp_path / (file + ".gz")
+        packed.write_bytes(gzip.compress(text.encode()))
+        want, got = read_benchmark(name, str(plain)), read_benchmark(name, str(packed))
+        assert [(i.question_id, i.category, i.turns) for i in got] == [(i.question_id, i.category, i.turns)
+                                                                       for i in want]
+        assert [i.where for i in got] == [i.where.replace(str(plain), str(packed)) for i in want]
+
+
+def test_a_limit_spreads_the_questions_over_the_categories(tmp_path):
+    """MT-Bench's question.jsonl is written category by category (10 writing, then 10 roleplay, ...): a subset
+    takes the first question of every category, then the second, ..., each kept in file order."""
+    categories = ["writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"]
+    records = [{"question_id": 81 + 10 * c + k, "category": name, "turns": [f"{name} question {k}", "again"]}
+               for c, name in enumerate(categories) for k in range(10)]
+    path = _write_jsonl(tmp_path / "question.jsonl", records)
+    eight = read_benchmark("mt-bench", path, limit=8)
+    assert [i.category for i in eight] == categories
+    assert [i.turns[0] for i in eight] == [f"{name} question 0" for name in categories]
+    sixteen = read_benchmark("mt-bench", path, limit=16)
+    assert [(i.category, i.turns[0][-1]) for i in sixteen] == [(name, k) for name in categories for k in "01"]
+    three = read_benchmark("mt-bench", path, limit=3)
+    assert [i.category for i in three] == categories[:3]
+    assert len(read_benchmark("mt-bench", path, limit=1000)) == 80
+    gsm = read_benchmark("gsm8k", _write_jsonl(tmp_path / "g.jsonl", LAYOUTS["gsm8k"] * 3), limit=4)
+    assert [i.question_id for i in gsm] == ["0", "1", "2", "3"]  # one category: the first four

@@ -9,6 +9,7 @@ not with the writers under test.
 
 from __future__ import annotations
 
+import gzip
 import json
 import sys
 
@@ -255,3 +256,68 @@ def test_text_dataset_reads_every_file_format_and_refuses_chats(tmp_path, tok):
     path = _write_jsonl(tmp_path / "chat.jsonl", [{"text": TEXT}, _openai(MULTI_TURN)])
     with pytest.raises(DataError, match=rf"^{path}:2: no text \(a messages chat; use --data-format chat"):
         TextDataset(path, tok, 64)
+
+
+def test_gzipped_jsonl_and_json_files_give_the_same_samples(tmp_path, tok):
+    """Data files compressed as published (``.jsonl.gz``, ``.json.gz``), alone or in a data directory, give the
+    samples of the uncompressed files; the writer compresses a ``.gz`` name, and the same records give the same
+    bytes."""
+    records, expected = _records()
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    paths = []
+    for path in _write_files(tmp_path, records):
+        packed = folder / (path.rsplit("/", 1)[-1] + ".gz")
+        packed.write_bytes(gzip.compress(open(path, "rb").read()))
+        paths.append(str(packed))
+    for path in paths + [str(folder)]:
+        ds = ChatDataset(path, tok, 64)
+        _check_samples(ds, tok, expected * (2 if path == str(folder) else 1), 64)
+    assert open_records(paths[0]).where(1) == f"{paths[0]}:2"
+    normalized = [r for _, _, r in read_records(paths[0])]
+    for name in ("out.jsonl.gz", "out.json.gz"):
+        write_records(str(tmp_path / name), normalized, style=None)
+        assert [r for _, _, r in read_records(str(tmp_path / name))] == normalized
+        first = (tmp_path / name).read_bytes()
+        write_records(str(tmp_path / name), normalized, style=None)
+        assert (tmp_path / name).read_bytes() == first and first[:2] == b"\x1f\x8b"
+    (tmp_path / "plain.jsonl.gz").write_text(json.dumps(records[0]) + "\n")
+    with pytest.raises(DataError, match=r"plain\.jsonl\.gz: not a readable gzip file"):
+        open_records(str(tmp_path / "plain.jsonl.gz"))
+
+
+def _cut_array(tmp_path, n, keep_bytes_short):
+    """A JSON array of ``n`` ShareGPT chats cut ``keep_bytes_short`` bytes before its end (inside the last
+    record), as a packaged copy that stopped early."""
+    records = [_sharegpt(CHATS[k % 2]) for k in range(n)]
+    text = json.dumps(records, indent=1)
+    path = tmp_path / "cut.json"
+    path.write_text(text[:len(text) - keep_bytes_short])
+    return str(path), records
+
+
+def test_a_json_array_cut_mid_record_keeps_its_whole_records_under_skip(tmp_path, tok):
+    """The records before the cut are the data; the cut is one bad record, named with the byte where the array
+    stops being readable: the run fails on it by default and trains on the rest with --bad-records skip."""
+    path, records = _cut_array(tmp_path, 120, 25)
+    with pytest.raises(DataError, match=rf"^{path}\[119\]: the JSON array is cut or damaged at byte \d+ of "
+                                        r"\d+ .*the 119 whole records before it are readable") as err:
+        ChatDataset(path, tok, 64)
+    assert "\n" not in str(err.value)
+    said = []
+    ds = ChatDataset(path, tok, 64, bad_records=BadRecords("skip", 0.01), log=said.append)
+    _check_samples(ds, tok, [CHATS[k % 2] for k in range(119)], 64)
+    assert said[0].startswith(f"[data] skipped: {path}[119]: the JSON array is cut")
+    got = [r for _, _, r in read_records(path, bad_records=BadRecords("skip", 0.01), log=lambda s: None)]
+    assert [r.messages for r in got] == [normalize_record(r, "x").messages for r in records[:119]]
+    # cut between two records (after a comma) and damaged (a stray token) are named the same way
+    text = json.dumps(records[:3])
+    for damaged, whole in ((text[:text.index("}]}, ") + 4], 1), (text[:-1] + " x]", 3)):
+        (tmp_path / "d.json").write_text(damaged)
+        source = open_records(str(tmp_path / "d.json"))
+        assert len(source) == whole + 1 and source.record(whole - 1) == records[whole - 1]
+        with pytest.raises(DataError, match=rf"d\.json\[{whole}\]: the JSON array is cut or damaged"):
+            source.record(whole)
+    (tmp_path / "obj.json").write_text('{"messages": [')
+    with pytest.raises(DataError, match=r"obj\.json: invalid JSON"):
+        open_records(str(tmp_path / "obj.json"))
