@@ -260,7 +260,7 @@ class _Training:
                     if any(name in tensors for name in FROZEN_COPIES):  # each rank compares its vocabulary rows
                         agree_or_raise(target_copy_mismatch(tensors, self.target.embedding, self.target.head),
                                        group=self.target.head.tp_group, explain=_first_message)
-                    load_hf_state_dict_into(body, job.variant.read_hf_tensors(tensors))
+                    load_hf_state_dict_into(body, job.variant.read_hf_tensors(tensors, cfg))
                 except ValueError as err:  # damaged weights: the same on every rank (each reads the file)
                     raise ArgumentError(f"--dflash-init-from={job.init_from}: {err}") from err
                 self.log0(f"[dflash] initialised the draft from {job.init_from}")
