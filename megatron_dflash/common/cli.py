@@ -240,7 +240,8 @@ def require_output_file(flag: str, path: str) -> None:
     while not os.path.exists(ancestor):
         ancestor = os.path.dirname(ancestor)
     if not os.path.isdir(ancestor):
-        raise UsageError(f"{flag} {path} cannot be written: {ancestor} is a file, not a directory; choose another path.")
+        raise UsageError(f"{flag} {path} cannot be written: {ancestor} is a file, not a directory; choose another "
+                         "path.")
     if not os.access(ancestor, os.W_OK | os.X_OK):
         raise UsageError(f"{flag} {path} cannot be written: {ancestor} is not writable by this user; choose another "
                          "path.")
