@@ -26,7 +26,9 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-from megatron_dflash.common.cli import quiet_dependency_warnings, usage_error  # noqa: E402
+from megatron_dflash.common.cli import (  # noqa: E402
+    UsageError, quiet_dependency_warnings, report_failure, require_output_file, usage_error,
+)
 
 PROG = "count_draft_vocab.py"
 
@@ -53,6 +55,10 @@ def main(argv=None) -> int:
     output, rest = _split_output(argv)
     if not output:
         usage_error(PROG, "--output FILE is required (the JSON file of the chosen ids).")
+    try:  # before the counting, which reads the whole training data
+        require_output_file("--output", output)
+    except UsageError as err:
+        usage_error(PROG, str(err))
     quiet_dependency_warnings()
     # Imported here so that --help and usage errors answer before torch loads.
     from megatron_dflash.training.arguments import ArgumentError, parse_args
@@ -72,7 +78,12 @@ def main(argv=None) -> int:
                                                        "target": job.target_dir, "seq_length": args.seq_length})
     except (ArgumentError, ValueError) as err:
         usage_error(PROG, str(err))
-    chosen.write(output)
+    try:  # published whole (common.atomic.write_file): a failed write leaves the previous file, or none
+        os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+        chosen.write(output)
+    except OSError as err:  # a full disk (NoSpaceError), a directory made in its place meanwhile
+        report_failure(PROG, err)
+        return 1
     print(f"[count_draft_vocab] {chosen.draft_vocab_size} of {chosen.target_vocab_size} token ids cover "
           f"{chosen.coverage:.2%} of {chosen.label_tokens} loss-masked tokens ({len(chosen.kept_ids)} special ids "
           f"kept); written to {output} (data {chosen.data_fingerprint[:12]}, tokenizer "

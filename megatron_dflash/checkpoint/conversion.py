@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ..common.atomic import atomic_directory, check_destination
+from ..common.errors import CheckpointError
 from ..draft.body import default_parallel_config
 from ..draft.config import resolve_causal
 from ..draft.draft_vocab import read_vocab_tensors
@@ -222,7 +223,7 @@ def convert_megatron_to_hf(
         save_hf_checkpoint(body, tmp, dtype=out_dtype, architecture=architecture.architecture, overwrite=True)
         relabelled = _relabel_for(export_for, os.path.join(tmp, "config.json"))
         if validate:
-            written = read_vocab_tensors(read_safetensors(tmp))  # t2d: derived from d2t, checked against it
+            written = read_vocab_tensors(read_safetensors(tmp), config)  # t2d: derived from d2t, checked against it
             _compare_exact(source, written, f"the written {os.path.join(output, 'model.safetensors')}")
             with open(os.path.join(tmp, "config.json")) as f:
                 written_arch, written_config = config_from_dict(json.load(f), "the written config.json")
@@ -303,7 +304,10 @@ def convert_hf_to_megatron(
     if target_tensor_parallel_size is not None:
         config.validate_tensor_parallel(int(target_tensor_parallel_size))
     dtype = _parse_dtype(dtype)
-    tensors = architecture.read_hf_tensors(read_safetensors(load))
+    try:
+        tensors = architecture.read_hf_tensors(read_safetensors(load), config)
+    except CheckpointError as err:  # a reduced vocabulary's d2t / t2d: name the directory
+        raise CheckpointError(f"{load}: {err}") from None
     out_dtype = dtype or common_dtype(t.dtype for t in tensors.values())
     _check_dtype_allowed(architecture, out_dtype)
     with single_process_group():

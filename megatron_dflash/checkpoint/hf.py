@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ..common.atomic import atomic_directory, check_destination
+from ..common.errors import CheckpointError
 from ..common.parallel import agree_or_raise
 from ..common.safetensors_files import SAFETENSORS_NAME, safetensors_files, safetensors_index_files
 from ..draft.body import default_parallel_config
@@ -206,5 +207,9 @@ def load_hf_checkpoint(
         config, parallel_config=parallel_config or default_parallel_config(), tp_group=tp_group,
         attention_backend=attention_backend,
     )
-    load_hf_state_dict_into(body, variant.read_hf_tensors(read_safetensors(directory)))
+    try:
+        tensors = variant.read_hf_tensors(read_safetensors(directory), config)
+    except CheckpointError as err:  # a reduced vocabulary's d2t / t2d: name the directory
+        raise CheckpointError(f"{directory}: {err}") from None
+    load_hf_state_dict_into(body, tensors)
     return body

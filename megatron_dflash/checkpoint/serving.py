@@ -18,7 +18,7 @@ runtime's reading as data, one `RuntimeRules` per runtime:
 the same file (`checkpoint.architectures.config_from_dict`: what the draft was trained with; taps are
 target layer ids whose *output* is tapped, docs/design.md §2 Conventions) and returns per runtime:
 loads / loads with a caveat / does not load, with the reasons. It reads `config.json` and the
-safetensors headers (and, for a reduced vocabulary, the `d2t` tensor); it never builds a model.
+safetensors headers (and, for a reduced vocabulary, the `d2t` / `t2d` tensors); it never builds a model.
 
 Sources encoded (each rule's comment names its file):
 
@@ -47,8 +47,10 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from safetensors import SafetensorError, safe_open
 
+from ..common.errors import CheckpointError
 from ..common.safetensors_files import safetensors_files
 from ..draft.config import default_target_layer_ids, resolve_text_config
+from ..draft.draft_vocab import check_vocab_tensors
 from ..variants.domino import DOMINO_ARCHITECTURE, DOMINO_PROJECTOR_TYPE
 from ..variants.dspark import DSPARK_SERVING_METHOD
 from .architectures import config_from_dict, read_json_object
@@ -183,18 +185,12 @@ def _tensor_headers(directory: str) -> dict:
     return out
 
 
-_INT_DTYPES = ("I64", "I32", "I16", "I8", "U8")
-
-
-def read_int_tensor(draft: DraftFile, name: str) -> Optional[list[int]]:
-    """The values of an integer tensor of the draft (flattened), or None when it is absent or not integer."""
+def read_tensor(draft: DraftFile, name: str):
+    """The tensor ``name`` of the draft as stored (any dtype, any shape), or None when the draft has none."""
     if name not in draft.tensors:
         return None
-    dtype, _, path = draft.tensors[name]
-    if dtype not in _INT_DTYPES:
-        return None
-    with safe_open(path, framework="pt") as f:
-        return f.get_tensor(name).flatten().tolist()
+    with safe_open(draft.tensors[name][2], framework="pt") as f:
+        return f.get_tensor(name)
 
 
 def read_draft_file(directory: str) -> DraftFile:
@@ -341,17 +337,16 @@ def _vllm_reduced_vocab(draft, _rules, _options) -> list:
 
 
 def _check_d2t(draft: DraftFile, size: int, vocab: int) -> list:
-    offsets = read_int_tensor(draft, "d2t")
-    if offsets is None:
+    # The check this package's loader applies (draft.draft_vocab.check_vocab_tensors): a d2t / t2d it refuses is
+    # not a draft vocabulary it could have trained, whatever vLLM's buffer copy would take.
+    d2t = read_tensor(draft, "d2t")
+    if d2t is None:
         return [Finding(FAILS, f"draft_vocab_size={size} needs an integer d2t tensor (draft id -> target id offsets)")]
-    if len(offsets) != size:
-        return [Finding(FAILS, f"d2t has {len(offsets)} entries; draft_vocab_size is {size}")]
-    targets = [i + d for i, d in enumerate(offsets)]
-    outside = [t for t in targets if not 0 <= t < vocab]
-    if outside:
-        return [Finding(FAILS, f"d2t maps draft ids to target ids outside [0, {vocab}) (e.g. {outside[0]})")]
-    if len(set(targets)) != len(targets):
-        return [Finding(FAILS, "d2t maps two draft ids to the same target id")]
+    try:
+        targets = check_vocab_tensors(d2t, read_tensor(draft, "t2d"), draft_vocab_size=size,
+                                      target_vocab_size=vocab).ids.tolist()
+    except CheckpointError as err:
+        return [Finding(FAILS, f"{err} (this package's loader refuses it too)")]
     mask = getattr(draft.trained, "mask_token_id", None)
     if mask is not None and mask not in set(targets):
         return [Finding(CAVEAT, f"the mask token {mask} is not in the draft vocabulary (d2t): it is embedded through "

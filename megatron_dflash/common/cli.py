@@ -44,6 +44,7 @@ __all__ = [
     "suggest_option",
     "require_file",
     "require_dir",
+    "require_output_file",
     "json_object_option",
 ]
 
@@ -228,6 +229,22 @@ def require_dir(flag: str, path: str, what: str = "directory", must_contain: Opt
         raise UsageError(f"{flag} {path}: not a directory.")
     if must_contain is not None and not os.path.exists(os.path.join(path, must_contain)):
         raise UsageError(f"{flag} {path}: no {must_contain} in it; expected a {what}.")
+
+
+def require_output_file(flag: str, path: str) -> None:
+    """Raise `UsageError` unless `path` can be written as a file: not a directory, and a missing parent can be
+    made (the first existing ancestor a writable directory). Checked before the work whose result it holds."""
+    if os.path.isdir(path):
+        raise UsageError(f"{flag} {path} is a directory; give a file name (e.g. {os.path.join(path, 'out.json')}).")
+    ancestor = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor):
+        raise UsageError(f"{flag} {path} cannot be written: {ancestor} is a file, not a directory; choose another "
+                         "path.")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {path} cannot be written: {ancestor} is not writable by this user; choose another "
+                         "path.")
 
 
 def json_object_option(flag: str, text: Optional[str], example: str = '{"enable_thinking": false}') -> dict:

@@ -8,7 +8,10 @@
   and added tokens: eos, pad, the chat template's markers) first, then the most frequent others, ties broken by
   the smaller id, so the same counts always give the same ids; ids that never occur fill up by increasing id.
 * `DraftVocabFile`: the chosen ids with what they were chosen from (``K``, ``V``, the counts' coverage, a
-  fingerprint of the counts and of the tokenizer) as one JSON file, written atomically.
+  fingerprint of the counts and of the tokenizer) as one JSON file, written atomically; read back only once every
+  field has its type and range (`DataError` naming the file and the entry).
+* `bad_draft_id`: the one rule a list of draft ids obeys wherever it comes from (this file's ``ids``, an export's
+  ``d2t``, `draft.draft_vocab.check_vocab_tensors`): each inside the target vocabulary, each once, increasing.
 
 Shapes: V target vocabulary, K draft vocabulary.
 """
@@ -23,11 +26,13 @@ from typing import Iterable, Optional
 import torch
 
 from ..common.atomic import write_file
+from ..common.errors import DataError
 
 __all__ = ["count_label_tokens", "special_token_ids", "choose_draft_ids", "tokenizer_fingerprint",
-           "counts_fingerprint", "DraftVocabFile", "DRAFT_VOCAB_FORMAT"]
+           "counts_fingerprint", "bad_draft_id", "DraftVocabFile", "DRAFT_VOCAB_FORMAT"]
 
 DRAFT_VOCAB_FORMAT = "megatron-dflash-draft-vocab"
+DRAFT_VOCAB_VERSION = 1
 
 
 def count_label_tokens(dataset, vocab_size: int) -> torch.Tensor:
@@ -87,6 +92,69 @@ def counts_fingerprint(counts: torch.Tensor) -> str:
     return hashlib.sha256(counts.to(torch.int64).contiguous().numpy().tobytes()).hexdigest()
 
 
+def bad_draft_id(ids: list, vocab_size: int) -> Optional[tuple[int, str]]:
+    """The first entry of the draft ids ``ids`` (Python ints: draft id ``i`` is target id ``ids[i]``) that breaks
+    the layout every reader shares, as ``(i, what is wrong with ids[i])``; None when there is none. The ids lie in
+    ``[0, vocab_size)`` and increase strictly: each target id once, the draft ids in the target's order (the
+    serving layout's ``d2t`` offsets, speculators' and SpecForge's sorted mappings)."""
+    seen: dict = {}
+    for i, value in enumerate(ids):
+        if not 0 <= value < vocab_size:
+            return i, f"is {value}, outside [0, {vocab_size}) (the target vocabulary)"
+        if value in seen:
+            return i, f"is {value}, like entry {seen[value]}: that maps two draft ids to the same target id"
+        if i and value < ids[i - 1]:
+            return i, f"is {value}, below entry {i - 1}'s {ids[i - 1]}: the ids must be in increasing order"
+        seen[value] = i
+    return None
+
+
+def _is_int(value) -> bool:
+    """A JSON integer (not a bool, a float such as 7.0 or 7.5, or a string)."""
+    return type(value) is int
+
+
+def _check_file_fields(path: str, data: dict) -> None:
+    """Every field `DraftVocabFile.read` uses, checked before one is: `DataError` naming ``path`` and the first
+    bad entry (``ids[3] is "12"``) with what to do."""
+    again = "count it again with tools/count_draft_vocab.py"
+    if data.get("version", DRAFT_VOCAB_VERSION) != DRAFT_VOCAB_VERSION:
+        raise DataError(f"{path}: version {data['version']!r}, but this package reads draft vocabulary files of "
+                        f"version {DRAFT_VOCAB_VERSION}; {again}.")
+    missing = [name for name in ("draft_vocab_size", "target_vocab_size", "ids", "kept_ids", "label_tokens",
+                                 "covered_tokens", "data_fingerprint", "tokenizer_fingerprint") if name not in data]
+    if missing:
+        raise DataError(f"{path}: no {', '.join(missing)} field; {again}.")
+    for name in ("draft_vocab_size", "target_vocab_size", "label_tokens", "covered_tokens"):
+        least = 1 if name.endswith("vocab_size") else 0
+        if not _is_int(data[name]) or data[name] < least:
+            raise DataError(f"{path}: {name} is {data[name]!r}, not an integer of at least {least}; {again}.")
+    K, V = data["draft_vocab_size"], data["target_vocab_size"]
+    if K > V or data["covered_tokens"] > data["label_tokens"]:
+        small, large = ("draft_vocab_size", "target_vocab_size") if K > V else ("label_tokens", "covered_tokens")
+        raise DataError(f"{path}: {large} {data[large]} is below {small} {data[small]}; {again}.")
+    for name in ("data_fingerprint", "tokenizer_fingerprint", "counted"):
+        if not isinstance(data.get(name, ""), str):
+            raise DataError(f"{path}: {name} is {data[name]!r}, not a string; {again}.")
+    if not isinstance(data.get("source", {}), dict):
+        raise DataError(f"{path}: source is {data['source']!r}, not an object; {again}.")
+    for name in ("ids", "kept_ids"):
+        ids = data[name]
+        if not isinstance(ids, list):
+            raise DataError(f"{path}: {name} is {type(ids).__name__}, not a list of token ids; {again}.")
+        odd = next((i for i, value in enumerate(ids) if not _is_int(value)), None)
+        if odd is not None:
+            raise DataError(f"{path}: {name}[{odd}] is {ids[odd]!r}, not an integer token id; {again}.")
+        bad = bad_draft_id(ids, V)
+        if bad is not None:
+            raise DataError(f"{path}: {name}[{bad[0]}] {bad[1]}; {again}.")
+    if len(data["ids"]) != K:
+        raise DataError(f"{path}: holds {len(data['ids'])} ids for draft_vocab_size {K}; {again}.")
+    outside = sorted(set(data["kept_ids"]) - set(data["ids"]))
+    if outside:
+        raise DataError(f"{path}: kept_ids {outside[:8]} are not among the ids; {again}.")
+
+
 @dataclass
 class DraftVocabFile:
     """A chosen draft vocabulary as written by ``tools/count_draft_vocab.py`` and read by ``--dflash-draft-vocab``."""
@@ -102,7 +170,7 @@ class DraftVocabFile:
     counted: str = "loss-masked tokens of the training data"
     source: dict = field(default_factory=dict)
     format: str = DRAFT_VOCAB_FORMAT
-    version: int = 1
+    version: int = DRAFT_VOCAB_VERSION
 
     @classmethod
     def build(cls, counts: torch.Tensor, size: int, keep: Iterable[int], tokenizer,
@@ -123,15 +191,16 @@ class DraftVocabFile:
 
     @classmethod
     def read(cls, path: str) -> "DraftVocabFile":
+        """The file at ``path``, every field checked (`DataError` naming the file and the entry): ``ids`` a list
+        of ``draft_vocab_size`` distinct JSON integers (no bool, float or string) in ``[0, target_vocab_size)``,
+        increasing, as `choose_draft_ids` writes them."""
         try:
             with open(path) as f:
                 data = json.load(f)
-        except (OSError, ValueError) as err:
-            raise ValueError(f"{path}: not a readable draft vocabulary file ({err}).") from None
+        except (OSError, ValueError, RecursionError) as err:  # RecursionError: JSON nested too deep to decode
+            raise DataError(f"{path}: not a readable draft vocabulary file ({type(err).__name__}: "
+                            f"{' '.join(str(err).split())[:200]}).") from None
         if not isinstance(data, dict) or data.get("format") != DRAFT_VOCAB_FORMAT:
-            raise ValueError(f"{path}: not a draft vocabulary file (write one with tools/count_draft_vocab.py).")
-        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
-        out = cls(**known)
-        if len(out.ids) != out.draft_vocab_size or len(set(out.ids)) != len(out.ids):
-            raise ValueError(f"{path}: holds {len(out.ids)} ids for draft_vocab_size {out.draft_vocab_size}.")
-        return out
+            raise DataError(f"{path}: not a draft vocabulary file (write one with tools/count_draft_vocab.py).")
+        _check_file_fields(path, data)
+        return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})

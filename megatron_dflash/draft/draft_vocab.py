@@ -7,7 +7,8 @@ ids in increasing order) and ``t2d [V]`` bool (which target ids the draft can pr
 draft's own output layer over those ``K`` rows of the target's head, vocab-parallel like the target's: rank
 ``k`` of the tensor-parallel group holds rows ``[k * chunk, min(K, (k + 1) * chunk))`` with ``chunk =
 ceil(K / TP)`` (an uneven split, `draft.sharding.mark_uneven_split`), so a file written at one TP size loads at
-any other.
+any other. `check_vocab_tensors` is the one check of a file's ``d2t`` / ``t2d`` (dtype, shape, range, order, their
+agreement with each other and with the config's sizes): the loader, the converters and the serving check apply it.
 
 Shapes: K draft vocabulary, V target vocabulary, H hidden size.
 """
@@ -16,14 +17,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 from torch import nn
 
+from ..common.errors import CheckpointError
 from ..common.parallel import tensor_parallel_group
+from ..data.token_counts import bad_draft_id
 from .sharding import mark_uneven_split, uneven_split_rows
 
-__all__ = ["DraftVocabulary", "DraftLMHead", "read_vocab_tensors"]
+__all__ = ["DraftVocabulary", "DraftLMHead", "check_vocab_tensors", "read_vocab_tensors"]
+
+# d2t holds signed offsets (target id - draft id): any integer dtype of safetensors; a bool is a mask, not offsets
+_INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
 @dataclass(frozen=True)
@@ -56,16 +63,9 @@ class DraftVocabulary:
 
     @classmethod
     def from_d2t(cls, d2t: torch.Tensor, target_vocab_size: int, t2d=None) -> "DraftVocabulary":
-        """From the serving layout: ``d2t [K]`` offsets (and, when given, the ``t2d [V]`` bool mask, checked)."""
-        if not isinstance(d2t, torch.Tensor) or d2t.dim() != 1 or d2t.dtype.is_floating_point:
-            raise ValueError("d2t must be a 1-D integer tensor of offsets (target id = draft id + d2t[draft id]).")
-        ids = d2t.detach().cpu().to(torch.int64) + torch.arange(d2t.numel(), dtype=torch.int64)
-        vocab = cls(ids, int(target_vocab_size))
-        if t2d is not None:
-            if tuple(t2d.shape) != (vocab.target_vocab_size,) or not torch.equal(t2d.detach().cpu().bool(), vocab.t2d):
-                raise ValueError(f"t2d {tuple(t2d.shape)} does not mark exactly the target ids d2t maps to "
-                                 f"(expected a [{vocab.target_vocab_size}] bool mask with {vocab.size} entries set).")
-        return vocab
+        """From the serving layout: ``d2t [K]`` offsets (and, when given, the ``t2d [V]`` bool mask), checked by
+        `check_vocab_tensors`."""
+        return check_vocab_tensors(d2t, t2d, target_vocab_size=target_vocab_size)
 
     @property
     def size(self) -> int:
@@ -134,19 +134,86 @@ class DraftLMHead(nn.Module):
         self.weight.copy_(full_rows[start:end].to(device=self.weight.device, dtype=self.weight.dtype))
 
 
-def read_vocab_tensors(tensors: dict) -> dict:
+def _tensor_problem(name: str, tensor, dtypes: tuple, what: str, size: Optional[int], field_name: str) -> Optional[str]:
+    """Why ``tensor`` is not a non-empty 1-D tensor of one of ``dtypes`` with ``size`` entries (the config's
+    ``field_name``; any number when None), or None."""
+    if not isinstance(tensor, torch.Tensor):
+        return f"{name} is {type(tensor).__name__}, not a tensor ({what})"
+    if tensor.dtype not in dtypes or tensor.dim() != 1:
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        return f"{name} has dtype {dtype} and shape {list(tensor.shape)}; it must be a 1-D {what}"
+    if size is not None and tensor.numel() != size:
+        return f"{name} has {tensor.numel()} entries; {field_name} is {size} (the config's)"
+    if tensor.numel() < 1:
+        return f"{name} is empty"
+    return None
+
+
+_D2T = "integer tensor of offsets (target id = draft id + d2t[draft id])"
+_T2D = "bool mask over the target vocabulary"
+
+
+def _check_t2d(t2d, V: Optional[int]) -> None:
+    problem = _tensor_problem("t2d", t2d, (torch.bool, *_INTEGER_DTYPES), _T2D, V, "vocab_size")
+    if problem is None and t2d.dtype != torch.bool and bool(((t2d != 0) & (t2d != 1)).any()):
+        problem = f"t2d holds values other than 0 and 1 (e.g. {int(t2d[(t2d != 0) & (t2d != 1)][0])}); it is a mask"
+    if problem:
+        raise CheckpointError(problem + ".")
+
+
+def check_vocab_tensors(d2t, t2d=None, *, draft_vocab_size: Optional[int] = None,
+                        target_vocab_size: Optional[int] = None) -> DraftVocabulary:
+    """The `DraftVocabulary` of a file's ``d2t [K]`` (and ``t2d [V]``, when it has one), or `CheckpointError`
+    saying which tensor and which entry breaks the serving layout (docs/design.md §20): ``d2t`` a 1-D integer
+    tensor (no bool, no float) of ``draft_vocab_size`` offsets whose target ids ``i + d2t[i]`` lie in
+    ``[0, target_vocab_size)`` and increase strictly (`data.token_counts.bad_draft_id`); ``t2d`` a 1-D bool mask
+    of ``target_vocab_size`` entries (or 0/1 integers) marking exactly those ids. A size that is None is taken
+    from the tensors (V from ``t2d``; without either, the range is checked from below only)."""
+    V = target_vocab_size
+    if t2d is not None:
+        _check_t2d(t2d, V)
+        V = t2d.numel() if V is None else V
+    problem = _tensor_problem("d2t", d2t, _INTEGER_DTYPES, _D2T, draft_vocab_size, "draft_vocab_size")
+    if problem:
+        raise CheckpointError(problem + ".")
+    offsets = d2t.detach().cpu().to(torch.int64)
+    ids = offsets + torch.arange(offsets.numel(), dtype=torch.int64)
+    bad = bad_draft_id(ids.tolist(), int(V) if V is not None else int(ids.max()) + 1)
+    if bad is not None:
+        i, what = bad
+        raise CheckpointError(f"d2t[{i}] = {int(offsets[i])}: draft id {i}'s target id (i + d2t[i]) {what}.")
+    vocab = DraftVocabulary(ids, int(V) if V is not None else int(ids[-1]) + 1)
+    if t2d is not None:
+        marked = t2d.detach().cpu().bool()
+        diff = torch.nonzero(marked != vocab.t2d).view(-1)
+        if diff.numel():
+            j = int(diff[0])
+            side = "marks target id {j}, which d2t does not map to" if marked[j] else \
+                "does not mark target id {j}, which d2t maps a draft id to"
+            raise CheckpointError(f"t2d {side.format(j=j)} (t2d marks {int(marked.sum())} ids, d2t maps "
+                                  f"{vocab.size}); the two tensors must describe the same draft vocabulary.")
+    return vocab
+
+
+def read_vocab_tensors(tensors: dict, config=None) -> dict:
     """A HF file's tensors with the vocabulary mapping as the body holds it: ``d2t`` kept (derived from ``t2d``
     when a file has only the mask), ``t2d`` checked against it and dropped (the body derives it; vLLM skips it,
-    speculators and SpecForge write both)."""
+    speculators and SpecForge write both). Both are checked by `check_vocab_tensors`, against ``config``'s
+    ``draft_vocab_size`` and ``vocab_size`` when given (`CheckpointError` naming the tensor and the entry)."""
     tensors = dict(tensors)
     t2d = tensors.pop("t2d", None)
-    if t2d is None:
-        return tensors
-    if t2d.dim() != 1:
-        raise ValueError(f"t2d must be a [target vocabulary] bool mask, got shape {tuple(t2d.shape)}.")
-    if "d2t" not in tensors:
-        ids = torch.nonzero(t2d.bool()).view(-1)
-        tensors["d2t"] = DraftVocabulary(ids.to(torch.int64), t2d.numel()).d2t
-    else:
-        DraftVocabulary.from_d2t(tensors["d2t"], t2d.numel(), t2d)
+    K = getattr(config, "draft_vocab_size", None)
+    V = getattr(config, "vocab_size", None) if config is not None else None
+    if "d2t" in tensors:
+        check_vocab_tensors(tensors["d2t"], t2d, draft_vocab_size=K, target_vocab_size=V)
+    elif t2d is not None:
+        _check_t2d(t2d, V)
+        ids = torch.nonzero(t2d.bool()).view(-1).to(torch.int64)
+        if ids.numel() == 0:
+            raise CheckpointError("t2d marks no target id: the draft vocabulary it describes is empty.")
+        if K is not None and ids.numel() != K:
+            raise CheckpointError(f"t2d marks {ids.numel()} target ids, but the config's draft_vocab_size is {K} (a "
+                                  "file without d2t takes its draft vocabulary from t2d).")
+        d2t = ids - torch.arange(ids.numel(), dtype=torch.int64)
+        tensors["d2t"] = check_vocab_tensors(d2t, t2d, draft_vocab_size=K, target_vocab_size=V).d2t
     return tensors

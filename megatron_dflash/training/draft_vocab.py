@@ -1,6 +1,7 @@
 """The run's reduced draft vocabulary (docs/design.md §20 Reduced draft vocabulary): which K target ids
-(`resolve_draft_vocab`: ``--dflash-draft-vocab``'s file, checked against the run, or counted over the training
-data as ``tools/count_draft_vocab.py`` counts them), and the draft head made of those rows of the frozen target
+(`resolve_draft_vocab`: ``--dflash-draft-vocab``'s file, every field checked and checked against the run by
+`read_draft_vocab_file` before the data is read, or counted over the training data as
+``tools/count_draft_vocab.py`` counts them), and the draft head made of those rows of the frozen target
 head (`install_draft_vocab`: copied once, on every rank, before the optimizer sees the body).
 """
 
@@ -17,7 +18,8 @@ from ..target.head import OutputHead
 from .arguments import ArgumentError
 from .job import Job
 
-__all__ = ["kept_token_ids", "count_draft_vocab", "resolve_draft_vocab", "install_draft_vocab"]
+__all__ = ["kept_token_ids", "count_draft_vocab", "read_draft_vocab_file", "resolve_draft_vocab",
+           "install_draft_vocab"]
 
 
 def kept_token_ids(job: Job) -> list[int]:
@@ -59,17 +61,36 @@ def _read_file(job: Job, path: str) -> DraftVocabFile:
     return chosen
 
 
-def resolve_draft_vocab(job: Job, train_ds, log=print) -> Optional[DraftVocabulary]:
-    """The run's `DraftVocabulary` (None without ``--dflash-draft-vocab-size``); every rank reads or counts the
-    same data, so every rank holds the same ids without a collective."""
+def _draft_vocab_size(job: Job) -> Optional[int]:
     K = getattr(job.draft_config, "draft_vocab_size", None)  # a field of the Qwen3-style family's config only
     if job.args.dflash_draft_vocab_size is not None and K is None:
         raise ArgumentError(f"--dflash-draft-vocab-size: the {type(job.draft_config).__name__} draft has no reduced "
                             "vocabulary (the Qwen3-style DFlash body has); drop the flag.")
+    return K
+
+
+def read_draft_vocab_file(job: Job) -> Optional[DraftVocabFile]:
+    """``--dflash-draft-vocab``'s file, every field checked and checked against the run (None without the flag):
+    read on every rank alike, before the data is read or anything built, so a bad file stops every rank the same
+    way before any collective."""
+    if _draft_vocab_size(job) is None or not job.args.dflash_draft_vocab:
+        return None
+    return _read_file(job, job.args.dflash_draft_vocab)
+
+
+def resolve_draft_vocab(job: Job, train_ds, log=print, chosen: Optional[DraftVocabFile] = None
+                        ) -> Optional[DraftVocabulary]:
+    """The run's `DraftVocabulary` (None without ``--dflash-draft-vocab-size``): ``chosen``, the file
+    `read_draft_vocab_file` read (read here when not given), or counted over ``train_ds``; every rank reads or
+    counts the same data, so every rank holds the same ids without a collective."""
+    K = _draft_vocab_size(job)
     if K is None:
         return None
     path = job.args.dflash_draft_vocab
-    chosen = _read_file(job, path) if path else count_draft_vocab(job, train_ds)
+    if not path:
+        chosen = count_draft_vocab(job, train_ds)
+    elif chosen is None:
+        chosen = _read_file(job, path)
     where = path or "counted over the training data's loss-masked tokens"
     log(f"[dflash] draft vocabulary: {K} of {chosen.target_vocab_size} target tokens ({where}); they cover "
         f"{chosen.coverage:.2%} of the {chosen.label_tokens} supervised tokens; the other slots are left out of the "

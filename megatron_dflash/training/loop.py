@@ -59,7 +59,7 @@ from .datasets import build_datasets, check_training_data
 from .device_shim import megatron_target_on_cpu
 from .distributed import initialize_distributed
 from .evaluation import acceptance_length, acceptance_line, decode_record, validation_loss
-from .draft_vocab import install_draft_vocab, resolve_draft_vocab, target_head_rows
+from .draft_vocab import install_draft_vocab, read_draft_vocab_file, resolve_draft_vocab, target_head_rows
 from .frozen_target import FrozenTarget, load_hf_model
 from .job import Job, prepare_job
 from .monitor import Monitor, format_metrics, labelled
@@ -210,10 +210,11 @@ class _Training:
             self.save_lock = lock_save_directory(args.save, log=self.log0)
         self._announce()
         # data, checked before anything is built: same verdict on every rank (file reads only)
+        vocab_file = read_draft_vocab_file(job)  # --dflash-draft-vocab's file: before the data is read
         train_ds, self.valid_ds = build_datasets(job)
         collate = Collator(job.pad_token_id, args.seq_length, args.pack_sequences)
         check_training_data(job, train_ds, collate, log=self.log0)
-        self.draft_vocab = resolve_draft_vocab(job, train_ds, log=self.log0)
+        self.draft_vocab = resolve_draft_vocab(job, train_ds, log=self.log0, chosen=vocab_file)
         self._build_models({"train": train_ds, "valid": self.valid_ds})
         start_iteration = self._resume()
         data_iter = MicroBatchIterator(
@@ -260,7 +261,7 @@ class _Training:
                     if any(name in tensors for name in FROZEN_COPIES):  # each rank compares its vocabulary rows
                         agree_or_raise(target_copy_mismatch(tensors, self.target.embedding, self.target.head),
                                        group=self.target.head.tp_group, explain=_first_message)
-                    load_hf_state_dict_into(body, job.variant.read_hf_tensors(tensors))
+                    load_hf_state_dict_into(body, job.variant.read_hf_tensors(tensors, cfg))
                 except ValueError as err:  # damaged weights: the same on every rank (each reads the file)
                     raise ArgumentError(f"--dflash-init-from={job.init_from}: {err}") from err
                 self.log0(f"[dflash] initialised the draft from {job.init_from}")

@@ -206,9 +206,10 @@ class Variant:
                 return False
         return _first_architecture(data) in self.hf_names
 
-    def read_hf_tensors(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """A HF file's tensors as this variant's body loads them (`hf_tensors`)."""
-        tensors = read_vocab_tensors(tensors)  # a reduced draft vocabulary's d2t / t2d (docs/design.md §20)
+    def read_hf_tensors(self, tensors: Mapping[str, torch.Tensor], config=None) -> dict[str, torch.Tensor]:
+        """A HF file's tensors as this variant's body loads them (`hf_tensors`); ``config`` (the file's) gives the
+        sizes a reduced vocabulary's ``d2t`` / ``t2d`` are checked against."""
+        tensors = read_vocab_tensors(tensors, config)  # a reduced vocabulary's d2t / t2d (docs/design.md §20)
         return tensors if self.hf_tensors is None else self.hf_tensors(tensors)
 
     def config_from_pretrained(self, directory: str) -> DFlashConfig:

@@ -370,3 +370,35 @@ def test_kimi_k3_drafts_are_served_by_neither_runtime(tmp_path):
     for report in reports:
         assert report.verdict == FAILS and "registers no 'KimiK3DFlashDraftModel'" in reasons_of(report)
     assert exit_status(reports) == 1
+
+
+# ------------------------------------------------------------------------------------------ d2t / t2d our loader refuses
+
+
+def _mask_of(targets, size=96):
+    mask = torch.zeros(size, dtype=torch.bool)
+    mask[torch.tensor(targets)] = True
+    return mask
+
+
+_GOOD_TARGETS = list(range(0, 96, 2)) + [95]
+
+
+@pytest.mark.parametrize("targets, t2d, said", [
+    (list(range(0, 94, 2)) + [95, 94], None, "d2t[48] = 46: draft id 48's target id (i + d2t[i]) is 94, below "
+                                             "entry 47's 95"),
+    (_GOOD_TARGETS, _mask_of(_GOOD_TARGETS + [1]), "t2d marks target id 1, which d2t does not map to"),
+    (_GOOD_TARGETS, _mask_of(_GOOD_TARGETS[:-1], 95), "t2d has 95 entries; vocab_size is 96"),
+    (_GOOD_TARGETS, _mask_of(_GOOD_TARGETS).float(), "t2d has dtype float32 and shape [96]"),
+], ids=["unordered-d2t", "t2d-disagrees", "t2d-short", "t2d-float"])
+def test_a_d2t_or_t2d_our_loader_refuses_does_not_load(dflash_dir, targets, t2d, said):
+    _reduce_vocab(dflash_dir, _offsets(targets), len(targets))
+    if t2d is not None:
+        tensors = load_file(str(dflash_dir / "model.safetensors"))
+        save_file({**tensors, "t2d": t2d}, str(dflash_dir / "model.safetensors"))
+    reports = verdicts(str(dflash_dir))
+    assert reports["vLLM"].verdict == FAILS and said in reasons_of(reports["vLLM"]), reasons_of(reports["vLLM"])
+    assert exit_status(list(reports.values())) == 1
+    with pytest.raises(ValueError) as refused:  # the reason is the one this package's loader gives
+        load_hf_checkpoint(str(dflash_dir))
+    assert said in str(refused.value)

@@ -1,5 +1,6 @@
 """Choosing a reduced draft vocabulary (docs/design.md §20): counts over the loss-masked tokens only, the
-special tokens always kept, ties broken by the smaller id, the same file from the same data and tokenizer."""
+special tokens always kept, ties broken by the smaller id, the same file from the same data and tokenizer; a file
+whose fields do not hold what the tool writes refused in one line naming the file and the entry."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections import Counter
 import pytest
 import torch
 
+from megatron_dflash.common.errors import DataError
 from megatron_dflash.data.samples import Sample
 from megatron_dflash.data.token_counts import (
     DraftVocabFile,
@@ -84,3 +86,57 @@ def test_the_file_is_reproducible_and_reads_back(tmp_path):
     (tmp_path / "bad.json").write_text(json.dumps({"format": "something else"}))
     with pytest.raises(ValueError, match="not a draft vocabulary file"):
         DraftVocabFile.read(str(tmp_path / "bad.json"))
+
+
+def _set(name, value):
+    return lambda data: data.__setitem__(name, value)
+
+
+def _set_id(index, value):
+    return lambda data: data["ids"].__setitem__(index, value)
+
+
+BAD_FILES = {  # name: (what is changed in a good file, what the one line says)
+    "no-ids": (lambda data: data.pop("ids"), "no ids field"),
+    "ids-not-a-list": (_set("ids", {"0": 0}), "ids is dict, not a list of token ids"),
+    "string-id": (_set_id(2, "2"), "ids[2] is '2', not an integer token id"),
+    "fractional-id": (_set_id(2, 5.5), "ids[2] is 5.5, not an integer token id"),
+    "float-id": (_set_id(2, 5.0), "ids[2] is 5.0, not an integer token id"),
+    "bool-id": (_set_id(0, False), "ids[0] is False, not an integer token id"),
+    "out-of-range": (_set_id(-1, 12), "ids[5] is 12, outside [0, 12) (the target vocabulary)"),
+    "negative": (_set_id(0, -1), "ids[0] is -1, outside [0, 12)"),
+    "repeated": (lambda data: _set_id(3, data["ids"][2])(data), "ids[3] is 2, like entry 2: that maps two draft ids "
+                                                                "to the same target id"),
+    "unsorted": (lambda data: data["ids"].__setitem__(slice(2, 4), data["ids"][3:1:-1]),
+                 "the ids must be in increasing order"),
+    "size-disagrees": (_set("draft_vocab_size", 7), "holds 6 ids for draft_vocab_size 7"),
+    "size-a-string": (_set("draft_vocab_size", "6"), "draft_vocab_size is '6', not an integer of at least 1"),
+    "vocab-below-size": (_set("target_vocab_size", 5), "target_vocab_size 5 is below draft_vocab_size 6"),
+    "kept-outside": (_set("kept_ids", [0, 1, 11, 12]), "kept_ids[3] is 12, outside [0, 12)"),
+    "newer-version": (_set("version", 2), "version 2, but this package reads draft vocabulary files of version 1"),
+    "fingerprint-a-number": (_set("tokenizer_fingerprint", 5), "tokenizer_fingerprint is 5, not a string"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_FILES))
+def test_a_file_with_a_bad_field_is_refused_in_one_line_naming_it(tmp_path, case):
+    good = DraftVocabFile.build(count_label_tokens(_samples(1), 12), 6, [0, 1, 11], _Tokenizer())
+    good.write(str(tmp_path / "good.json"))
+    data = json.loads((tmp_path / "good.json").read_text())
+    change, said = BAD_FILES[case]
+    assert data["ids"][:4] == [0, 1, 2, 3]  # what the cases change
+    change(data)
+    path = tmp_path / "vocab.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(DataError) as refused:
+        DraftVocabFile.read(str(path))
+    message = str(refused.value)
+    assert message.startswith(f"{path}: ") and said in message and "\n" not in message, message
+    assert message.endswith("count it again with tools/count_draft_vocab.py.")
+
+
+def test_a_file_nested_too_deep_for_the_decoder_is_refused_in_one_line(tmp_path):
+    path = tmp_path / "vocab.json"
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(DataError, match="not a readable draft vocabulary file"):
+        DraftVocabFile.read(str(path))

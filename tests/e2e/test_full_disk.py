@@ -404,3 +404,26 @@ def test_evaluate_acceptance_report_on_a_full_disk(tmp_path, capsys, monkeypatch
     assert report.read_text() == '{"previous": true}\n' and os.listdir(reports) == ["eval.json"]
     assert evaluate_acceptance.main(argv) == 0  # space again: the whole report
     assert json.loads(report.read_text())["summary"]
+
+
+def test_count_draft_vocab_on_a_full_disk_ends_in_one_line(tiny_target, tmp_path, capsys, monkeypatch):
+    from entry_points import tool_module
+    from training_runs import STEPS_ARGS
+
+    count_draft_vocab = tool_module("count_draft_vocab")
+    outputs = tmp_path / "outputs"
+    outputs.mkdir()
+    vocab = outputs / "vocab.json"
+    vocab.write_text('{"previous": true}\n')
+    monkeypatch.setenv("MEGATRON_DFLASH_DEBUG", "0")
+    argv = ["--output", str(vocab), "--target", tiny_target, *STEPS_ARGS, "--dflash-draft-vocab-size", "60"]
+    capsys.readouterr()
+    with FullDisk(outputs) as disk:
+        code = count_draft_vocab.main(argv)
+    err = capsys.readouterr().err
+    assert code == 1 and disk.refused > 0
+    assert _error_line(err) == (f"count_draft_vocab.py: error: {_NO_SPACE} {vocab}; free space on its file system or "
+                                "write somewhere else, then run again.")
+    assert vocab.read_text() == '{"previous": true}\n' and os.listdir(outputs) == ["vocab.json"]  # nothing partial
+    assert count_draft_vocab.main(argv) == 0  # space again: the whole file
+    assert len(json.loads(vocab.read_text())["ids"]) == 60
