@@ -89,8 +89,8 @@ def main(argv=None) -> int:
     quiet_dependency_warnings()
     args = build_parser().parse_args(argv)
     try:
-        _check_paths(args)
         versions = runtime_versions(args.runtime_version)
+        _check_paths(args)
     except UsageError as err:
         return usage_status(PROG, err)
     # loads torch

@@ -264,7 +264,7 @@ def _check_block_size(draft: DraftFile, rules: RuntimeRules, _options, model: st
     if problem is None:
         return []
     fallback = rules.block_size_default.get(model)
-    served = f"; without it in the command it uses {fallback}" if fallback is not None else ""
+    served = f" (a file without one: {fallback})" if fallback is not None else ""
     fix = ("write one block size at both places (convert_checkpoint.py to-hf does) or give the trained one in the "
            "serve command")
     return [Finding(rules.block_level, f"{problem}: {rules.block_source}{served}; {fix}")]
@@ -737,8 +737,9 @@ SGLANG = RuntimeRules(
     foreign={"DFlashLagunaForCausalLM": "Laguna's DFlash drafter (models/dflash.py:1057)",
              "DSparkMiniMaxDraftModel": "MiniMax's DSpark drafter (models/dspark_minimax.py)"},
     # dflash_utils.parse_dflash_draft_config: every field from dflash_config first, then the top level
-    block_source="SGLang reads dflash_config.block_size, then the top level (speculative/dflash_utils.py:608-617), "
-                 "and serves the number it finds",
+    block_source="unless --speculative-num-draft-tokens says otherwise, SGLang serves dflash_config.block_size, "
+                 "else the top-level one (speculative/dflash_utils.py:608-617), else its default "
+                 "(arg_groups/speculative_hook.py:389-422; DSpark's gamma: :808-818)",
     block_level=FAILS,
     # arg_groups/speculative_hook.py:389-422 (DFLASH: 16) and :815-818 (DSPARK: gamma 7)
     block_size_default={"models/dflash.py": 16, _SGLANG_DFLASH2: 16, "models/dspark.py": 7},
@@ -772,7 +773,8 @@ SGLANG_003B23D = replace(
     registry="the EntryClass of models/dflash.py and models/dspark.py",
     models={"DFlashDraftModel": "models/dflash.py", "Qwen3DSparkModel": "models/dspark.py"},
     foreign={},
-    block_source="SGLang reads dflash_config.block_size, then the top level (dflash_utils.parse_dflash_draft_config)",
+    block_source="SGLang serves dflash_config.block_size, else the top-level one, else 16 "
+                 "(dflash_utils.parse_dflash_draft_config)",
     block_size_default={"models/dflash.py": 16, "models/dspark.py": 16},
     mask_fallback="the token string '<|MASK|>' (dflash_config.mask_token)",
     tap_fallback="DFlash's default formula",
