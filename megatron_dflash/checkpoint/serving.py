@@ -21,7 +21,7 @@ returns per runtime: loads / loads with a caveat / does not load, with the runti
 line of its code that fails or misreads the file). It reads `config.json` and the safetensors headers
 (and, for a reduced vocabulary, the `d2t` tensor); it never builds a model.
 
-Releases encoded (each rule's text names its file and line; docs/design.md §19 has the table):
+Releases encoded (each rule's text names its file and line; the table is in docs/design.md §19 Serving check):
 
 * vLLM 0.34.0 (the default) and the commit-pinned rules it replaces, "036a00d" (`qwen3_dflash.py`
   @036a00d, `qwen3_dflash2.py` @030da62, `qwen3_dspark.py` @0302ff4, which still had the V1 model runner);
@@ -374,7 +374,7 @@ def _vllm_sliding_window(draft, _rules, _options) -> list:
     layers = _sliding_layers(draft.config)
     window = first_present(draft.config, (("dflash_config", "swa_window_size"), ("sliding_window",)))[1]
     if layers and window is None:
-        return [Finding(FAILS, f"sliding layer(s) {layers} have no window: qwen3_dflash.py:178-186 raises ValueError "
+        return [Finding(FAILS, f"sliding layer(s) {layers} have no window: qwen3_dflash.py:176-185 raises ValueError "
                                "(it reads dflash_config.swa_window_size, else the top-level sliding_window)")]
     return []
 
@@ -667,7 +667,7 @@ VLLM = RuntimeRules(
     version="0.34.0",
     source="vllm 0.34.0: model_executor/models/registry.py, qwen3_dflash.py, qwen3_dflash2.py, qwen3_dspark.py, "
            "v1/worker/gpu/spec_decode/eagle/eagle3_utils.py, dflash/config.py, dspark/config.py",
-    registry="model_executor/models/registry.py:677-740 (_SPECULATIVE_DECODING_MODELS; method \"dflash\" looks up "
+    registry="model_executor/models/registry.py:677-780 (_SPECULATIVE_DECODING_MODELS; method \"dflash\" looks up "
              "'DFlash' + a name that neither starts nor ends with DFlash, transformers_utils/configs/eagle.py:65-76)",
     models={"DFlashDraftModel": "qwen3_dflash", "DFlash2DraftModel": "qwen3_dflash2",
             "Qwen3DSparkModel": "qwen3_dspark"},

@@ -279,8 +279,8 @@ _MIXED = dict(layer_types=["sliding_attention", "full_attention"], use_sliding_w
 
 # One rule broken per case, on a copy of an export that both runtimes serve as trained (or, for DSpark, whose
 # verdicts the exports' test states): (id, export, change, vLLM 0.34.0's verdict, SGLang 0.5.23's, a phrase of
-# vLLM's reason, of SGLang's). Each verdict is the one the runtime's code gives (docs/design.md §19 has the
-# file:line of each rule); None: no reason expected.
+# vLLM's reason, of SGLang's). Each verdict is the one the runtime's code gives (the file:line of each rule: the
+# table of docs/design.md §19 Serving check); None: no reason expected.
 BREAKAGES = [
     ("drop-block_size", "dflash", _all(_pop("block_size"), _pop("dflash_config", "block_size")), CAVEAT, FAILS,
      "config.json has no block_size", "speculative_hook.py:389-422"),
@@ -288,7 +288,7 @@ BREAKAGES = [
      "dflash_config.block_size 8 and the top-level block_size 4 differ", "dflash_utils.py:608-617"),
     ("block_size-top-level-only", "dflash", _pop("dflash_config", "block_size"), LOADS, LOADS, None, None),
     ("wrong-architecture", "dflash", _set(architectures=["Qwen3ForCausalLM"]), FAILS, FAILS,
-     "has no 'Qwen3ForCausalLM' in its registry, model_executor/models/registry.py:677-740",
+     "has no 'Qwen3ForCausalLM' in its registry, model_executor/models/registry.py:677-780",
      "has no 'Qwen3ForCausalLM' in its registry, the EntryClass lists of models/dflash.py:1317-1324"),
     ("no-mask_token_id", "dflash", _pop("dflash_config", "mask_token_id"), FAILS, FAILS,
      "qwen3_dflash.py:496-498", "'<|MASK|>'"),
@@ -306,7 +306,7 @@ BREAKAGES = [
      "qwen3_dflash.py:86-97", "models/dflash.py:157-190"),
     ("layer_types-mixed", "dflash", _set(**_MIXED, sliding_window=8), LOADS, LOADS, None, None),
     ("layer_types-mixed-without-window", "dflash", _set(**_MIXED), FAILS, FAILS,
-     "qwen3_dflash.py:178-186 raises ValueError", "dflash_utils.py:400-413 raises ValueError"),
+     "qwen3_dflash.py:176-185 raises ValueError", "dflash_utils.py:400-413 raises ValueError"),
     ("output_multiplier", "dflash", _set_nested(output_multiplier=2.0), CAVEAT, CAVEAT,
      "qwen3_dflash ignores output_multiplier=2.0", "models/dflash.py ignores output_multiplier=2.0"),
     ("input_embedding_scale", "dflash", _set_nested(input_embedding_scale=0.5), CAVEAT, CAVEAT,
