@@ -263,8 +263,8 @@ def _check_block_size(draft: DraftFile, rules: RuntimeRules, _options, model: st
     block, problem = file_block_size(draft.config)
     if problem is None:
         return []
-    fallback = rules.block_size_default.get(model)
-    served = f" (a file without one: {fallback})" if fallback is not None else ""
+    fallback = rules.block_size_default.get(model) if all(lookup(draft.config, p) is None for p in _BLOCK_PATHS) else None
+    served = f" (here: {fallback})" if fallback is not None else ""
     fix = ("write one block size at both places (convert_checkpoint.py to-hf does) or give the trained one in the "
            "serve command")
     return [Finding(rules.block_level, f"{problem}: {rules.block_source}{served}; {fix}")]

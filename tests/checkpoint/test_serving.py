@@ -330,7 +330,7 @@ BREAKAGES = [
     ("dspark-specforge-label", "dspark-vanilla", _set(architectures=["DSparkDraftModel"]), FAILS, CAVEAT,
      "registers 'DSparkDraftModel' for DeepSeek-V4's DSpark drafter", "the confidence head is not used"),
     ("dspark-drop-block_size", "dspark-vanilla", _all(_pop("block_size"), _pop("dflash_config", "block_size")),
-     CAVEAT, FAILS, "DSpark's width defaults to the top-level block_size", "(a file without one: 7)"),
+     CAVEAT, FAILS, "DSpark's width defaults to the top-level block_size", "(here: 7)"),
     ("dspark-without-confidence-head", "dspark-vanilla", None, LOADS, CAVEAT, None,
      "another mode builds one whatever enable_confidence_head says"),
 ]
