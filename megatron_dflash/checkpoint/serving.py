@@ -219,7 +219,7 @@ def read_draft_file(directory: str) -> DraftFile:
     return draft
 
 
-# ------------------------------------------------------------------------------------------ the checks every runtime gets
+# ------------------------------------------------------------------------------------ the checks every runtime gets
 
 
 def _read_taps(draft: DraftFile, rules: RuntimeRules) -> tuple[Optional[str], Optional[list[int]]]:
@@ -263,7 +263,8 @@ def _check_block_size(draft: DraftFile, rules: RuntimeRules, _options, model: st
     block, problem = file_block_size(draft.config)
     if problem is None:
         return []
-    fallback = rules.block_size_default.get(model) if all(lookup(draft.config, p) is None for p in _BLOCK_PATHS) else None
+    absent = all(lookup(draft.config, p) is None for p in _BLOCK_PATHS)
+    fallback = rules.block_size_default.get(model) if absent else None
     served = f" (here: {fallback})" if fallback is not None else ""
     fix = ("write one block size at both places (convert_checkpoint.py to-hf does) or give the trained one in the "
            "serve command")
@@ -329,11 +330,13 @@ def _mixed_layer_types(config: Mapping[str, Any]) -> bool:
     return 0 < sliding < len(types)
 
 
-_VLLM_LOADER = "its AutoWeightsLoader raises on a tensor it has no parameter for (model_executor/models/utils.py:452-459)"
+_VLLM_LOADER = ("its AutoWeightsLoader raises on a tensor it has no parameter for "
+                "(model_executor/models/utils.py:452-459)")
 
 
 def _vllm_no_domino(draft, _rules, _options) -> list:
-    if _projector(draft) == DOMINO_PROJECTOR_TYPE or any(n.startswith(("prefix_gru.", "embed_proj.")) for n in draft.tensors):
+    domino_tensors = any(n.startswith(("prefix_gru.", "embed_proj.")) for n in draft.tensors)
+    if _projector(draft) == DOMINO_PROJECTOR_TYPE or domino_tensors:
         return [Finding(FAILS, "vLLM has no Domino correction head: qwen3_dflash.py builds the plain DFlash body "
                                f"and {_VLLM_LOADER}: prefix_gru.* / embed_proj.* (serve Domino with SGLang)")]
     return []
@@ -552,13 +555,14 @@ def _sglang_dspark(draft, _rules, _options) -> list:
     config, found = draft.config, _sglang_markov_w2(draft)
     nested = lambda name: lookup(config, ("dflash_config", name))  # noqa: E731
     if (config.get("markov_rank") or 0) <= 0:
-        where = f" (dflash_config has {nested('markov_rank')}: write it at the top level)" if nested("markov_rank") else ""
+        where = (f" (dflash_config has {nested('markov_rank')}: write it at the top level)"
+                 if nested("markov_rank") else "")
         found.append(Finding(FAILS, f"models/dspark.py:386-390 reads markov_rank at the top level: missing or 0 is a "
                                     f"ValueError{where}"))
     kind = first_present(config, (("dflash_config", "markov_head_type"), ("markov_head_type",)))[1]
     if kind is None and not any(str(k).startswith("dspark_") for k in config):
-        found.append(Finding(FAILS, "no markov_head_type: speculative/dspark_components/dspark_config.py:263-267 raises "
-                                    "ValueError for a Markov head without its type"))
+        found.append(Finding(FAILS, "no markov_head_type: speculative/dspark_components/dspark_config.py:263-267 "
+                                    "raises ValueError for a Markov head without its type"))
     built, stored = str(config.get("markov_head_type") or "vanilla").lower(), _markov_kind_of_tensors(draft)
     if built != stored or (kind is not None and str(kind).lower() != built):
         found.append(Finding(FAILS, f"models/dspark.py:392 builds the {built} Markov head from the top-level "
@@ -571,8 +575,8 @@ def _sglang_dspark(draft, _rules, _options) -> list:
                                      "default, environ.py:1572) models/dspark.py:488-489 builds none and skips its "
                                      "weights; another mode builds and loads it"))
     else:
-        found.append(Finding(CAVEAT, "no confidence head: only SGLANG_RAGGED_VERIFY_MODE=static (the default) serves it; "
-                                     "another mode builds one whatever enable_confidence_head says and refuses the "
+        found.append(Finding(CAVEAT, "no confidence head: only SGLANG_RAGGED_VERIFY_MODE=static (the default) serves "
+                                     "it; another mode builds one whatever enable_confidence_head says and refuses the "
                                      "file (models/dspark.py:487-509, 684-696)"))
     return found
 
@@ -652,7 +656,7 @@ def _sglang_command(draft: DraftFile, model: str, target: str, _options) -> str:
     return f"python -m sglang.launch_server --model-path {target} {flags}{dtype}"
 
 
-# ------------------------------------------------------------------------------------------ the runtimes and their releases
+# ------------------------------------------------------------------------------------ the runtimes and their releases
 
 _VLLM_MASK = (("dflash_config", "mask_token_id"), ("eagle_config", "mask_token_id"), ("mask_token_id",))
 _DFLASH2_APPLIES = tuple(("dflash_config", name) for name in HEAD_SETTINGS)
@@ -683,10 +687,12 @@ VLLM = RuntimeRules(
     mask_token_id=_VLLM_MASK,
     mask_fallback="None (qwen3_dflash.py:496-498): the masked slots get no MASK embedding",
     # 0.34.0 adds dflash_config.layer_ids / eagle_config.layer_ids, hidden-state indices (eagle3_utils.py:131-137)
-    taps=(*_VLLM_TAPS_036A00D, TapSource(("dflash_config", "layer_ids"), -1), TapSource(("eagle_config", "layer_ids"), -1)),
+    taps=(*_VLLM_TAPS_036A00D, TapSource(("dflash_config", "layer_ids"), -1),
+          TapSource(("eagle_config", "layer_ids"), -1)),
     tap_fallback="the target model's own default aux layers (eagle3_utils.py:24-29)",
     causal=vllm_causal,
-    causal_rule="vLLM: top-level is_causal, else dflash_config.causal, else sliding layers causal, qwen3_dflash.py:86-97",
+    causal_rule="vLLM: top-level is_causal, else dflash_config.causal, else sliding layers causal, "
+                "qwen3_dflash.py:86-97",
     # qwen3_dflash.py / qwen3_dspark.py apply none of the head settings; qwen3_dflash2.py:526-558 reads all three
     # from dflash_config.
     applies={"qwen3_dflash": (), "qwen3_dflash2": _DFLASH2_APPLIES, "qwen3_dspark": ()},

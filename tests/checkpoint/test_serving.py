@@ -127,7 +127,8 @@ def verdicts(directory: str, **kwargs) -> dict:
 # vanilla Markov head; SGLang 0.5.23 builds no confidence head under its default verify mode (a caveat).
 MODEL_FILE_FAILURES = {
     ("domino", "sglang", "vLLM"): "no Domino correction head",
-    **{(v, e, "vLLM"): "only the vanilla Markov head" for v in ("dspark", "dspark-gated") for e in ("default", "sglang")},
+    **{(v, e, "vLLM"): "only the vanilla Markov head" for v in ("dspark", "dspark-gated")
+       for e in ("default", "sglang")},
 }
 MODEL_FILE_CAVEATS = {(v, e, "SGLang"): "the confidence head is not used" for v in EXPORTED if v.startswith("dspark")
                       for e in ("default", "sglang")}
