@@ -94,8 +94,10 @@ class RuntimeRules:
     block_level: str  # FAILS: it reads a block from the file and serves it; CAVEAT: the serve command says it
     block_size_default: Mapping[str, int]  # model file -> the block it uses when the file has none
     mask_token_id: Sequence[Path]
+    mask_rule: str  # where its code reads it (file:line)
     mask_fallback: str  # what it uses without a mask_token_id
     taps: Sequence[TapSource]
+    taps_rule: str  # where its code reads them (file:line)
     tap_fallback: str  # what it uses without a tap list
     causal: Callable[[Mapping[str, Any], int], bool]  # layer i runs causal in-block
     causal_rule: str  # that rule in words, with its file:line
@@ -242,8 +244,8 @@ def _check_taps(draft: DraftFile, rules: RuntimeRules, _options) -> list:
     if trained is not None and served != list(trained):
         shift = {s - t for s, t in zip(served, trained)} if len(served) == len(trained) else set()
         detail = f" (every tap shifted by {shift.pop():+d})" if len(shift) == 1 else ""
-        return [Finding(FAILS, f"taps the outputs of target layers {served} (read from {where}); the draft was "
-                               f"trained on {list(trained)}{detail}")]
+        return [Finding(FAILS, f"taps the outputs of target layers {served} (read from {where}, {rules.taps_rule}); "
+                               f"the draft was trained on {list(trained)}{detail}")]
     return []
 
 
@@ -278,7 +280,8 @@ def _check_mask(draft: DraftFile, rules: RuntimeRules, _options) -> list:
                                f"and falls back to {rules.mask_fallback}")]
     trained = getattr(draft.trained, "mask_token_id", None)
     if trained is not None and int(value) != int(trained):
-        return [Finding(FAILS, f"reads mask_token_id {value} ({_dotted(path)}); the draft was trained with {trained}")]
+        return [Finding(FAILS, f"reads mask_token_id {value} ({_dotted(path)}, {rules.mask_rule}); the draft was "
+                               f"trained with {trained}")]
     return []
 
 
@@ -685,10 +688,12 @@ VLLM = RuntimeRules(
     block_size_default={},
     # qwen3_dflash.py:475-498: drafter_config = eagle_config updated by dflash_config, then the top level
     mask_token_id=_VLLM_MASK,
+    mask_rule="qwen3_dflash.py:475-498",
     mask_fallback="None (qwen3_dflash.py:496-498): the masked slots get no MASK embedding",
     # 0.34.0 adds dflash_config.layer_ids / eagle_config.layer_ids, hidden-state indices (eagle3_utils.py:131-137)
     taps=(*_VLLM_TAPS_036A00D, TapSource(("dflash_config", "layer_ids"), -1),
           TapSource(("eagle_config", "layer_ids"), -1)),
+    taps_rule="v1/worker/gpu/spec_decode/eagle/eagle3_utils.py:103-140",
     tap_fallback="the target model's own default aux layers (eagle3_utils.py:24-29)",
     causal=vllm_causal,
     causal_rule="vLLM: top-level is_causal, else dflash_config.causal, else sliding layers causal, "
@@ -712,6 +717,8 @@ VLLM_036A00D = replace(
     registry="models/registry.py (_SPECULATIVE_DECODING_MODELS)",
     foreign={},
     taps=_VLLM_TAPS_036A00D,
+    taps_rule="eagle3_utils.get_eagle3_aux_layers_from_config",
+    mask_rule="qwen3_dflash.py",
     tap_fallback="the target model's own default aux layers",
     checks={"qwen3_dflash": (_vllm_no_domino, _vllm_layer_types_v1, _vllm_reduced_vocab),
             "qwen3_dflash2": (_vllm_dflash2_fields, _vllm_layer_types_v1, _vllm_reduced_vocab),
@@ -750,10 +757,12 @@ SGLANG = RuntimeRules(
     # arg_groups/speculative_hook.py:389-422 (DFLASH: 16) and :815-818 (DSPARK: gamma 7)
     block_size_default={"models/dflash.py": 16, _SGLANG_DFLASH2: 16, "models/dspark.py": 7},
     mask_token_id=(("dflash_config", "mask_token_id"), ("mask_token_id",)),
+    mask_rule="speculative/dflash_utils.py:688-702",
     mask_fallback="the token string '<|MASK|>' (dflash_config.mask_token), added to the target's tokenizer when it "
                   "has none (speculative/dflash_worker_v2.py:1423-1445)",
     # models/qwen3.py:803-805: SGLang captures "before layer i + 1": a stored id i taps layer i's output
     taps=(TapSource(("dflash_config", "target_layer_ids"), 0), TapSource(("target_layer_ids",), 0)),
+    taps_rule="speculative/dflash_utils.py:657-670, models/qwen3.py:803-805",
     tap_fallback="DFlash's default formula (speculative/dflash_utils.py:348-385)",
     causal=sglang_causal,
     causal_rule="SGLang: no layer_types, all bidirectional; else top-level is_causal, else sliding layers causal, "
@@ -783,6 +792,8 @@ SGLANG_003B23D = replace(
                  "(dflash_utils.parse_dflash_draft_config)",
     block_size_default={"models/dflash.py": 16, "models/dspark.py": 16},
     mask_fallback="the token string '<|MASK|>' (dflash_config.mask_token)",
+    mask_rule="dflash_utils.parse_dflash_draft_config",
+    taps_rule="dflash_utils.parse_dflash_draft_config",
     tap_fallback="DFlash's default formula",
     causal=sglang_causal_003b23d,
     causal_rule="SGLang @003b23d: sliding layers causal, full-attention layers bidirectional; is_causal not read",
@@ -877,7 +888,8 @@ def check_runtime(draft: DraftFile, rules: RuntimeRules, options: CheckOptions, 
                   target: str) -> RuntimeReport:
     """One runtime's verdict on a draft: its registry, its readings against the trained ones, its model file's
     checks, and the `shared` findings (the target's, this package's own reading). This package's failure to read
-    the file is named only when the runtime gives no reason of its own."""
+    the file is no runtime's reason: a caveat (what the draft was trained with is unknown) for a runtime whose
+    rules find nothing wrong, left out for one that fails it by its own."""
     report = RuntimeReport(runtime=rules.name, version=rules.version, source=rules.source, verdict=LOADS)
     model = rules.models.get(draft.architecture)
     if model is None:
@@ -888,7 +900,12 @@ def check_runtime(draft: DraftFile, rules: RuntimeRules, options: CheckOptions, 
         report.findings += _check_block_size(draft, rules, options, model)
         report.findings += _check_head_settings(draft, rules, model)
     own_failure = any(f.level == FAILS for f in report.findings)
-    report.findings += [f for f in shared if not (own_failure and f.reason.startswith(_UNREAD))]
+    for finding in shared:
+        if finding.reason.startswith(_UNREAD):  # not the runtime's reason: whether it serves as trained is unknown
+            if own_failure:
+                continue
+            finding = Finding(CAVEAT, f"{rules.label} reads it by the rules above, but {finding.reason}")
+        report.findings.append(finding)
     report.verdict = max((f.level for f in report.findings), key=_SEVERITY.__getitem__, default=LOADS)
     if report.verdict != FAILS:
         report.command = rules.command(draft, model, target, options)

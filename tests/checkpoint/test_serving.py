@@ -296,7 +296,7 @@ BREAKAGES = [
     ("mask_token_id-top-level-only", "dflash", _move_to_top("mask_token_id"), LOADS, LOADS, None, None),
     ("taps-as-eagle-aux-ids", "dflash",
      lambda d: d.update(eagle_aux_hidden_state_layer_ids=d["dflash_config"]["target_layer_ids"]), FAILS, LOADS,
-     "every tap shifted by -1", None),
+     "eagle3_utils.py:103-140); the draft was trained on [0, 2] (every tap shifted by -1)", None),
     ("taps-top-level-only", "dflash", _move_to_top("target_layer_ids"), LOADS, LOADS, None, None),
     ("is_causal-true", "dflash", _set(is_causal=True), LOADS, LOADS, None, None),
     ("causal-only-in-dflash_config", "dflash", _set_nested(causal=True), LOADS, FAILS,
@@ -334,6 +334,9 @@ BREAKAGES = [
      CAVEAT, FAILS, "DSpark's width defaults to the top-level block_size", "(here: 7)"),
     ("dspark-without-confidence-head", "dspark-vanilla", None, LOADS, CAVEAT, None,
      "another mode builds one whatever enable_confidence_head says"),
+    # neither runtime reads it (SGLang takes the depth from the taps, models/dflash.py:752-757); this package does
+    ("no-num_target_layers", "dflash", _pop("num_target_layers"), CAVEAT, CAVEAT,
+     "this package does not read it as a draft", "this package does not read it as a draft"),
 ]
 
 
