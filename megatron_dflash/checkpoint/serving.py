@@ -262,7 +262,7 @@ def file_block_size(config: Mapping[str, Any]) -> tuple[Optional[int], Optional[
 
 
 def _check_block_size(draft: DraftFile, rules: RuntimeRules, _options, model: str = "") -> list:
-    block, problem = file_block_size(draft.config)
+    problem = file_block_size(draft.config)[1]
     if problem is None:
         return []
     absent = all(lookup(draft.config, p) is None for p in _BLOCK_PATHS)

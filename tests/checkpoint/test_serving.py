@@ -492,3 +492,10 @@ def test_kimi_k3_drafts_are_served_by_neither_runtime(tmp_path):
     for report in reports:
         assert report.verdict == FAILS and "has no 'KimiK3DFlashDraftModel' in its registry" in reasons_of(report)
     assert exit_status(reports) == 1
+    # the Kimi K3 DSpark drafter: vLLM 0.34.0 registers a K3 DSpark model under another name (K3DSparkModel)
+    from dspark_models import k3_config
+    from megatron_dflash.variants.dspark import KimiK3DSparkBody
+
+    save_hf_checkpoint(KimiK3DSparkBody(k3_config()), str(tmp_path / "k3-dspark"))
+    for report in check_serving(str(tmp_path / "k3-dspark")):
+        assert report.verdict == FAILS and "has no 'KimiK3DSparkModel' in its registry" in reasons_of(report)
