@@ -334,7 +334,7 @@ BREAKAGES = [
      CAVEAT, FAILS, "DSpark's width defaults to the top-level block_size", "(here: 7)"),
     ("dspark-without-confidence-head", "dspark-vanilla", None, LOADS, CAVEAT, None,
      "another mode builds one whatever enable_confidence_head says"),
-    # neither runtime reads it (SGLang takes the depth from the taps, models/dflash.py:752-757); this package does
+    # neither runtime reads it (SGLang takes the depth from the taps, models/dflash.py:750-755); this package does
     ("no-num_target_layers", "dflash", _pop("num_target_layers"), CAVEAT, CAVEAT,
      "this package does not read it as a draft", "this package does not read it as a draft"),
 ]
