@@ -3,12 +3,15 @@
 
     python tools/check_serving.py runs/latest/hf
     python tools/check_serving.py my-draft-hf --target Qwen/Qwen3-8B-dir --json serving.json
+    python tools/check_serving.py runs/latest/hf --runtime-version vllm=036a00d sglang=003b23d
 
 Reads the draft the way each runtime reads it (architecture registry, where it finds block_size,
 mask_token_id and the tap list and which target layer that taps, how it runs each layer in-block,
 which head settings it applies, its model file's own rules) and compares that with what the draft was
-trained with (this package's reading of the same file). Prints per runtime: loads / loads with a
-caveat / does not load, with the reasons, then ready-to-paste serve commands. With --target, also the
+trained with (this package's reading of the same file). Prints per runtime and the release its rules
+encode (vLLM 0.34.0, SGLang 0.5.23 unless --runtime-version picks the previous, commit-pinned ones):
+loads / loads with a caveat / does not load, with the runtime's own reasons, then ready-to-paste serve
+commands. With --target, also the
 target's vocabulary, hidden size and depth and its tokenizer against the draft's MASK token.
 The rules and the runtime sources they encode: megatron_dflash/checkpoint/serving.py
 (docs/design.md §19 Serving check).
@@ -53,10 +56,25 @@ def build_parser() -> ArgumentParser:
                         "tokenizer.json (the MASK token) are checked against the draft, and the serve commands "
                         "name it.")
     parser.add_argument("--json", default=None, metavar="OUT", help="also write the verdicts as JSON to OUT.")
+    parser.add_argument("--runtime-version", nargs="+", action="extend", default=[], metavar="RUNTIME=VERSION",
+                        help="the release whose rules to check against, per runtime: vllm=0.34.0 (default) or "
+                        "vllm=036a00d (the commit-pinned rules before it), sglang=0.5.23 (default) or sglang=003b23d.")
     parser.add_argument("--vllm-v2-runner", action="store_true",
-                        help="vLLM runs its V2 model runner (VLLM_USE_V2_MODEL_RUNNER=1), which serves drafts with "
-                        "mixed sliding/full layer types.")
+                        help="with --runtime-version vllm=036a00d only: vLLM runs its V2 model runner "
+                        "(VLLM_USE_V2_MODEL_RUNNER=1), which serves drafts with mixed sliding/full layer types "
+                        "(vLLM 0.34.0 has no other runner).")
     return parser
+
+
+def runtime_versions(values) -> dict:
+    """{runtime: version} of the --runtime-version words (`UsageError` for one that is not RUNTIME=VERSION)."""
+    out = {}
+    for word in values:
+        name, sep, version = word.partition("=")
+        if not sep or not name or not version:
+            raise UsageError(f"--runtime-version {word}: give RUNTIME=VERSION, e.g. vllm=036a00d or sglang=0.5.23.")
+        out[name.lower()] = version
+    return out
 
 
 def _check_paths(args) -> None:
@@ -71,13 +89,19 @@ def main(argv=None) -> int:
     quiet_dependency_warnings()
     args = build_parser().parse_args(argv)
     try:
+        versions = runtime_versions(args.runtime_version)
         _check_paths(args)
     except UsageError as err:
         return usage_status(PROG, err)
-    from megatron_dflash.checkpoint.serving import check_serving, exit_status, report_lines  # loads torch
+    # loads torch
+    from megatron_dflash.checkpoint.serving import check_serving, exit_status, report_lines, runtime_rules
 
     try:
-        reports = check_serving(args.draft, args.target, vllm_v2_runner=args.vllm_v2_runner)
+        rules = runtime_rules(versions)
+    except ValueError as err:  # a release with no rules: a usage error like a mistyped flag
+        return usage_status(PROG, err)
+    try:
+        reports = check_serving(args.draft, args.target, vllm_v2_runner=args.vllm_v2_runner, runtimes=rules)
     except (ValueError, OSError) as err:
         report_failure(PROG, err)
         return 1

@@ -113,16 +113,17 @@ class ConversionResult:
 def serving_notes(config_data: Mapping[str, Any]) -> list[str]:
     """What a user serving an exported HF draft must know that its config.json cannot say.
 
-    SpecForge 0.2.0 and SGLang (`models/dflash.py`, docs/design.md §19) ignore `is_causal` and run every
-    full-attention layer bidirectionally, so a drafter with causal in-block attention (JetSpec, or
-    `causal: true`) runs wrong there.
+    SpecForge 0.2.0 and SGLang before 0.5.23 (`models/dflash.py`, docs/design.md §19 Serving check) ignore
+    `is_causal` and run every full-attention layer bidirectionally, so a drafter with causal in-block attention
+    (JetSpec, or `causal: true`) runs wrong there; SGLang 0.5.23 reads the top-level `is_causal` (with
+    `layer_types`, which the export writes) but not `dflash_config.causal`.
     """
     if resolve_causal(dict(config_data)) is True:
         return [
             "this draft has causal in-block attention (is_causal / dflash_config.causal: true). The z-lab "
-            "dflash reference and vLLM honour it; SpecForge and SGLang ignore is_causal and would run its "
-            "full-attention layers bidirectionally, so do not serve it with SpecForge or SGLang "
-            "(tools/check_serving.py says which runtime serves an export)."
+            "dflash reference, vLLM and SGLang 0.5.23 honour the top-level is_causal; SpecForge and SGLang "
+            "before 0.5.23 ignore it and would run its full-attention layers bidirectionally, so do not serve "
+            "it with them (tools/check_serving.py says which runtime serves an export)."
         ]
     return []
 

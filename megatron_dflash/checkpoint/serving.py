@@ -3,35 +3,32 @@
 A runtime reads a HF draft its own way: each looks for a field in its own places, numbers the target's
 layers its own way and runs the in-block attention by its own rule, and a draft read differently from
 how it was trained still loads and then accepts about one token per cycle. This module holds each
-runtime's reading as data, one `RuntimeRules` per runtime:
+runtime's reading as data, one `RuntimeRules` per runtime and release (`RELEASES`):
 
 * the architectures it registers and the model file each builds;
 * where it reads `block_size`, `mask_token_id` and the tap list (first place present wins) and which
   target layer's output a stored id selects (`TapSource.tap_offset`);
 * how it runs layer `i` in-block (causal or bidirectional), from the file;
 * which of the head's output settings each model file applies;
-* the checks that need more than a lookup (Domino's head, DFlash 2's fields, DSpark's Markov head,
-  mixed layer types, a reduced draft vocabulary), per model file;
+* the checks that need more than a lookup (Domino's head, DFlash 2's fields, DSpark's Markov and
+  confidence heads, sliding layers, a reduced draft vocabulary), per model file;
 * its serve command, with its flags as its documentation gives them.
 
-`check_serving(directory, target=...)` compares every runtime's reading with this package's reading of
-the same file (`checkpoint.architectures.config_from_dict`: what the draft was trained with; taps are
-target layer ids whose *output* is tapped, docs/design.md §2 Conventions) and returns per runtime:
-loads / loads with a caveat / does not load, with the reasons. It reads `config.json` and the
-safetensors headers (and, for a reduced vocabulary, the `d2t` / `t2d` tensors); it never builds a model.
+`check_serving(directory, target=..., versions=...)` compares every runtime's reading with this
+package's reading of the same file (`checkpoint.architectures.config_from_dict`: what the draft was
+trained with; taps are target layer ids whose *output* is tapped, docs/design.md §2 Conventions) and
+returns per runtime: loads / loads with a caveat / does not load, with the runtime's own reason (the
+line of its code that fails or misreads the file). It reads `config.json` and the safetensors headers
+(and, for a reduced vocabulary, the `d2t` / `t2d` tensors); it never builds a model.
 
-Sources encoded (each rule's comment names its file):
+Releases encoded (each rule's text names its file and line; the table is in docs/design.md §19 Serving check):
 
-* vLLM, vllm-project/vllm: `vllm/model_executor/models/registry.py` (`_SPECULATIVE_DECODING_MODELS`),
-  `models/qwen3_dflash.py` (commit 036a00d), `models/qwen3_dflash2.py` (030da62),
-  `models/qwen3_dspark.py` (0302ff4), `v1/worker/gpu/spec_decode/eagle/eagle3_utils.py`
-  (`get_eagle3_aux_layers_from_config`); serve flags from the z-lab DFlash model cards and vLLM's
-  speculative-decoding documentation.
-* SGLang, sgl-project/sglang: `python/sglang/srt/models/dflash.py` (003b23d, `EntryClass =
-  DFlashDraftModel`), `models/dspark.py` (01f4762, `EntryClass = [Qwen3DSparkModel]`),
-  `speculative/dflash_utils.py` (00731f0, `parse_dflash_draft_config`), `speculative/domino_utils.py`
-  (04d4c1a); flags `--speculative-algorithm DFLASH|DSPARK`, `--speculative-draft-model-path`,
-  `--speculative-num-draft-tokens` (the block size) from the DFlash model cards.
+* vLLM 0.34.0 (the default) and the commit-pinned rules it replaces, "036a00d" (`qwen3_dflash.py`
+  @036a00d, `qwen3_dflash2.py` @030da62, `qwen3_dspark.py` @0302ff4, which still had the V1 model runner);
+* SGLang 0.5.23 (the default) and "003b23d" (`models/dflash.py` @003b23d, `models/dspark.py` @01f4762,
+  `speculative/dflash_utils.py` @00731f0, `speculative/domino_utils.py` @04d4c1a).
+
+A previous release is one `dataclasses.replace` of the current rules: only the fields that differ.
 
 Imports torch (through the variant modules' published names and the registry): command lines import it
 after their arguments are checked.
@@ -42,7 +39,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from safetensors import SafetensorError, safe_open
@@ -56,8 +53,9 @@ from ..variants.dspark import DSPARK_SERVING_METHOD
 from .architectures import config_from_dict, read_json_object
 
 __all__ = [
-    "LOADS", "CAVEAT", "FAILS", "Finding", "RuntimeReport", "RuntimeRules", "TapSource", "RUNTIMES", "VLLM",
-    "SGLANG", "DraftFile", "read_draft_file", "check_serving", "report_lines", "sglang_config", "exit_status",
+    "LOADS", "CAVEAT", "FAILS", "Finding", "RuntimeReport", "RuntimeRules", "TapSource", "RUNTIMES", "RELEASES",
+    "VLLM", "SGLANG", "VLLM_036A00D", "SGLANG_003B23D", "DraftFile", "read_draft_file", "check_serving",
+    "runtime_rules", "report_lines", "sglang_config", "exit_status",
 ]
 
 LOADS, CAVEAT, FAILS = "loads", "loads with a caveat", "does not load"
@@ -65,6 +63,7 @@ _SEVERITY = {LOADS: 0, CAVEAT: 1, FAILS: 2}
 # The settings of the target head's output transform (docs/design.md §2) and their neutral values.
 HEAD_SETTINGS = {"input_embedding_scale": 1.0, "output_multiplier": 1.0, "final_logit_softcapping": None}
 Path = tuple[str, ...]
+_BLOCK_PATHS: tuple[Path, ...] = (("dflash_config", "block_size"), ("block_size",))
 
 
 @dataclass(frozen=True)
@@ -84,27 +83,39 @@ class TapSource:
 
 @dataclass(frozen=True)
 class RuntimeRules:
-    """How one runtime reads a draft directory (module docstring); every field is data a test can read."""
+    """How one release of a runtime reads a draft directory (module docstring); every field is data a test can
+    read. Reasons name the runtime's file and line, so a "does not load" says what in its code fails."""
 
     name: str
+    version: str  # the release these rules encode, printed with each verdict
     source: str
-    models: Mapping[str, str]  # architectures[0] -> the model file it builds
-    block_size: Sequence[Path]  # empty: the block comes from the serve command
-    block_size_default: Optional[int]
+    registry: str  # where its architecture registry is, for a name it does not register
+    models: Mapping[str, str]  # architectures[0] -> the model file (class) it builds
+    foreign: Mapping[str, str]  # names it registers for another model family -> what it builds for them
+    block_source: str  # where it takes the block from, for a file that does not say it (or says it twice)
+    block_level: str  # FAILS: it reads a block from the file and serves it; CAVEAT: the serve command says it
+    block_size_default: Mapping[str, int]  # model file -> the block it uses when the file has none
     mask_token_id: Sequence[Path]
-    mask_fallback: Optional[str]  # what it uses without a mask_token_id
+    mask_rule: str  # where its code reads it (file:line)
+    mask_fallback: str  # what it uses without a mask_token_id
     taps: Sequence[TapSource]
+    taps_rule: str  # where its code reads them (file:line)
     tap_fallback: str  # what it uses without a tap list
     causal: Callable[[Mapping[str, Any], int], bool]  # layer i runs causal in-block
+    causal_rule: str  # that rule in words, with its file:line
     applies: Mapping[str, Sequence[Path]]  # model file -> places of the head settings it applies
     checks: Mapping[str, Sequence[Callable[["DraftFile", "RuntimeRules", "CheckOptions"], list]]]
     command: Callable[["DraftFile", str, str, "CheckOptions"], str]
     tap_default: Optional[Callable[["DraftFile"], list]] = None  # its tap list when the file has none
 
+    @property
+    def label(self) -> str:
+        return f"{self.name} {self.version}"
+
 
 @dataclass
 class CheckOptions:
-    vllm_v2_runner: bool = False  # vLLM started with VLLM_USE_V2_MODEL_RUNNER=1
+    vllm_v2_runner: bool = False  # vLLM 036a00d started with VLLM_USE_V2_MODEL_RUNNER=1 (0.34.0 has no other)
 
 
 @dataclass
@@ -134,13 +145,15 @@ class DraftFile:
 @dataclass
 class RuntimeReport:
     runtime: str
+    version: str
     source: str
     verdict: str
     findings: list = field(default_factory=list)
     command: Optional[str] = None
 
     def to_json(self) -> dict:
-        return {"runtime": self.runtime, "source": self.source, "verdict": self.verdict, "command": self.command,
+        return {"runtime": self.runtime, "version": self.version, "source": self.source, "verdict": self.verdict,
+                "command": self.command,
                 "reasons": [{"level": f.level, "reason": f.reason} for f in self.findings]}
 
 
@@ -204,7 +217,7 @@ def read_draft_file(directory: str) -> DraftFile:
     return draft
 
 
-# ------------------------------------------------------------------------------------------ the checks every runtime gets
+# ------------------------------------------------------------------------------------ the checks every runtime gets
 
 
 def _read_taps(draft: DraftFile, rules: RuntimeRules) -> tuple[Optional[str], Optional[list[int]]]:
@@ -227,21 +240,33 @@ def _check_taps(draft: DraftFile, rules: RuntimeRules, _options) -> list:
     if trained is not None and served != list(trained):
         shift = {s - t for s, t in zip(served, trained)} if len(served) == len(trained) else set()
         detail = f" (every tap shifted by {shift.pop():+d})" if len(shift) == 1 else ""
-        return [Finding(FAILS, f"taps the outputs of target layers {served} (read from {where}); the draft was "
-                               f"trained on {list(trained)}{detail}")]
+        return [Finding(FAILS, f"taps the outputs of target layers {served} (read from {where}, {rules.taps_rule}); "
+                               f"the draft was trained on {list(trained)}{detail}")]
     return []
 
 
-def _check_block_size(draft: DraftFile, rules: RuntimeRules, _options) -> list:
-    trained = getattr(draft.trained, "block_size", None)
-    if not rules.block_size or trained is None:
-        return []  # the block comes from the serve command, which carries the trained one
-    path, value = first_present(draft.config, rules.block_size)
-    served = int(value) if value is not None else rules.block_size_default
-    if served != trained:
-        where = _dotted(path) if path else f"absent, its default {rules.block_size_default}"
-        return [Finding(FAILS, f"reads block_size {served} ({where}); the draft was trained with {trained}")]
-    return []
+def file_block_size(config: Mapping[str, Any]) -> tuple[Optional[int], Optional[str]]:
+    """(the block size the file records, None) or (None, what is wrong): absent at both places, or
+    `dflash_config.block_size` and the top-level `block_size` disagreeing (readers differ in which they take)."""
+    nested, top = lookup(config, _BLOCK_PATHS[0]), lookup(config, _BLOCK_PATHS[1])
+    if nested is None and top is None:
+        return None, "config.json has no block_size (neither dflash_config.block_size nor the top level)"
+    if nested is not None and top is not None and nested != top:
+        return None, (f"dflash_config.block_size {nested} and the top-level block_size {top} differ (readers differ "
+                      "in which one they take, so which one the draft was trained with is not clear)")
+    return int(nested if nested is not None else top), None
+
+
+def _check_block_size(draft: DraftFile, rules: RuntimeRules, _options, model: str = "") -> list:
+    problem = file_block_size(draft.config)[1]
+    if problem is None:
+        return []
+    absent = all(lookup(draft.config, p) is None for p in _BLOCK_PATHS)
+    fallback = rules.block_size_default.get(model) if absent else None
+    served = f" (here: {fallback})" if fallback is not None else ""
+    fix = ("write one block size at both places (convert_checkpoint.py to-hf does) or give the trained one in the "
+           "serve command")
+    return [Finding(rules.block_level, f"{problem}: {rules.block_source}{served}; {fix}")]
 
 
 def _check_mask(draft: DraftFile, rules: RuntimeRules, _options) -> list:
@@ -251,7 +276,8 @@ def _check_mask(draft: DraftFile, rules: RuntimeRules, _options) -> list:
                                f"and falls back to {rules.mask_fallback}")]
     trained = getattr(draft.trained, "mask_token_id", None)
     if trained is not None and int(value) != int(trained):
-        return [Finding(FAILS, f"reads mask_token_id {value} ({_dotted(path)}); the draft was trained with {trained}")]
+        return [Finding(FAILS, f"reads mask_token_id {value} ({_dotted(path)}, {rules.mask_rule}); the draft was "
+                               f"trained with {trained}")]
     return []
 
 
@@ -264,8 +290,8 @@ def _check_directions(draft: DraftFile, rules: RuntimeRules, _options) -> list:
     if not wrong:
         return []
     how = lambda causal: "causal" if causal else "bidirectional"  # noqa: E731
-    return [Finding(FAILS, f"runs draft layer(s) {wrong} {how(served[wrong[0]])} in-block; the draft was trained "
-                           f"{how(trained[wrong[0]])} there")]
+    return [Finding(FAILS, f"runs draft layer(s) {wrong} {how(served[wrong[0]])} in-block ({rules.causal_rule}); "
+                           f"the draft was trained {how(trained[wrong[0]])} there")]
 
 
 def _check_head_settings(draft: DraftFile, rules: RuntimeRules, model: str) -> list:
@@ -281,7 +307,7 @@ def _check_head_settings(draft: DraftFile, rules: RuntimeRules, model: str) -> l
     return found
 
 
-_GENERIC_CHECKS = (_check_taps, _check_block_size, _check_mask, _check_directions)
+_GENERIC_CHECKS = (_check_taps, _check_mask, _check_directions)
 
 
 # ------------------------------------------------------------------------------------------ per model file
@@ -292,22 +318,40 @@ def _projector(draft: DraftFile) -> Any:
     return value
 
 
+def _layer_types(config: Mapping[str, Any]) -> list:
+    types = lookup(config, ("layer_types",))
+    return list(types) if isinstance(types, (list, tuple)) else []
+
+
 def _mixed_layer_types(config: Mapping[str, Any]) -> bool:
-    types = lookup(config, ("layer_types",)) or []
+    types = _layer_types(config)
     sliding = sum(t == "sliding_attention" for t in types)
     return 0 < sliding < len(types)
 
 
+_VLLM_LOADER = ("its AutoWeightsLoader raises on a tensor it has no parameter for "
+                "(model_executor/models/utils.py:452-459)")
+
+
 def _vllm_no_domino(draft, _rules, _options) -> list:
-    # qwen3_dflash.py builds the plain DFlash body: no GRU correction head for prefix_gru.* / embed_proj.*.
-    if _projector(draft) == DOMINO_PROJECTOR_TYPE:
-        return [Finding(FAILS, "vLLM has no Domino correction head: qwen3_dflash.py builds the plain DFlash "
-                               "body, so prefix_gru.* / embed_proj.* have nowhere to load (serve Domino with SGLang)")]
+    domino_tensors = any(n.startswith(("prefix_gru.", "embed_proj.")) for n in draft.tensors)
+    if _projector(draft) == DOMINO_PROJECTOR_TYPE or domino_tensors:
+        return [Finding(FAILS, "vLLM has no Domino correction head: qwen3_dflash.py builds the plain DFlash body "
+                               f"and {_VLLM_LOADER}: prefix_gru.* / embed_proj.* (serve Domino with SGLang)")]
     return []
 
 
-def _vllm_layer_types(draft, _rules, options: CheckOptions) -> list:
-    # qwen3_dflash.py `_resolve_layer_attention`: mixed sliding/full layers need several KV-cache groups.
+def _vllm_no_dflash2_under_dflash(draft, _rules, _options) -> list:
+    selector = sorted(n for n in draft.tensors if n.startswith("candidate_selector."))
+    if selector or any(lookup(draft.config, ("dflash_config", n)) for n in _DFLASH2_FIELDS):
+        return [Finding(FAILS, "labelled DFlashDraftModel, it is built by qwen3_dflash.py, which has no in-block "
+                               f"convolutions or candidate selector (DFlash 2), and {_VLLM_LOADER}"
+                               f"{': ' + selector[0] if selector else ''}; label it DFlash2DraftModel")]
+    return []
+
+
+def _vllm_layer_types_v1(draft, _rules, options: CheckOptions) -> list:
+    # qwen3_dflash.py @036a00d `_resolve_layer_attention`: mixed sliding/full layers need several KV-cache groups.
     if not _mixed_layer_types(draft.config):
         return []
     if options.vllm_v2_runner:
@@ -315,6 +359,34 @@ def _vllm_layer_types(draft, _rules, options: CheckOptions) -> list:
                                 "(VLLM_USE_V2_MODEL_RUNNER=1, set in the command below)")]
     return [Finding(FAILS, "mixed sliding/full layer_types: qwen3_dflash.py raises NotImplementedError under the V1 "
                            "model runner; serve with VLLM_USE_V2_MODEL_RUNNER=1 (check with --vllm-v2-runner)")]
+
+
+def _sliding_layers(config: Mapping[str, Any]) -> list[int]:
+    """vLLM 0.34.0 qwen3_dflash.py:137-187 `_resolve_layer_attention`: the sliding layers (`dflash_config.use_swa`
+    makes every layer sliding unless `layer_types` names some)."""
+    types = _layer_types(config)
+    if lookup(config, ("dflash_config", "use_swa")) and "sliding_attention" not in types:
+        return list(range(int(config.get("num_hidden_layers") or 0)))
+    return [i for i, t in enumerate(types) if t == "sliding_attention"]
+
+
+def _vllm_sliding_window(draft, _rules, _options) -> list:
+    # vLLM 0.34.0 has only the V2 model runner (platforms/interface.py:1481-1490): mixed layer types load, and
+    # each sliding layer takes dflash_config.swa_window_size, else the top-level sliding_window.
+    layers = _sliding_layers(draft.config)
+    window = first_present(draft.config, (("dflash_config", "swa_window_size"), ("sliding_window",)))[1]
+    if layers and window is None:
+        return [Finding(FAILS, f"sliding layer(s) {layers} have no window: qwen3_dflash.py:176-185 raises ValueError "
+                               "(it reads dflash_config.swa_window_size, else the top-level sliding_window)")]
+    return []
+
+
+def _sglang_sliding_window(draft, _rules, _options) -> list:
+    types = _layer_types(draft.config)
+    if "sliding_attention" in types and resolve_text_config(draft.config).get("sliding_window") is None:
+        return [Finding(FAILS, "sliding_attention layers without sliding_window: speculative/dflash_utils.py:400-413 "
+                               "raises ValueError (it reads the top-level sliding_window only)")]
+    return []
 
 
 def _vllm_reduced_vocab(draft, _rules, _options) -> list:
@@ -358,20 +430,34 @@ _DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "sele
 
 
 def _vllm_dflash2_fields(draft, _rules, _options) -> list:
-    # qwen3_dflash2.py reads config.dflash_config[...] for each (a KeyError when one is missing).
     missing = [name for name in _DFLASH2_FIELDS if lookup(draft.config, ("dflash_config", name)) is None]
-    return [Finding(FAILS, f"qwen3_dflash2.py reads dflash_config.{missing} (missing)")] if missing else []
+    return [Finding(FAILS, f"qwen3_dflash2.py:254-255, 534-535 read dflash_config.{missing} (missing: a KeyError)")] \
+        if missing else []
+
+
+_MARKOV_EXTRA = {"gated": "markov_head.gate_proj.", "rnn": "markov_head.joint_proj."}  # beyond markov_w1 / markov_w2
+
+
+def _markov_kind_of_tensors(draft: DraftFile) -> str:
+    """The Markov head the file's tensors are of: "gated", "rnn" or "vanilla"."""
+    for kind, prefix in _MARKOV_EXTRA.items():
+        if any(name.startswith(prefix) for name in draft.tensors):
+            return kind
+    return "vanilla"
 
 
 def _vllm_dspark_head(draft, _rules, _options) -> list:
-    # qwen3_dspark.py: `config.markov_rank` (top level) and only the vanilla head (markov_w1, markov_w2).
+    # qwen3_dspark.py: only the vanilla head (DSparkMarkovHead, markov_w1 / markov_w2), `config.markov_rank`.
     found = []
-    kind = first_present(draft.config, (("markov_head_type",), ("dflash_config", "markov_head_type")))[1]
-    if kind not in (None, "vanilla"):
-        found.append(Finding(FAILS, f"qwen3_dspark.py builds only the vanilla Markov head: the {kind} head's "
-                                    "gate_proj / joint_proj have nowhere to load"))
+    kind = _markov_kind_of_tensors(draft)
+    if kind == "vanilla":
+        kind = first_present(draft.config, (("markov_head_type",), ("dflash_config", "markov_head_type")))[1] or kind
+    if kind != "vanilla":
+        found.append(Finding(FAILS, f"qwen3_dspark.py builds only the vanilla Markov head (DSparkMarkovHead, :49-94): "
+                                    f"the {kind} head's {_MARKOV_EXTRA.get(kind, 'markov_head.')}* have no parameter, "
+                                    f"and {_VLLM_LOADER}"))
     if not draft.config.get("markov_rank"):
-        found.append(Finding(FAILS, "qwen3_dspark.py reads markov_rank at the top level (missing or 0)"))
+        found.append(Finding(FAILS, "qwen3_dspark.py:210-213 reads config.markov_rank at the top level (missing or 0)"))
     return found
 
 
@@ -379,16 +465,21 @@ def _sglang_domino(draft, _rules, _options) -> list:
     """dflash_utils.parse_dflash_draft_config: a Domino draft is a DFlashDraftModel with projector_type
     "domino", a bool shift_label, pure_draft_prefix_len 1, gru_hidden_dim and emb_dim (dflash_config first)."""
     if _projector(draft) != DOMINO_PROJECTOR_TYPE:
+        if any(name.startswith(("prefix_gru.", "embed_proj.")) for name in draft.tensors):
+            return [Finding(FAILS, "the file has Domino's prefix_gru.* / embed_proj.* but no projector_type "
+                                   "\"domino\": models/dflash.py:923-929 raises ValueError")]
         return []
     get = lambda name: first_present(draft.config, (("dflash_config", name), (name,)))[1]  # noqa: E731
     found = []
     if not isinstance(get("shift_label"), bool):
-        found.append(Finding(FAILS, f"Domino needs a bool dflash_config.shift_label (found {get('shift_label')!r})"))
+        found.append(Finding(FAILS, f"Domino needs a bool dflash_config.shift_label (found {get('shift_label')!r}): "
+                                    "speculative/dflash_utils.py:774-778 raises ValueError"))
     if get("pure_draft_prefix_len") != 1:
         found.append(Finding(FAILS, f"SGLang serves Domino only with pure_draft_prefix_len 1 (the draft has "
-                                    f"{get('pure_draft_prefix_len')!r}: train with --dflash-domino-pure-draft-prefix-len 1)"))
-    found += [Finding(FAILS, f"Domino needs dflash_config.{name}") for name in ("gru_hidden_dim", "emb_dim")
-              if get(name) is None]
+                                    f"{get('pure_draft_prefix_len')!r}: speculative/dflash_utils.py:779-783 raises; "
+                                    "train with --dflash-domino-pure-draft-prefix-len 1)"))
+    found += [Finding(FAILS, f"Domino needs dflash_config.{name} (speculative/dflash_utils.py:784-787 raises)")
+              for name in ("gru_hidden_dim", "emb_dim") if get(name) is None]
     return found
 
 
@@ -400,6 +491,29 @@ def _sglang_no_dflash2(draft, _rules, _options) -> list:
     return []
 
 
+def _sglang_dflash2_under_dflash(draft, _rules, _options) -> list:
+    # 0.5.23: DFlashDraftModel builds the convolutions (models/dflash.py:718-727) but only DFlash2DraftModel
+    # (:1264-1283) has the candidate selector; load_weights skips a tensor it has no parameter for (:942-946).
+    selector = any(name.startswith("candidate_selector.") for name in draft.tensors)
+    if selector or lookup(draft.config, ("dflash_config", "selector_rank")):
+        return [Finding(FAILS, "labelled DFlashDraftModel, models/dflash.py builds no candidate selector (only "
+                               "DFlash2DraftModel, :1264-1283, does) and load_weights skips candidate_selector.* "
+                               "(:942-946): the plain backbone is served; label it DFlash2DraftModel")]
+    return []
+
+
+def _sglang_dflash2_fields(draft, _rules, _options) -> list:
+    get = lambda name: lookup(draft.config, ("dflash_config", name))  # noqa: E731
+    found = []
+    if not get("selector_rank"):
+        found.append(Finding(FAILS, "models/dflash.py:1270-1273 raises ValueError without dflash_config.selector_rank"))
+    if bool(get("conv_kernel_size")) != bool(get("conv_group_size")) or bool(get("selector_rank")) != bool(
+            get("selector_top_k")):
+        found.append(Finding(FAILS, "speculative/dflash_utils.py:630-650 needs conv_kernel_size with conv_group_size "
+                                    "and selector_rank with selector_top_k (dflash_config): a ValueError"))
+    return found
+
+
 def _sglang_reduced_vocab(draft, _rules, _options) -> list:
     size, vocab = draft.config.get("draft_vocab_size"), draft.config.get("vocab_size")
     if size is not None and vocab is not None and size < vocab:
@@ -408,18 +522,12 @@ def _sglang_reduced_vocab(draft, _rules, _options) -> list:
     return []
 
 
-def _sglang_dspark(draft, _rules, _options) -> list:
-    """models/dspark.py: build_markov_head (markov_rank > 0, vanilla / gated / rnn, markov_w2 with vocab_size
-    rows) and build_confidence_head (on unless enable_confidence_head says otherwise)."""
-    found = []
-    rank = draft.config.get("markov_rank") or 0
-    if rank <= 0:
+def _sglang_dspark_003b23d(draft, _rules, _options) -> list:
+    """models/dspark.py @01f4762: build_markov_head (markov_rank > 0, vanilla / gated / rnn, markov_w2 with
+    vocab_size rows) and build_confidence_head (on unless enable_confidence_head says otherwise)."""
+    found = _sglang_markov_w2(draft)
+    if (draft.config.get("markov_rank") or 0) <= 0:
         found.append(Finding(FAILS, "models/dspark.py needs markov_rank > 0 at the top level"))
-    w2 = draft.tensors.get("markov_head.markov_w2.weight")
-    vocab = draft.config.get("vocab_size")
-    if w2 is not None and w2[1][0] != vocab:
-        found.append(Finding(FAILS, f"models/dspark.py builds markov_w2 with vocab_size={vocab} rows; the file has "
-                                    f"{w2[1][0]} (a reduced draft vocabulary is not served there)"))
     has_head = any(name.startswith("confidence_head.") for name in draft.tensors)
     if draft.config.get("enable_confidence_head") is None and not has_head:
         found.append(Finding(FAILS, "no enable_confidence_head: models/dspark.py builds the confidence head and "
@@ -427,23 +535,80 @@ def _sglang_dspark(draft, _rules, _options) -> list:
     return found
 
 
+def _sglang_markov_w2(draft: DraftFile) -> list:
+    w2 = draft.tensors.get("markov_head.markov_w2.weight")
+    vocab = draft.config.get("vocab_size")
+    if w2 is not None and w2[1][0] != vocab:
+        return [Finding(FAILS, f"models/dspark.py:199 builds markov_w2 with vocab_size={vocab} rows; the file has "
+                               f"{w2[1][0]} (a reduced draft vocabulary is not served there)")]
+    return []
+
+
+def _sglang_dspark(draft, _rules, _options) -> list:
+    """0.5.23 models/dspark.py: `build_markov_head` (:385-405) reads `markov_rank` and `markov_head_type` from the
+    top level only (default "vanilla"), while `parse_dspark_draft_config` (dspark_config.py:239-267) reads them
+    from dflash_config first and refuses a Markov head without a type; `build_confidence_head` (:487-509) builds
+    none under SGLANG_RAGGED_VERIFY_MODE=static (its default, environ.py:1572) and otherwise one whatever
+    enable_confidence_head says."""
+    config, found = draft.config, _sglang_markov_w2(draft)
+    nested = lambda name: lookup(config, ("dflash_config", name))  # noqa: E731
+    if (config.get("markov_rank") or 0) <= 0:
+        where = (f" (dflash_config has {nested('markov_rank')}: write it at the top level)"
+                 if nested("markov_rank") else "")
+        found.append(Finding(FAILS, f"models/dspark.py:386-390 reads markov_rank at the top level: missing or 0 is a "
+                                    f"ValueError{where}"))
+    kind = first_present(config, (("dflash_config", "markov_head_type"), ("markov_head_type",)))[1]
+    if kind is None and not any(str(k).startswith("dspark_") for k in config):
+        found.append(Finding(FAILS, "no markov_head_type: speculative/dspark_components/dspark_config.py:263-267 "
+                                    "raises ValueError for a Markov head without its type"))
+    built, stored = str(config.get("markov_head_type") or "vanilla").lower(), _markov_kind_of_tensors(draft)
+    if built != stored or (kind is not None and str(kind).lower() != built):
+        found.append(Finding(FAILS, f"models/dspark.py:392 builds the {built} Markov head from the top-level "
+                                    f"markov_head_type ({config.get('markov_head_type')!r}; dflash_config has "
+                                    f"{nested('markov_head_type')!r}) for a file of the {stored} head: load_weights "
+                                    "raises 'DSpark unexpected markov weight' (:653-658) or leaves weights unloaded; "
+                                    "write markov_head_type at the top level"))
+    if any(name.startswith("confidence_head.") for name in draft.tensors):
+        found.append(Finding(CAVEAT, "the confidence head is not used: under SGLANG_RAGGED_VERIFY_MODE=static (the "
+                                     "default, environ.py:1572) models/dspark.py:488-489 builds none and skips its "
+                                     "weights; another mode builds and loads it"))
+    else:
+        found.append(Finding(CAVEAT, "no confidence head: only SGLANG_RAGGED_VERIFY_MODE=static (the default) serves "
+                                     "it; another mode builds one whatever enable_confidence_head says and refuses the "
+                                     "file (models/dspark.py:487-509, 684-696)"))
+    return found
+
+
 # ------------------------------------------------------------------------------------------ in-block direction
 
 
 def vllm_causal(config: Mapping[str, Any], layer: int) -> bool:
-    """qwen3_dflash.py `_dflash_layer_causal`: top-level `is_causal`, else `dflash_config.causal`, else the
-    layer is causal iff it is a sliding-window layer."""
+    """qwen3_dflash.py `_dflash_layer_causal` (0.34.0: :86-97): top-level `is_causal`, else
+    `dflash_config.causal`, else the layer is causal iff it is a sliding-window layer."""
     if config.get("is_causal") is not None:
         return bool(config["is_causal"])
     override = lookup(config, ("dflash_config", "causal"))
     if override is not None:
         return bool(override)
-    types = config.get("layer_types") or []
+    types = _layer_types(config)
     return layer < len(types) and types[layer] == "sliding_attention"
 
 
 def sglang_causal(config: Mapping[str, Any], layer: int) -> bool:
-    """models/dflash.py (003b23d) `_get_dflash_layer_attention_params`: no `layer_types` or a full-attention
+    """0.5.23 models/dflash.py:157-190: without `layer_types` every layer runs bidirectionally (ENCODER_ONLY);
+    with them the (text config's) `is_causal` decides when present, else a sliding layer runs causally and a
+    full-attention layer bidirectionally. `dflash_config.causal` is not read."""
+    text = resolve_text_config(config)
+    types = text.get("layer_types", config.get("layer_types"))
+    if not isinstance(types, (list, tuple)):
+        return False
+    if text.get("is_causal") is not None:
+        return bool(text["is_causal"])
+    return layer < len(types) and types[layer] == "sliding_attention"
+
+
+def sglang_causal_003b23d(config: Mapping[str, Any], layer: int) -> bool:
+    """models/dflash.py @003b23d `_get_dflash_layer_attention_params`: no `layer_types` or a full-attention
     layer runs bidirectionally (ENCODER_ONLY), a sliding layer causally (DECODER); `is_causal` and
     `dflash_config.causal` are not read."""
     text = resolve_text_config(config)
@@ -454,70 +619,106 @@ def sglang_causal(config: Mapping[str, Any], layer: int) -> bool:
 # ------------------------------------------------------------------------------------------ serve commands
 
 
-def _block(draft: DraftFile, rules: RuntimeRules) -> int:
-    trained = getattr(draft.trained, "block_size", None)
-    if trained is not None:
-        return int(trained)
-    value = first_present(draft.config, rules.block_size or (("dflash_config", "block_size"), ("block_size",)))[1]
-    return int(value if value is not None else 16)
-
-
-def _vllm_command(draft: DraftFile, model: str, target: str, options: CheckOptions) -> str:
+def _vllm_command(draft: DraftFile, model: str, target: str, _options) -> str:
     """`vllm serve` with `--speculative-config` (vLLM's documentation, the z-lab DFlash model cards): method
     "dflash" (DFlash and DFlash 2, told apart by architecture) with block_size - 1 speculative tokens, or
-    DSpark's method with block_size (every slot proposes); DFlash's non-causal layers need flash_attn."""
-    block = _block(draft, VLLM)
+    DSpark's method with block_size (every slot proposes); DFlash's non-causal layers need flash_attn. A file
+    that does not say its block (`file_block_size`) gets a placeholder vLLM refuses, never a guessed number."""
+    block = file_block_size(draft.config)[0]
     dspark = model == "qwen3_dspark"
+    tokens: Any = (block if dspark else block - 1) if block is not None else \
+        ("BLOCK_SIZE" if dspark else "BLOCK_SIZE-1")
     spec = {"method": DSPARK_SERVING_METHOD if dspark else "dflash", "model": draft.directory,
-            "num_speculative_tokens": block if dspark else block - 1}
-    env = "VLLM_USE_V2_MODEL_RUNNER=1 " if options.vllm_v2_runner and _mixed_layer_types(draft.config) else ""
-    return (f"{env}vllm serve {target} --speculative-config {shlex.quote(json.dumps(spec))} "
+            "num_speculative_tokens": tokens}
+    return (f"vllm serve {target} --speculative-config {shlex.quote(json.dumps(spec))} "
             "--attention-backend flash_attn")
+
+
+def _vllm_command_036a00d(draft: DraftFile, model: str, target: str, options: CheckOptions) -> str:
+    env = "VLLM_USE_V2_MODEL_RUNNER=1 " if options.vllm_v2_runner and _mixed_layer_types(draft.config) else ""
+    return env + _vllm_command(draft, model, target, options)
 
 
 def _sglang_command(draft: DraftFile, model: str, target: str, _options) -> str:
     """`python -m sglang.launch_server` with `--speculative-algorithm DFLASH` (`--speculative-num-draft-tokens`
-    sets the block) or `DSPARK`; Domino's runtime wants bf16 weights (domino_utils.validate_domino_runtime)."""
+    sets the block) or `DSPARK` (its block from the file); Domino's runtime wants bf16 weights
+    (domino_utils.validate_domino_runtime)."""
     draft_path = shlex.quote(draft.directory)
     if model == "models/dspark.py":
         flags = f"--speculative-algorithm DSPARK --speculative-draft-model-path {draft_path}"
     else:
+        block = file_block_size(draft.config)[0]
         flags = (f"--speculative-algorithm DFLASH --speculative-draft-model-path {draft_path} "
-                 f"--speculative-num-draft-tokens {_block(draft, SGLANG)}")
+                 f"--speculative-num-draft-tokens {block if block is not None else 'BLOCK_SIZE'}")
     dtype = " --dtype bfloat16" if _projector(draft) == DOMINO_PROJECTOR_TYPE else ""
     return f"python -m sglang.launch_server --model-path {target} {flags}{dtype}"
 
 
-# ------------------------------------------------------------------------------------------ the two runtimes
+# ------------------------------------------------------------------------------------ the runtimes and their releases
 
 _VLLM_MASK = (("dflash_config", "mask_token_id"), ("eagle_config", "mask_token_id"), ("mask_token_id",))
 _DFLASH2_APPLIES = tuple(("dflash_config", name) for name in HEAD_SETTINGS)
+# eagle3_utils.get_eagle3_aux_layers_from_config: `eagle_aux_hidden_state_layer_ids` are hidden-state indices
+# (index k = the output of layer k - 1); DFlash ids get + 1 to become one, so they tap layer id.
+_VLLM_TAPS_036A00D = (TapSource(("eagle_aux_hidden_state_layer_ids",), -1),
+                      TapSource(("dflash_config", "target_layer_ids"), 0), TapSource(("dspark_target_layer_ids",), 0),
+                      TapSource(("target_layer_ids",), 0))
 
 VLLM = RuntimeRules(
     name="vLLM",
-    source="vllm-project/vllm: models/registry.py, qwen3_dflash.py @036a00d, qwen3_dflash2.py @030da62, "
-           "qwen3_dspark.py @0302ff4, spec_decode/eagle/eagle3_utils.py",
-    # registry.py _SPECULATIVE_DECODING_MODELS
+    version="0.34.0",
+    source="vllm 0.34.0: model_executor/models/registry.py, qwen3_dflash.py, qwen3_dflash2.py, qwen3_dspark.py, "
+           "v1/worker/gpu/spec_decode/eagle/eagle3_utils.py, dflash/config.py, dspark/config.py",
+    registry="model_executor/models/registry.py:677-780 (_SPECULATIVE_DECODING_MODELS; method \"dflash\" looks up "
+             "'DFlash' + a name that neither starts nor ends with DFlash, transformers_utils/configs/eagle.py:65-76)",
     models={"DFlashDraftModel": "qwen3_dflash", "DFlash2DraftModel": "qwen3_dflash2",
             "Qwen3DSparkModel": "qwen3_dspark"},
-    block_size=(),  # the proposer drafts num_speculative_tokens (+1 query slot), from the serve command
-    block_size_default=None,
-    # qwen3_dflash.py: drafter_config = eagle_config updated by dflash_config, then the top level
+    foreign={"DSparkDraftModel": "DeepSeek-V4's DSpark drafter (vllm.models.deepseek_v4, registry.py:702)",
+             "K3DSparkModel": "Kimi K3's DSpark MLA drafter (vllm.models.kimi_k3, registry.py:718-721)",
+             "Gemma4DSparkModel": "Gemma 4's DSpark drafter (gemma4_dspark, registry.py:731)"},
+    block_source="vLLM takes the block from the serve command (num_speculative_tokens + 1 slots, "
+                 "v1/worker/gpu/spec_decode/dflash/config.py:53-56; DSpark's width defaults to the top-level "
+                 "block_size, dspark/config.py:78-85), so the command below leaves it for you to fill in",
+    block_level=CAVEAT,
+    block_size_default={},
+    # qwen3_dflash.py:475-498: drafter_config = eagle_config updated by dflash_config, then the top level
     mask_token_id=_VLLM_MASK,
-    mask_fallback="None: the masked slots get no MASK embedding",
-    # eagle3_utils.get_eagle3_aux_layers_from_config: `eagle_aux_hidden_state_layer_ids` are hidden-state
-    # indices (index k = the output of layer k - 1); DFlash ids get + 1 to become one, so they tap layer id.
-    taps=(TapSource(("eagle_aux_hidden_state_layer_ids",), -1), TapSource(("dflash_config", "target_layer_ids"), 0),
-          TapSource(("dspark_target_layer_ids",), 0), TapSource(("target_layer_ids",), 0)),
-    tap_fallback="the target model's own default aux layers",
+    mask_rule="qwen3_dflash.py:475-498",
+    mask_fallback="None (qwen3_dflash.py:496-498): the masked slots get no MASK embedding",
+    # 0.34.0 adds dflash_config.layer_ids / eagle_config.layer_ids, hidden-state indices (eagle3_utils.py:131-137)
+    taps=(*_VLLM_TAPS_036A00D, TapSource(("dflash_config", "layer_ids"), -1),
+          TapSource(("eagle_config", "layer_ids"), -1)),
+    taps_rule="v1/worker/gpu/spec_decode/eagle/eagle3_utils.py:103-140",
+    tap_fallback="the target model's own default aux layers (eagle3_utils.py:24-29)",
     causal=vllm_causal,
-    # qwen3_dflash.py / qwen3_dspark.py apply none of the head settings; qwen3_dflash2.py reads all three
+    causal_rule="vLLM: top-level is_causal, else dflash_config.causal, else sliding layers causal, "
+                "qwen3_dflash.py:86-97",
+    # qwen3_dflash.py / qwen3_dspark.py apply none of the head settings; qwen3_dflash2.py:526-558 reads all three
     # from dflash_config.
     applies={"qwen3_dflash": (), "qwen3_dflash2": _DFLASH2_APPLIES, "qwen3_dspark": ()},
-    checks={"qwen3_dflash": (_vllm_no_domino, _vllm_layer_types, _vllm_reduced_vocab),
-            "qwen3_dflash2": (_vllm_dflash2_fields, _vllm_layer_types, _vllm_reduced_vocab),
-            "qwen3_dspark": (_vllm_dspark_head, _vllm_layer_types, _vllm_reduced_vocab)},
+    checks={"qwen3_dflash": (_vllm_no_domino, _vllm_no_dflash2_under_dflash, _vllm_sliding_window, _vllm_reduced_vocab),
+            "qwen3_dflash2": (_vllm_dflash2_fields, _vllm_sliding_window, _vllm_reduced_vocab),
+            "qwen3_dspark": (_vllm_dspark_head, _vllm_sliding_window, _vllm_reduced_vocab)},
     command=_vllm_command,
+)
+
+# The commit-pinned rules 0.34.0 replaces: the V1 model runner (mixed layer types need VLLM_USE_V2_MODEL_RUNNER=1)
+# and no `layer_ids` tap fallback.
+VLLM_036A00D = replace(
+    VLLM,
+    version="036a00d",
+    source="vllm-project/vllm: models/registry.py, qwen3_dflash.py @036a00d, qwen3_dflash2.py @030da62, "
+           "qwen3_dspark.py @0302ff4, spec_decode/eagle/eagle3_utils.py",
+    registry="models/registry.py (_SPECULATIVE_DECODING_MODELS)",
+    foreign={},
+    taps=_VLLM_TAPS_036A00D,
+    taps_rule="eagle3_utils.get_eagle3_aux_layers_from_config",
+    mask_rule="qwen3_dflash.py",
+    tap_fallback="the target model's own default aux layers",
+    checks={"qwen3_dflash": (_vllm_no_domino, _vllm_layer_types_v1, _vllm_reduced_vocab),
+            "qwen3_dflash2": (_vllm_dflash2_fields, _vllm_layer_types_v1, _vllm_reduced_vocab),
+            "qwen3_dspark": (_vllm_dspark_head, _vllm_layer_types_v1, _vllm_reduced_vocab)},
+    command=_vllm_command_036a00d,
 )
 
 
@@ -529,33 +730,94 @@ def _sglang_default_taps(draft: DraftFile) -> list[int]:
     return default_target_layer_ids(int(target or layers), layers)
 
 
+_SGLANG_DFLASH2 = "models/dflash.py DFlash2DraftModel"
+_SGLANG_HEAD = (("dflash_config", "output_multiplier"), ("dflash_config", "final_logit_softcapping"))
+
 SGLANG = RuntimeRules(
     name="SGLang",
-    source="sgl-project/sglang: models/dflash.py @003b23d, models/dspark.py @01f4762, "
-           "speculative/dflash_utils.py @00731f0, speculative/domino_utils.py @04d4c1a",
-    models={"DFlashDraftModel": "models/dflash.py", "Qwen3DSparkModel": "models/dspark.py"},  # their EntryClass
+    version="0.5.23",
+    source="sglang 0.5.23: srt/models/dflash.py, models/dspark.py, speculative/dflash_utils.py, "
+           "speculative/dspark_components/dspark_config.py, arg_groups/speculative_hook.py",
+    registry="the EntryClass lists of models/dflash.py:1317-1324 and models/dspark.py:995",
+    models={"DFlashDraftModel": "models/dflash.py", "DFlash2DraftModel": _SGLANG_DFLASH2,
+            "Qwen3DSparkModel": "models/dspark.py", "DSparkDraftModel": "models/dspark.py",
+            "LingDSparkModel": "models/dspark.py"},
+    foreign={"DFlashLagunaForCausalLM": "Laguna's DFlash drafter (models/dflash.py:1057)",
+             "DSparkMiniMaxDraftModel": "MiniMax's DSpark drafter (models/dspark_minimax.py)"},
     # dflash_utils.parse_dflash_draft_config: every field from dflash_config first, then the top level
-    block_size=(("dflash_config", "block_size"), ("block_size",)),
-    block_size_default=16,
+    block_source="unless --speculative-num-draft-tokens says otherwise, SGLang serves dflash_config.block_size, "
+                 "else the top-level one (speculative/dflash_utils.py:608-617), else its default "
+                 "(arg_groups/speculative_hook.py:389-422; DSpark's gamma: :808-818)",
+    block_level=FAILS,
+    # arg_groups/speculative_hook.py:389-422 (DFLASH: 16) and :815-818 (DSPARK: gamma 7)
+    block_size_default={"models/dflash.py": 16, _SGLANG_DFLASH2: 16, "models/dspark.py": 7},
     mask_token_id=(("dflash_config", "mask_token_id"), ("mask_token_id",)),
-    mask_fallback="the token string '<|MASK|>' (dflash_config.mask_token)",
-    # SGLang captures "before layer i + 1": a stored id i taps layer i's output
+    mask_rule="speculative/dflash_utils.py:688-702",
+    mask_fallback="the token string '<|MASK|>' (dflash_config.mask_token), added to the target's tokenizer when it "
+                  "has none (speculative/dflash_worker_v2.py:1423-1445)",
+    # models/qwen3.py:803-805: SGLang captures "before layer i + 1": a stored id i taps layer i's output
     taps=(TapSource(("dflash_config", "target_layer_ids"), 0), TapSource(("target_layer_ids",), 0)),
-    tap_fallback="DFlash's default formula",
+    taps_rule="speculative/dflash_utils.py:657-670, models/qwen3.py:803-805",
+    tap_fallback="DFlash's default formula (speculative/dflash_utils.py:348-385)",
     causal=sglang_causal,
-    # parse_dflash_draft_config reads output_multiplier / final_logit_softcapping from dflash_config only, and no
-    # input_embedding_scale
-    applies={"models/dflash.py": (("dflash_config", "output_multiplier"),
-                                  ("dflash_config", "final_logit_softcapping")),
-             "models/dspark.py": (("dflash_config", "output_multiplier"),
-                                  ("dflash_config", "final_logit_softcapping"))},
-    checks={"models/dflash.py": (_sglang_domino, _sglang_no_dflash2, _sglang_reduced_vocab),
-            "models/dspark.py": (_sglang_dspark,)},
+    causal_rule="SGLang: no layer_types, all bidirectional; else top-level is_causal, else sliding layers causal, "
+                "models/dflash.py:157-190; dflash_config.causal is not read",
+    # only DFlash2DraftModel applies output_multiplier / final_logit_softcapping (models/dflash.py:1284-1290, from
+    # dflash_config); input_embedding_scale is read nowhere
+    applies={"models/dflash.py": (), _SGLANG_DFLASH2: _SGLANG_HEAD, "models/dspark.py": ()},
+    checks={"models/dflash.py": (_sglang_domino, _sglang_dflash2_under_dflash, _sglang_sliding_window,
+                                 _sglang_reduced_vocab),
+            _SGLANG_DFLASH2: (_sglang_dflash2_fields, _sglang_sliding_window, _sglang_reduced_vocab),
+            "models/dspark.py": (_sglang_dspark, _sglang_sliding_window)},
     command=_sglang_command,
     tap_default=_sglang_default_taps,
 )
 
-RUNTIMES = (VLLM, SGLANG)
+# The commit-pinned rules 0.5.23 replaces: no DFlash 2 or SpecForge DSpark label, `is_causal` not read, the
+# head settings applied by every model file, the confidence head always built.
+SGLANG_003B23D = replace(
+    SGLANG,
+    version="003b23d",
+    source="sgl-project/sglang: models/dflash.py @003b23d, models/dspark.py @01f4762, "
+           "speculative/dflash_utils.py @00731f0, speculative/domino_utils.py @04d4c1a",
+    registry="the EntryClass of models/dflash.py and models/dspark.py",
+    models={"DFlashDraftModel": "models/dflash.py", "Qwen3DSparkModel": "models/dspark.py"},
+    foreign={},
+    block_source="SGLang serves dflash_config.block_size, else the top-level one, else 16 "
+                 "(dflash_utils.parse_dflash_draft_config)",
+    block_size_default={"models/dflash.py": 16, "models/dspark.py": 16},
+    mask_fallback="the token string '<|MASK|>' (dflash_config.mask_token)",
+    mask_rule="dflash_utils.parse_dflash_draft_config",
+    taps_rule="dflash_utils.parse_dflash_draft_config",
+    tap_fallback="DFlash's default formula",
+    causal=sglang_causal_003b23d,
+    causal_rule="SGLang @003b23d: sliding layers causal, full-attention layers bidirectional; is_causal not read",
+    applies={"models/dflash.py": _SGLANG_HEAD, "models/dspark.py": _SGLANG_HEAD},
+    checks={"models/dflash.py": (_sglang_domino, _sglang_no_dflash2, _sglang_reduced_vocab),
+            "models/dspark.py": (_sglang_dspark_003b23d,)},
+)
+
+RUNTIMES = (VLLM, SGLANG)  # the current releases, checked by default
+# runtime (lower case) -> its releases, the current one first (`--runtime-version vllm=036a00d`)
+RELEASES = {"vllm": (VLLM, VLLM_036A00D), "sglang": (SGLANG, SGLANG_003B23D)}
+
+
+def runtime_rules(versions: Optional[Mapping[str, str]] = None) -> tuple[RuntimeRules, ...]:
+    """The rules of each runtime's chosen release (`versions`: runtime name -> version, any case; a runtime
+    not named gets its current release). `ValueError` names an unknown runtime or version and the known ones."""
+    chosen = {name.lower(): version for name, version in (versions or {}).items()}
+    unknown = sorted(set(chosen) - set(RELEASES))
+    if unknown:
+        raise ValueError(f"--runtime-version {unknown[0]}: no such runtime (choose {', '.join(RELEASES)}).")
+    out = []
+    for name, releases in RELEASES.items():
+        version = chosen.get(name, releases[0].version)
+        match = [rules for rules in releases if rules.version == version]
+        if not match:
+            raise ValueError(f"--runtime-version {name}={version}: no rules for that release (known: "
+                             f"{', '.join(r.version for r in releases)}).")
+        out.append(match[0])
+    return tuple(out)
 
 
 # ------------------------------------------------------------------------------------------ the target
@@ -606,37 +868,59 @@ def target_findings(draft: DraftFile, target_dir: Optional[str]) -> list:
 # ------------------------------------------------------------------------------------------ the check
 
 
+def _registry_finding(draft: DraftFile, rules: RuntimeRules) -> Finding:
+    """The runtime's own reason for an architecture it builds no model of ours for."""
+    name = draft.architecture
+    if name in rules.foreign:
+        return Finding(FAILS, f"{rules.label} registers {name!r} for {rules.foreign[name]}, not for this draft")
+    hint = (" (write the SGLang label with `convert_checkpoint.py to-hf --export-for sglang`)"
+            if name == DOMINO_ARCHITECTURE and rules.name == "SGLang" else "")
+    return Finding(FAILS, f"{rules.label} has no {name!r} in its registry, {rules.registry}; the names it builds a "
+                          f"draft of ours from: {', '.join(sorted(rules.models))}{hint}")
+
+
 def check_runtime(draft: DraftFile, rules: RuntimeRules, options: CheckOptions, shared: list,
                   target: str) -> RuntimeReport:
     """One runtime's verdict on a draft: its registry, its readings against the trained ones, its model file's
-    checks, and the `shared` findings (the target's, this package's own reading)."""
-    report = RuntimeReport(runtime=rules.name, source=rules.source, verdict=LOADS)
+    checks, and the `shared` findings (the target's, this package's own reading). This package's failure to read
+    the file is no runtime's reason: a caveat (what the draft was trained with is unknown) for a runtime whose
+    rules find nothing wrong, left out for one that fails it by its own."""
+    report = RuntimeReport(runtime=rules.name, version=rules.version, source=rules.source, verdict=LOADS)
     model = rules.models.get(draft.architecture)
     if model is None:
-        hint = (" (write the SGLang label with `convert_checkpoint.py to-hf --export-for sglang`)"
-                if draft.architecture == DOMINO_ARCHITECTURE and rules is SGLANG else "")
-        report.findings.append(Finding(FAILS, f"registers no {draft.architecture!r} architecture (it registers "
-                                              f"{', '.join(sorted(rules.models))}){hint}"))
+        report.findings.append(_registry_finding(draft, rules))
     else:
         for check in (*_GENERIC_CHECKS, *rules.checks.get(model, ())):
             report.findings += check(draft, rules, options)
+        report.findings += _check_block_size(draft, rules, options, model)
         report.findings += _check_head_settings(draft, rules, model)
-    report.findings += shared
+    own_failure = any(f.level == FAILS for f in report.findings)
+    for finding in shared:
+        if finding.reason.startswith(_UNREAD):  # not the runtime's reason: whether it serves as trained is unknown
+            if own_failure:
+                continue
+            finding = Finding(CAVEAT, f"{rules.label} reads it by the rules above, but {finding.reason}")
+        report.findings.append(finding)
     report.verdict = max((f.level for f in report.findings), key=_SEVERITY.__getitem__, default=LOADS)
     if report.verdict != FAILS:
         report.command = rules.command(draft, model, target, options)
     return report
 
 
+_UNREAD = "this package does not read it as a draft"
+
+
 def check_serving(directory: str, target: Optional[str] = None, *, vllm_v2_runner: bool = False,
-                  runtimes: Sequence[RuntimeRules] = RUNTIMES) -> list[RuntimeReport]:
+                  versions: Optional[Mapping[str, str]] = None,
+                  runtimes: Optional[Sequence[RuntimeRules]] = None) -> list[RuntimeReport]:
     """Per runtime: whether the HF draft in `directory` loads (`LOADS`, `CAVEAT`, `FAILS`), why, and its serve
-    command (for a draft that loads). `target`: the target's HF directory (config.json, tokenizer.json)."""
+    command (for a draft that loads). `target`: the target's HF directory (config.json, tokenizer.json);
+    `versions`: the release per runtime (`runtime_rules`; default the current ones), or `runtimes` given."""
+    runtimes = runtime_rules(versions) if runtimes is None else runtimes
     draft = read_draft_file(directory)
     shared = target_findings(draft, target)
     if draft.trained_error is not None:
-        shared.append(Finding(FAILS, f"this package does not read it as a draft, so what it was trained with is "
-                                     f"unknown: {draft.trained_error}"))
+        shared.append(Finding(FAILS, f"{_UNREAD}, so what it was trained with is unknown: {draft.trained_error}"))
     shown_target = shlex.quote(os.path.abspath(target)) if target else "<target>"
     options = CheckOptions(vllm_v2_runner=vllm_v2_runner)
     return [check_runtime(draft, rules, options, shared, shown_target) for rules in runtimes]
@@ -651,12 +935,12 @@ def report_lines(directory: str, reports: Sequence[RuntimeReport]) -> list[str]:
     """The console report: per runtime its verdict and reasons, then the serve commands."""
     lines = [f"serving check of {directory}"]
     for report in reports:
-        lines.append(f"{report.runtime}: {report.verdict}")
+        lines.append(f"{report.runtime} {report.version}: {report.verdict}")
         lines.append(f"  (as read by {report.source})")
         lines += [f"  - {'caveat' if f.level == CAVEAT else 'does not load'}: {f.reason}" for f in report.findings]
     lines.append("serve commands:")
     for report in reports:
-        lines.append(f"  # {report.runtime}")
+        lines.append(f"  # {report.runtime} {report.version}")
         lines.append(f"  {report.command}" if report.command else f"  (not served by {report.runtime}: see above)")
     return lines
 

@@ -21,13 +21,15 @@ from variant_drafts import variant_draft
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 TOOL = os.path.join(REPO_ROOT, "tools", "check_serving.py")
+PROG = "check_serving.py"
 
 
 @pytest.mark.parametrize("argv, expected, message", [
     (["--help"], "exit: 0", None),
     (["/nonexistent"], "exit: 2", "draft /nonexistent: no such directory."),
     ([REPO_ROOT], "exit: 2", f"draft {REPO_ROOT}: no config.json in it"),
-], ids=["help", "missing-draft", "not-a-draft"])
+    ([REPO_ROOT, "--runtime-version", "vllm"], "exit: 2", "--runtime-version vllm: give RUNTIME=VERSION"),
+], ids=["help", "missing-draft", "not-a-draft", "runtime-version-not-name=version"])
 def test_help_and_usage_errors_answer_before_torch_loads(argv, expected, message):
     done = subprocess.run([sys.executable, "-c", TORCH_PROBE, TOOL, *argv], capture_output=True, text=True,
                           timeout=120, env=child_env())
@@ -58,14 +60,22 @@ def test_the_report_exit_status_and_json_of_the_converters_exports(tmp_path, cap
     assert done.returncode == 1, done.stdout + done.stderr  # vLLM serves no Domino draft
     lines = done.stdout.splitlines()
     assert lines[0] == f"serving check of {domino}"
-    assert "vLLM: does not load" in lines and "SGLang: loads" in lines
+    assert "vLLM 0.34.0: does not load" in lines and "SGLang 0.5.23: loads" in lines
     assert any("no Domino correction head" in line for line in lines)
-    assert lines[-2] == "  # SGLang" and "--speculative-algorithm DFLASH" in lines[-1] and "--dtype bfloat16" in lines[-1]
+    assert lines[-2] == "  # SGLang 0.5.23" and "--speculative-algorithm DFLASH" in lines[-1] and "--dtype bfloat16" in lines[-1]
     report = json.loads((tmp_path / "domino.json").read_text())
     expected = [r.to_json() for r in check_serving(domino)]
     assert report["runtimes"] == expected and report["exit_status"] == 1
 
     dflash = _converted(tmp_path, "dflash")
     done = _run(dflash)
-    assert done.returncode == 0 and "vLLM: loads" in done.stdout.splitlines(), done.stdout + done.stderr
+    assert done.returncode == 0 and "vLLM 0.34.0: loads" in done.stdout.splitlines(), done.stdout + done.stderr
     assert done.stdout.splitlines()[-3].strip().startswith("vllm serve <target> --speculative-config")
+
+    dflash2 = _converted(tmp_path, "dflash2")
+    done = _run(dflash2, "--runtime-version", "sglang=003b23d", "vllm=036a00d")
+    assert done.returncode == 1 and "SGLang 003b23d: does not load" in done.stdout.splitlines(), done.stdout
+    assert "vLLM 036a00d: loads" in done.stdout.splitlines()
+    done = _run(dflash2, "--runtime-version", "sglang=0.5.22")
+    assert done.returncode == 2 and done.stderr.strip() == (f"{PROG}: error: --runtime-version sglang=0.5.22: no rules "
+                                                            "for that release (known: 0.5.23, 003b23d)."), done.stderr
