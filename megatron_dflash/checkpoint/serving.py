@@ -47,11 +47,13 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from safetensors import SafetensorError, safe_open
 
+from ..common.errors import CheckpointError
 from ..common.safetensors_files import safetensors_files
 from ..draft.config import default_target_layer_ids, resolve_text_config
 from ..variants.domino import DOMINO_ARCHITECTURE, DOMINO_PROJECTOR_TYPE
 from ..variants.dspark import DSPARK_SERVING_METHOD
 from .architectures import config_from_dict, read_json_object
+from .hf_config_check import check_config_shapes, hf_weights_name
 
 __all__ = [
     "LOADS", "CAVEAT", "FAILS", "Finding", "RuntimeReport", "RuntimeRules", "TapSource", "RUNTIMES", "VLLM",
@@ -115,6 +117,7 @@ class DraftFile:
     tensors: dict  # name -> (dtype, shape, file)
     trained: Any = None
     trained_error: Optional[str] = None
+    file_error: Optional[str] = None  # a field of the wrong type or range, or contradicting the weights' shapes
 
     @property
     def architecture(self) -> Optional[str]:
@@ -199,10 +202,15 @@ def read_int_tensor(draft: DraftFile, name: str) -> Optional[list[int]]:
 
 def read_draft_file(directory: str) -> DraftFile:
     """The directory's config.json and tensor headers, and this package's reading of it."""
-    config = read_json_object(os.path.join(directory, "config.json"))
+    path = os.path.join(directory, "config.json")
+    config = read_json_object(path)
     draft = DraftFile(directory=os.path.abspath(directory), config=config, tensors=_tensor_headers(directory))
     try:
-        _, draft.trained = config_from_dict(json.loads(json.dumps(config)), "config.json")
+        _, draft.trained = config_from_dict(json.loads(json.dumps(config)), path)  # types and ranges first
+        check_config_shapes(draft.trained, {n: shape for n, (_, shape, _) in draft.tensors.items()}, path,
+                            hf_weights_name(directory))
+    except CheckpointError as err:  # no runtime builds a draft from it; the rules below would misread it
+        draft.file_error = str(err)
     except (ValueError, TypeError, KeyError) as err:
         draft.trained_error = str(err)
     return draft
@@ -638,6 +646,9 @@ def check_serving(directory: str, target: Optional[str] = None, *, vllm_v2_runne
     """Per runtime: whether the HF draft in `directory` loads (`LOADS`, `CAVEAT`, `FAILS`), why, and its serve
     command (for a draft that loads). `target`: the target's HF directory (config.json, tokenizer.json)."""
     draft = read_draft_file(directory)
+    if draft.file_error is not None:  # malformed, or its config contradicts its weights: no runtime loads it
+        return [RuntimeReport(runtime=rules.name, source=rules.source, verdict=FAILS,
+                              findings=[Finding(FAILS, draft.file_error)]) for rules in runtimes]
     shared = target_findings(draft, target)
     if draft.trained_error is not None:
         shared.append(Finding(FAILS, f"this package does not read it as a draft, so what it was trained with is "
