@@ -13,8 +13,7 @@ exabyte allocation or a type error deep inside a constructor. Two checks come fi
 * `check_config_shapes(config, shapes, source, weights)`: the parsed config against the tensor shapes of
   its weights (from the safetensors headers, `hf_tensor_shapes`, or the `torch_dist` metadata): every field
   that sizes a weight (`hidden_size`, the taps, the layer count, heads, KV heads, `head_dim`,
-  `intermediate_size`, each variant's own widths, the vocabulary rows of its heads, `markov_rank`,
-  `draft_vocab_size`) must agree with one tensor that has it (`_dims`). After it, the body a loader builds
+  `intermediate_size`, each variant's own widths, the vocabulary rows of its heads, `markov_rank`) must agree with one tensor that has it (`_dims`). After it, the body a loader builds
   is as large as the file; the loader's full comparison (`draft.sharding.check_tensor_shapes`) then
   checks every other tensor.
 
@@ -184,7 +183,7 @@ def _kimi_k3_dims(c) -> list[Dim]:
 
 
 def _variant_dims(c) -> list[Dim]:
-    """The variants' own modules (DFlash 2, Domino, DSpark) and a reduced draft vocabulary's head."""
+    """The variants' own modules (DFlash 2, Domino, DSpark)."""
     dims: list[Dim] = []
     if hasattr(c, "selector_rank"):  # DFlash 2 (variants/dflash2.py)
         s, conv = "candidate_selector.", "layers.0.attention_conv."
@@ -201,9 +200,7 @@ def _variant_dims(c) -> list[Dim]:
     if getattr(c, "markov_rank", 0):  # DSpark's Markov head (variants/dspark.py)
         dims += [("vocab_size", "markov_head.markov_w1.weight", 0, c.vocab_size, "vocab_size"),
                  ("markov_rank", "markov_head.markov_w1.weight", 1, c.markov_rank, "markov_rank")]
-    if getattr(c, "draft_vocab_size", None) is not None:  # docs/design.md §20
-        dims += [("draft_vocab_size", "lm_head.weight", 0, c.draft_vocab_size, "draft_vocab_size"),
-                 ("draft_vocab_size", "d2t", 0, c.draft_vocab_size, "draft_vocab_size")]
+    # A reduced draft vocabulary's head and `d2t` are checked by their own reader (docs/design.md §20).
     return dims
 
 
