@@ -66,7 +66,13 @@ def read_hf_draft_config(directory: str):
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} does not exist: not a HF draft directory.")
     variant, config = config_from_dict(read_json_object(path), path)
-    check_config_shapes(config, hf_tensor_shapes(directory), path, hf_weights_name(directory))
+    shapes = hf_tensor_shapes(directory)
+    if variant.hf_tensors is not None:  # a foreign layout is refused by its name first (ModelOpt's DSpark)
+        try:
+            variant.hf_tensors(dict.fromkeys(shapes))  # the names only: the weights are not read yet
+        except (AttributeError, TypeError):  # a reader that needs the tensors: the loader calls it with them
+            pass
+    check_config_shapes(config, shapes, path, hf_weights_name(directory))
     return variant, config
 
 
