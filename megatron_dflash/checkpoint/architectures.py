@@ -58,15 +58,16 @@ def config_from_dict(data: Mapping[str, Any], source: str):
     return _registry().config_from_hf_dict(data, source)
 
 
-def read_hf_draft_config(directory: str):
+def read_hf_draft_config(directory: str, shapes: Optional[Mapping[str, Any]] = None):
     """`(Variant, config)` of the HF draft directory `directory`: its `config.json` read by `config_from_dict`
-    and checked against the shapes in its safetensors headers (`hf_config_check.check_config_shapes`), so that
-    a body built from it is the file's size. Nothing is built and no tensor is read."""
+    and checked against the tensor shapes `{name: shape}` of its safetensors headers (`shapes`, default: read
+    here) (`hf_config_check.check_config_shapes`), so that a body built from it is the file's size. Nothing is
+    built and no tensor is read."""
     path = os.path.join(directory, "config.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} does not exist: not a HF draft directory.")
     variant, config = config_from_dict(read_json_object(path), path)
-    shapes = hf_tensor_shapes(directory)
+    shapes = hf_tensor_shapes(directory) if shapes is None else shapes
     if variant.hf_tensors is not None:  # a foreign layout is refused by its name first (ModelOpt's DSpark)
         try:
             variant.hf_tensors(dict.fromkeys(shapes))  # the names only: the weights are not read yet

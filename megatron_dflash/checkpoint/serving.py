@@ -52,8 +52,7 @@ from ..common.safetensors_files import safetensors_files
 from ..draft.config import default_target_layer_ids, resolve_text_config
 from ..variants.domino import DOMINO_ARCHITECTURE, DOMINO_PROJECTOR_TYPE
 from ..variants.dspark import DSPARK_SERVING_METHOD
-from .architectures import config_from_dict, read_json_object
-from .hf_config_check import check_config_shapes, hf_weights_name
+from .architectures import read_hf_draft_config, read_json_object
 
 __all__ = [
     "LOADS", "CAVEAT", "FAILS", "Finding", "RuntimeReport", "RuntimeRules", "TapSource", "RUNTIMES", "VLLM",
@@ -202,13 +201,10 @@ def read_int_tensor(draft: DraftFile, name: str) -> Optional[list[int]]:
 
 def read_draft_file(directory: str) -> DraftFile:
     """The directory's config.json and tensor headers, and this package's reading of it."""
-    path = os.path.join(directory, "config.json")
-    config = read_json_object(path)
+    config = read_json_object(os.path.join(directory, "config.json"))
     draft = DraftFile(directory=os.path.abspath(directory), config=config, tensors=_tensor_headers(directory))
-    try:
-        _, draft.trained = config_from_dict(json.loads(json.dumps(config)), path)  # types and ranges first
-        check_config_shapes(draft.trained, {n: shape for n, (_, shape, _) in draft.tensors.items()}, path,
-                            hf_weights_name(directory))
+    try:  # as every loader reads it: types, ranges and sizes against the weights first
+        _, draft.trained = read_hf_draft_config(directory, {n: shape for n, (_, shape, _) in draft.tensors.items()})
     except CheckpointError as err:  # no runtime builds a draft from it; the rules below would misread it
         draft.file_error = str(err)
     except (ValueError, TypeError, KeyError) as err:

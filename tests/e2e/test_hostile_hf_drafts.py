@@ -1,6 +1,6 @@
 """Hostile draft configs through every tool that builds a draft from one: `convert_checkpoint.py to-megatron`
 (a HF directory's config.json) and `to-hf --validate` (a megatron checkpoint's dflash_config.json),
-`evaluate_acceptance.py --draft` and `check_serving.py`. Each case is a field of the wrong JSON type, a size no
+`evaluate_acceptance.py --draft` (either) and `check_serving.py`. Each case is a field of the wrong JSON type, a size no
 draft has, or a size its weights contradict: one line naming the file, the field and its value, exit status 1
 (the serving check: "does not load" on every runtime, the same line as the reason), no traceback, nothing
 allocated and nothing written (docs/design.md §14 Reliability guarantees)."""
@@ -39,7 +39,7 @@ CASES = {
     "architectures-5": ("dflash", {"architectures": 5}, "architectures is 5; it must be a list of strings"),
     "layer-types-5": ("dflash", {"layer_types": 5}, "layer_types is 5; it must be a list of strings"),
 }
-TOOLS = ("to-megatron", "to-hf", "evaluate", "serving")
+TOOLS = ("to-megatron", "to-hf", "evaluate", "evaluate-megatron", "serving")
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +71,7 @@ def _edit(path: str, fields: dict) -> None:
 def _hostile_copy(exports, tmp_path, tool: str, variant: str, fields: dict) -> tuple[str, str]:
     """(the directory the tool reads, the config file edited in it)."""
     hf, megatron = exports[1][variant]
-    if tool == "to-hf":
+    if tool in ("to-hf", "evaluate-megatron"):
         directory = shutil.copytree(megatron, tmp_path / "megatron")
         config = os.path.join(directory, "release", "dflash_config.json")
     else:
@@ -85,7 +85,7 @@ def _run(tool: str, directory: str, exports, tmp_path) -> int:
     root = exports[0]
     if tool in ("to-megatron", "to-hf"):
         return convert.main([tool, "--load", directory, "--output", str(tmp_path / "out"), "--validate"])
-    if tool == "evaluate":
+    if tool.startswith("evaluate"):
         return evaluate_module().main(["--target", str(root / "target"), "--draft", directory, "--prompts",
                                        str(root / "prompts.jsonl"), "--max-new-tokens", "2", "--device", "cpu",
                                        "--dtype", "float32"])
