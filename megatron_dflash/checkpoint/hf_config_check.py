@@ -120,8 +120,9 @@ def _field_error(spec: Field, value: Any) -> bool:
     if spec.kind == "int":
         return not _is_int(value) or not spec.low <= value <= spec.high
     if spec.kind == "number":
-        in_range = spec.low is None or (value > spec.low and (spec.high is None or value < spec.high))
-        return not _is_number(value) or not in_range
+        if not _is_number(value):
+            return True
+        return spec.low is not None and not (value > spec.low and (spec.high is None or value < spec.high))
     kinds = {"bool": bool, "str": str, "object": dict}
     return not isinstance(value, kinds[spec.kind])
 
@@ -139,7 +140,7 @@ def check_config_fields(data: Mapping[str, Any], source: str) -> None:
                 huge = spec.kind == "int" and _is_int(value) and value > spec.high
                 raise CheckpointError(
                     f"{source}: {prefix}{name} is {_shown(value)}; it must be {spec.what()}"
-                    + ("; no real draft comes near it, fix config.json." if huge else "; fix config.json.")
+                    + ("; no real draft comes near it, fix the file." if huge else "; fix the file.")
                 )
 
 
@@ -233,7 +234,7 @@ def check_config_shapes(config, shapes: Mapping[str, Sequence[int]], source: str
         if len(shape) <= axis or shape[axis] != size:
             raise CheckpointError(
                 f"{source}: {field} {_shown(value)} contradicts {tensor} {shape} in {weights} (its dimension "
-                f"{axis} would be {how} = {size}); fix config.json or load the weights it was written with."
+                f"{axis} would be {how} = {size}); fix the config or load the weights it was written with."
             )
 
 

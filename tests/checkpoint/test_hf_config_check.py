@@ -58,9 +58,11 @@ def test_the_sizing_rules_agree_with_every_body_a_variant_builds():
     ({"dflash_config": {"target_layer_ids": [1, "2"]}}, "dflash_config.target_layer_ids is [1, \"2\"]"),
     ({"architectures": "DFlashDraftModel"}, "architectures is \"DFlashDraftModel\"; it must be a list of strings"),
     ({"rms_norm_eps": -1}, "rms_norm_eps is -1; it must be a finite number > 0 and < 1"),
+    ({"rope_theta": "1e6"}, "rope_theta is \"1e6\"; it must be a finite number > 0"),
     ({"layer_types": "x" * 10_000}, "layer_types is \"xxxxxxxx"),
     ({"dflash_config": 5}, "dflash_config is 5; it must be a JSON object"),
-], ids=["bool", "float", "layers", "nested-block", "tap-string", "arch-string", "eps", "long-value", "dflash-config"])
+], ids=["bool", "float", "layers", "nested-block", "tap-string", "arch-string", "eps", "theta-string", "long-value",
+        "dflash-config"])
 def test_a_malformed_field_is_one_line_naming_it(data, message):
     with pytest.raises(CheckpointError) as err:
         check_config_fields(data, "d/config.json")
