@@ -381,6 +381,24 @@ def load_target(path: str, device, dtype):
     return family.loader(target_architecture(config))(path, dtype).to(device).eval()
 
 
+def _draft_error(path: str, err: BaseException) -> ValueError:
+    return ValueError(f"--draft {path}: cannot load the draft ({type(err).__name__}: "
+                      f"{str(err).splitlines()[0] if str(err) else ''}).")
+
+
+def check_draft_config(path: str) -> None:
+    """A HF draft's config.json checked (types, ranges, against its weights' shapes) before the target loads, so
+    a broken draft is named at once; a megatron checkpoint's is checked when it is read."""
+    from megatron_dflash.checkpoint.architectures import read_hf_draft_config
+
+    if looks_like_save_dir(path):
+        return
+    try:
+        read_hf_draft_config(path)
+    except (OSError, ValueError) as err:
+        raise _draft_error(path, err) from None
+
+
 def load_draft(path: str, device, dtype, attention_backend: str):
     """The draft body of a HF draft directory or of a megatron torch_dist checkpoint (a save
     directory's newest checkpoint, or one checkpoint directory); the variant comes from its config."""
@@ -398,8 +416,7 @@ def load_draft(path: str, device, dtype, attention_backend: str):
         else:
             body = load_hf_checkpoint(path, attention_backend=attention_backend)
     except (OSError, ValueError, KeyError) as err:  # a broken config or weights file: exit 1, not a usage error
-        raise ValueError(f"--draft {path}: cannot load the draft ({type(err).__name__}: "
-                         f"{str(err).splitlines()[0] if str(err) else ''}).") from None
+        raise _draft_error(path, err) from None
     try:
         variant_of(body).check_dtype(dtype)
     except ValueError as err:
@@ -519,6 +536,7 @@ class _Run:
                                                                           self.template_kwargs)
             for warning in prompt_warnings:
                 print(warning, file=sys.stderr, flush=True)
+        check_draft_config(args.draft)  # a broken draft is named before the target loads
         try:
             self.target = load_target(args.target, self.device, dtype)
         except (OSError, ValueError) as err:  # a hub id that does not resolve, a broken directory

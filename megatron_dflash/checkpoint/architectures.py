@@ -11,13 +11,16 @@ before torch loads.
 from __future__ import annotations
 
 import json
+import os
 from typing import TYPE_CHECKING, Any, Mapping, Optional
+
+from .hf_config_check import check_config_fields, check_config_shapes, hf_tensor_shapes, hf_weights_name
 
 if TYPE_CHECKING:
     from ..variants.registry import Variant
 
 __all__ = ["architecture_of", "architecture_for_config", "known_architectures", "build_body_for_checkpoint",
-           "read_json_object", "config_from_dict", "architecture_hint"]
+           "read_json_object", "config_from_dict", "read_hf_draft_config", "architecture_hint"]
 
 
 def _registry():
@@ -39,16 +42,39 @@ def read_json_object(path: str) -> dict:
     try:
         with open(path) as f:
             data = json.load(f)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path} is not valid JSON: {err}") from err
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path} is not valid JSON: {err}") from None
+    except RecursionError:  # nested deeper than the parser goes: no config is
+        raise ValueError(f"{path} is not a config: its JSON is nested too deeply.") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path} must hold a JSON object.")
     return data
 
 
 def config_from_dict(data: Mapping[str, Any], source: str):
-    """`(Variant, config)` of a HF-layout config dict; ValueError naming `source` otherwise."""
+    """`(Variant, config)` of a HF-layout config dict; ValueError naming `source` otherwise (`CheckpointError`
+    for a field of the wrong JSON type or out of range, checked before any variant reads the dict)."""
+    check_config_fields(data, source)
     return _registry().config_from_hf_dict(data, source)
+
+
+def read_hf_draft_config(directory: str, shapes: Optional[Mapping[str, Any]] = None):
+    """`(Variant, config)` of the HF draft directory `directory`: its `config.json` read by `config_from_dict`
+    and checked against the tensor shapes `{name: shape}` of its safetensors headers (`shapes`, default: read
+    here) (`hf_config_check.check_config_shapes`), so that a body built from it is the file's size. Nothing is
+    built and no tensor is read."""
+    path = os.path.join(directory, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} does not exist: not a HF draft directory.")
+    variant, config = config_from_dict(read_json_object(path), path)
+    shapes = hf_tensor_shapes(directory) if shapes is None else shapes
+    if variant.hf_tensors is not None:  # a foreign layout is refused by its name first (ModelOpt's DSpark)
+        try:
+            variant.hf_tensors(dict.fromkeys(shapes))  # the names only: the weights are not read yet
+        except (AttributeError, TypeError):  # a reader that needs the tensors: the loader calls it with them
+            pass
+    check_config_shapes(config, shapes, path, hf_weights_name(directory))
+    return variant, config
 
 
 def architecture_for_config(data: Mapping[str, Any]) -> "Variant":

@@ -33,13 +33,20 @@ from ..draft.body import default_parallel_config
 from ..draft.config import resolve_causal
 from ..draft.draft_vocab import read_vocab_tensors
 from ..draft.sharding import local_tensors
-from .architectures import architecture_hint, build_body_for_checkpoint, config_from_dict, read_json_object
+from .architectures import (
+    architecture_hint,
+    build_body_for_checkpoint,
+    config_from_dict,
+    read_hf_draft_config,
+    read_json_object,
+)
 from .hf import hf_state_dict, load_hf_state_dict_into, read_safetensors, save_hf_checkpoint
 from .serving import sglang_config
 from .torch_dist import (
     DRAFT_CONFIG_FILENAME,
     RELEASE,
     Iteration,
+    check_draft_config_shapes,
     common_dtype,
     dtype_name,
     iteration_dir_name,
@@ -209,6 +216,7 @@ def convert_megatron_to_hf(
     with single_process_group():
         _require_single_process()
         stored = megatron_draft_tensors(iteration_dir)
+        check_draft_config_shapes(config, iteration_dir, config_path, stored)  # before the body is built from it
         out_dtype = dtype or common_dtype(d for _, d in stored.values())
         _check_dtype_allowed(architecture, out_dtype)
         # The body holds the weights as stored (fp32 when they mix dtypes: exact for all of
@@ -301,7 +309,7 @@ def convert_hf_to_megatron(
         raise FileNotFoundError(f"{config_file} does not exist: not a HF draft directory.{hint}")
     iteration = parse_iteration(iteration)
     check_destination(output, replace=force, source=load, replace_flag="force=True")
-    architecture, config = config_from_dict(read_json_object(config_file), config_file)
+    architecture, config = read_hf_draft_config(load)  # types, ranges and the weights' shapes, before the build
     if target_tensor_parallel_size is not None:
         config.validate_tensor_parallel(int(target_tensor_parallel_size))
     dtype = _parse_dtype(dtype)

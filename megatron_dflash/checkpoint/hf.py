@@ -37,7 +37,8 @@ from ..draft.sharding import (
     load_sharded_state_dict_into,
     sharded_state_dict,
 )
-from ..variants.registry import read_hf_config, variant_of
+from ..variants.registry import variant_of
+from .architectures import read_hf_draft_config
 
 __all__ = [
     "SAFETENSORS_NAME",
@@ -198,9 +199,10 @@ def load_hf_checkpoint(
 
     Raises:
         FileNotFoundError: no config.json / safetensors in `directory`.
+        CheckpointError: a config field of the wrong type, out of range or contradicting the weights' shapes.
         ValueError: the weights do not match the config (names listed).
     """
-    variant, config = read_hf_config(os.path.join(directory, CONFIG_NAME))
+    variant, config = read_hf_draft_config(directory)  # checked against the weights' shapes before the build
     # Initialised although every weight is overwritten: megatron only marks its split weights
     # (`tensor_model_parallel`, which its optimizer and grad-norm code read) while initialising them.
     body = variant.build_body(

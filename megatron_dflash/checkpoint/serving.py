@@ -50,7 +50,7 @@ from ..draft.config import default_target_layer_ids, resolve_text_config
 from ..draft.draft_vocab import check_vocab_tensors
 from ..variants.domino import DOMINO_ARCHITECTURE, DOMINO_PROJECTOR_TYPE
 from ..variants.dspark import DSPARK_SERVING_METHOD
-from .architectures import config_from_dict, read_json_object
+from .architectures import read_hf_draft_config, read_json_object
 
 __all__ = [
     "LOADS", "CAVEAT", "FAILS", "Finding", "RuntimeReport", "RuntimeRules", "TapSource", "RUNTIMES", "RELEASES",
@@ -128,6 +128,7 @@ class DraftFile:
     tensors: dict  # name -> (dtype, shape, file)
     trained: Any = None
     trained_error: Optional[str] = None
+    file_error: Optional[str] = None  # a field of the wrong type or range, or contradicting the weights' shapes
 
     @property
     def architecture(self) -> Optional[str]:
@@ -210,8 +211,10 @@ def read_draft_file(directory: str) -> DraftFile:
     """The directory's config.json and tensor headers, and this package's reading of it."""
     config = read_json_object(os.path.join(directory, "config.json"))
     draft = DraftFile(directory=os.path.abspath(directory), config=config, tensors=_tensor_headers(directory))
-    try:
-        _, draft.trained = config_from_dict(json.loads(json.dumps(config)), "config.json")
+    try:  # as every loader reads it: types, ranges and sizes against the weights first
+        _, draft.trained = read_hf_draft_config(directory, {n: shape for n, (_, shape, _) in draft.tensors.items()})
+    except CheckpointError as err:  # no runtime builds a draft from it; the rules below would misread it
+        draft.file_error = str(err)
     except (ValueError, TypeError, KeyError) as err:
         draft.trained_error = str(err)
     return draft
@@ -918,6 +921,9 @@ def check_serving(directory: str, target: Optional[str] = None, *, vllm_v2_runne
     `versions`: the release per runtime (`runtime_rules`; default the current ones), or `runtimes` given."""
     runtimes = runtime_rules(versions) if runtimes is None else runtimes
     draft = read_draft_file(directory)
+    if draft.file_error is not None:  # malformed, or its config contradicts its weights: no runtime loads it
+        return [RuntimeReport(runtime=rules.name, version=rules.version, source=rules.source, verdict=FAILS,
+                              findings=[Finding(FAILS, draft.file_error)]) for rules in runtimes]
     shared = target_findings(draft, target)
     if draft.trained_error is not None:
         shared.append(Finding(FAILS, f"{_UNREAD}, so what it was trained with is unknown: {draft.trained_error}"))

@@ -73,6 +73,7 @@ from .architectures import (
     config_from_dict,
     read_json_object,
 )
+from .hf_config_check import check_config_shapes
 
 __all__ = [
     "TRACKER_FILENAME",
@@ -95,6 +96,7 @@ __all__ = [
     "dtype_name",
     "draft_config_dict",
     "read_draft_config",
+    "check_draft_config_shapes",
     "megatron_draft_tensors",
     "read_megatron_draft_state",
     "save_megatron_draft",
@@ -304,12 +306,15 @@ def draft_config_dict(body) -> dict:
     return config.to_hf_dict(architecture.architecture)
 
 
+def _draft_config_path(iteration_dir: str, config_path: Optional[str] = None) -> str:
+    path = config_path or os.path.join(iteration_dir, DRAFT_CONFIG_FILENAME)
+    return os.path.join(path, "config.json") if os.path.isdir(path) else path
+
+
 def read_draft_config(iteration_dir: str, config_path: Optional[str] = None):
     """`(architecture, config)` from `iteration_dir/dflash_config.json` (or `config_path`, a HF
     config.json, for checkpoints written without one)."""
-    path = config_path or os.path.join(iteration_dir, DRAFT_CONFIG_FILENAME)
-    if os.path.isdir(path):
-        path = os.path.join(path, "config.json")
+    path = _draft_config_path(iteration_dir, config_path)
     if not os.path.isfile(path):
         if config_path is not None:
             raise FileNotFoundError(f"{path} does not exist.")
@@ -344,6 +349,16 @@ def megatron_draft_tensors(iteration_dir: str, prefix: str = MODEL_PREFIX) -> di
             f"{prefixes}); the draft weights are expected as {prefix}<HF name>."
         )
     return out
+
+
+def check_draft_config_shapes(config, iteration_dir: str, config_path: Optional[str] = None,
+                              stored: Optional[Mapping[str, tuple]] = None) -> None:
+    """`CheckpointError` when the draft config (`read_draft_config`) contradicts the checkpoint's tensor shapes
+    (`stored`, default: `megatron_draft_tensors` of its metadata): checked before a body is built from it
+    (`hf_config_check.check_config_shapes`). Needs `torch.distributed` initialised."""
+    stored = megatron_draft_tensors(iteration_dir) if stored is None else stored
+    check_config_shapes(config, {name: shape for name, (shape, _) in stored.items()},
+                        _draft_config_path(iteration_dir, config_path), iteration_dir)
 
 
 def read_megatron_draft_state(iteration_dir: str, prefix: str = MODEL_PREFIX) -> dict:
@@ -483,6 +498,7 @@ def load_megatron_draft(
         config_path: a HF config.json to use instead of `dflash_config.json`.
     """
     architecture, config = read_draft_config(iteration_dir, config_path)
+    check_draft_config_shapes(config, iteration_dir, config_path)  # before the body is built from it
     body = build_body_for_checkpoint(
         architecture, config, parallel_config=parallel_config, tp_group=tp_group,
         attention_backend=attention_backend, initialize=True,

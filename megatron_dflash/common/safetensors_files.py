@@ -80,4 +80,7 @@ def safetensors_header_bytes(path: str) -> bytes:
     """The JSON header of the safetensors file `path`, as stored (its first 8 bytes give its length, little
     endian; the tensors' data follows it): names, dtypes, shapes and offsets without reading any tensor."""
     with open(path, "rb") as f:
-        return f.read(int.from_bytes(f.read(8), "little"))
+        length = int.from_bytes(f.read(8), "little")
+        if length > os.fstat(f.fileno()).st_size - 8:  # a damaged file: never a read of its claimed length
+            raise ValueError(f"{path} is not a safetensors file: its header length {length} exceeds the file.")
+        return f.read(length)

@@ -415,10 +415,10 @@ def test_hf_tensor_errors(converted, tmp_path):
                     r"missing tensors ['layers.1.mlp.up_proj.weight']"),
         "unexpected": (dict(good, **{"lm_head.weight": torch.zeros(48, 64)}), None,
                        "unexpected tensors ['lm_head.weight']"),
-        "shape": (dict(good, **{"layers.0.self_attn.k_proj.weight": torch.zeros(64, 64)}), None,
-                  "layers.0.self_attn.k_proj.weight: checkpoint [64, 64] vs model [32, 64]"),
+        "shape": (dict(good, **{"layers.1.self_attn.k_proj.weight": torch.zeros(64, 64)}), None,
+                  "layers.1.self_attn.k_proj.weight: checkpoint [64, 64] vs model [32, 64]"),
         "config": (good, lambda c: c.update(num_hidden_layers=1, layer_types=["full_attention"]),
-                   "the weights have 2 layers but config num_hidden_layers=1"),
+                   "config.json: num_hidden_layers 1 contradicts"),  # checked before the body is built
     }
     for name, (tensors, edit, message) in cases.items():
         status, err = run_cli("to-megatron", "--load", hf_dir(name, tensors, edit), "--output", tmp_path / f"out_{name}")
@@ -462,12 +462,12 @@ def test_megatron_tensor_errors(tmp_path):
     unexpected = dict(sharded())
     unexpected[prefix + "lm_head.weight"] = ShardedTensor.from_rank_offsets(prefix + "lm_head.weight", torch.zeros(48, 64))
     shape = sharded()
-    key = prefix + "layers.0.self_attn.k_proj.weight"
+    key = prefix + "layers.1.self_attn.k_proj.weight"  # layer 0's is checked before the body is built
     shape[key] = ShardedTensor.from_rank_offsets(key, torch.zeros(64, 64))
     cases = {
         "missing": (missing, r"missing tensors ['layers.1.mlp.up_proj.weight']"),
         "unexpected": (unexpected, "unexpected tensors ['lm_head.weight']"),
-        "shape": (shape, "layers.0.self_attn.k_proj.weight: checkpoint [64, 64] vs model [32, 64]"),
+        "shape": (shape, "layers.1.self_attn.k_proj.weight: checkpoint [64, 64] vs model [32, 64]"),
     }
     for name, (state, message) in cases.items():
         write_megatron(tmp_path / name, state, body)
@@ -483,7 +483,7 @@ def test_megatron_tensor_errors(tmp_path):
     data["dflash_config"]["target_layer_ids"] = [2, 4]
     path.write_text(json.dumps(data))
     status, err = run_cli("to-hf", "--load", tmp_path / "config", "--output", tmp_path / "out_config")
-    assert status == 1 and "fc.weight [64, 192] concatenates 3 target layers" in err and "[2, 4] has 2" in err, err
+    assert status == 1 and "target_layer_ids [2, 4] contradicts fc.weight [64, 192]" in err, err
 
     # No dflash_config.json: say so, and --config supplies one.
     os.remove(path)

@@ -319,14 +319,14 @@ def test_config_that_disagrees_with_the_weights(tmp_path):
     data = json.loads(path.read_text())
     data["dflash_config"]["target_layer_ids"] = [2, 4]  # 2 taps, fc was trained for 3
     path.write_text(json.dumps(data))
-    with pytest.raises(ValueError, match=r"fc.weight.*3 target layers.*target_layer_ids=\[2, 4\] has 2"):
+    with pytest.raises(ValueError, match=r"target_layer_ids \[2, 4\] contradicts fc.weight \[64, 192\]"):
         load_hf_checkpoint(str(tmp_path / "d"))
 
     data["dflash_config"]["target_layer_ids"] = [1, 3, 5]
     data["num_hidden_layers"] = 1
     data["layer_types"] = ["full_attention"]
     path.write_text(json.dumps(data))
-    with pytest.raises(ValueError, match="the weights have 2 layers but config num_hidden_layers=1"):
+    with pytest.raises(ValueError, match="num_hidden_layers 1 contradicts .* which holds layers 0..1"):
         load_hf_checkpoint(str(tmp_path / "d"))
 
 
