@@ -81,7 +81,7 @@ def test_killed_at_random_points_and_rerun_equals_an_uninterrupted_run(chats, tm
 def test_two_torchrun_ranks_write_what_one_rank_writes(chats, tmp_path):
     env = child_env(OMP_NUM_THREADS="1")
     args = ["--input", chats, "--target", SHIPPED_TARGET_DIR, "--dtype", "float32", "--max-new-tokens", "8",
-            "--shard-size", "4", "--batch-size", "3"]
+            "--shard-size", "4", "--batch-size", "3", "--on-truncated", "drop-rest"]
     one = subprocess.run([sys.executable, TOOL, *args, "--output", str(tmp_path / "one")], env=env,
                          capture_output=True, text=True)
     assert one.returncode == 0, one.stderr
@@ -102,7 +102,7 @@ def test_the_output_directory_is_train_data_as_it_is(chats, tmp_path, capsys, mo
 
     out = tmp_path / "regen"
     args = ["--input", chats, "--output", str(out), "--target", SHIPPED_TARGET_DIR, "--dtype", "float32",
-            "--max-new-tokens", "8", "--shard-size", "10", "--batch-size", "8"]
+            "--max-new-tokens", "8", "--shard-size", "10", "--batch-size", "8", "--on-truncated", "continue"]
     assert regenerate_module().main(args) == 0
     (out / "_shard-00009.failed.json").write_text('[{"id": "x", "error": "an old failure"}]\n')
     assert sorted(os.listdir(out)) == ["_manifest.json", "_shard-00009.failed.json", "shard-00000.jsonl",
