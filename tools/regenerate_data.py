@@ -136,7 +136,11 @@ def backend_of(args, settings: Settings, rank: int, chat_template=None):
             from megatron_dflash.decoding.server_answers import ServerAnswers  # stdlib only
 
             limits = None
-            if args.tokenizer is not None:  # transformers loads here, only when asked for
+            if args.tokenizer is None:
+                print(f"{PROG}: notice: without --tokenizer the records are not checked against the chat template's "
+                      "roles and the target's context before they are sent (the server judges the prompts; the "
+                      "training job checks the roles again).", file=sys.stderr)
+            else:  # transformers loads here, only when asked for
                 from megatron_dflash.decoding.prompt_limits import PromptLimits
 
                 limits = PromptLimits.from_directory(args.tokenizer, settings.max_new_tokens,

@@ -4,7 +4,8 @@ The answer back end of `decoding/regenerate.py` for a target served elsewhere (v
 `POST /v1/chat/completions` per request, `concurrency` of them in flight. A connection error, a timeout, a
 5xx or a 429 answer is retried with exponential back-off (`backoff * 2**attempt` seconds, `retries`
 times, each retry said in one line); another 4xx, a reply that is not the protocol, or a request that keeps
-failing becomes a `RequestFailed` naming the reason, which `regenerate` reports with the record's id.
+failing becomes a `RequestFailed` naming the reason, which `regenerate` reports with the record's id (a 400,
+413 or 422, the request's own content refused, as a bad answer of the record).
 
 Bounds, so that no server can hold or swamp the run:
 
@@ -155,7 +156,8 @@ class ServerAnswers:
                 text = reply.read(200).decode("utf-8", "replace")
                 if reply.status >= 500 or reply.status == 429:
                     raise _Retry(f"HTTP {reply.status} {text}")
-                raise _Fatal(f"HTTP {reply.status} {text}")
+                # 400 / 413 / 422: this request's content refused (a prompt past the server's context, ...)
+                raise _Fatal(f"HTTP {reply.status} {text}", bad_answer=reply.status in (400, 413, 422))
             payload = self._read(reply, expired)
         except (OSError, http.client.HTTPException) as err:
             if expired.is_set():

@@ -252,3 +252,26 @@ def test_a_bad_answer_names_its_record_and_the_other_shards_finish(target, tmp_p
     assert status == 0 and f"[data] skipped: record 1: {tmp_path / 'skip' / 'in-messages.jsonl'}:2: turn 0: " \
         f"{reason}" in err, err
     assert [len(r["messages"]) for r in written(out)] == [2, 2, 2] and "1 bad records left out" in err
+
+
+def test_with_a_tokenizer_records_are_checked_before_they_are_sent(target, tmp_path, capsys):
+    """--tokenizer: the roles of the training job and the target's context are checked before a request is sent
+    (a system turn, which the tiny target's template supervises as the assistant's, and a 3,000-word prompt)."""
+    convs = list(sc.conversations(29, 3))
+    records = [{"messages": convs[0]}, {"messages": [{"role": "system", "content": "be brief"}] + convs[1]},
+               {"messages": [{"role": "user", "content": "repeat " + " ".join(["white"] * 3000)}]},
+               {"messages": convs[2]}]
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    argv = ["--input", str(path), "--output", str(tmp_path / "out"), "--model", "tiny", "--max-new-tokens", "8",
+            "--tokenizer", SHIPPED_TARGET_DIR, "--on-truncated", "continue", "--bad-records", "skip",
+            "--max-bad-fraction", "0.5"]
+    with ChatServer(*target) as server:
+        assert regenerate_module().main(argv + ["--server", server.url]) == 0
+    err = capsys.readouterr().err
+    assert f'[data] skipped: {path}:2: message 0: role is "system", not one of the roles the chat template renders ' \
+        "(user, assistant)" in err
+    assert f"[data] skipped: {path}:3: its prompt (the turns without the answers) is " in err
+    assert [r["messages"][0] for r in written(tmp_path / "out")] == [convs[0][0], convs[2][0]]
+    assert all(r["messages"][0]["role"] == "user" and len(r["messages"]) == 1 for r in server.requests)
+    assert len(server.requests) == 2
