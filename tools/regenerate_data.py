@@ -17,8 +17,10 @@ From an OpenAI-compatible server (vLLM, SGLang, ...), the records checked agains
     python tools/regenerate_data.py --input chats.jsonl --output regen/ \\
         --server http://127.0.0.1:8000 --model Qwen/Qwen3-8B --tokenizer Qwen/Qwen3-8B --concurrency 64
 
-Exit status 0 when every record of this rank was written, 1 when some kept failing (named on stderr and in
-`_shard-NNNNN.failed.json`; rerun to retry them), 2 for a bad command line or input.
+Exit status 0 when every record of this rank was written (or skipped, named, by --bad-records skip), 1 when
+some kept failing or got a bad answer (named on stderr and in `_shard-NNNNN.failed.json`; rerun to retry
+them), 2 for a bad command line or input (a bad record with --bad-records fail, a prompt past the target's
+context, an output directory another run holds or made with other settings).
 """
 
 from __future__ import annotations
