@@ -6,9 +6,10 @@ with garbage, or with an allocation error after a minute on a 1M-token record), 
 generation, and fails or is skipped by the bad-records rule (`data.formats.BadRecords`):
 
 * roles: `data.chat.check_messages` with `data.chat.chat_roles(tokenizer)`, the training job's own rule;
-* length: the conversation's non-assistant turns rendered with the generation prompt must leave
-  `max_new_tokens` of the context (`max_position_embeddings` of the target's config); a later turn's
-  prompt, which holds the earlier answers, is checked again when it is asked (`prompt_problem`).
+* template: the record's last prompt (every turn up to its last question, the answers empty) must render;
+* length: that prompt, with the generation prompt, must leave `max_new_tokens` of the context
+  (`max_position_embeddings` of the target's config); a later turn's prompt, which holds the earlier
+  answers, is checked again when it is asked (`prompt_problem`).
 
 At most `CHARS_PER_TOKEN` x (limit + 1) characters of a prompt are tokenised to tell that it is too long, so
 a 5 MB record is refused in milliseconds. Nothing here loads torch (`from_directory` loads transformers).
@@ -19,7 +20,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ..common.errors import DataError
-from ..data.chat import check_messages, chat_roles
+from ..data.chat import check_messages, chat_roles, one_line_error
 
 __all__ = ["CHARS_PER_TOKEN", "PromptLimits", "context_of"]
 
@@ -73,14 +74,19 @@ class PromptLimits:
         return len(self.tokenizer(text, add_special_tokens=False)["input_ids"]), True
 
     def prompt_problem(self, messages: list, what: str = "the prompt") -> Optional[str]:
-        """Why `messages` cannot be answered within the context (None: it can)."""
+        """Why `messages` cannot be answered: the chat template refuses them, or they do not fit the context
+        with `max_new_tokens` (None: they can)."""
+        try:
+            text = self.prompt_text(messages)
+        except Exception as err:  # raise_exception() of a template that refuses the turn order, ...
+            return f"the chat template refuses {what} ({one_line_error(err)})"
         limit = self.prompt_limit
         if limit is None:
             return None
         if limit < 1:
             return (f"--max-new-tokens {self.max_new_tokens} leaves no room for a prompt in the target's context of "
                     f"{self.context} positions")
-        n, exact = self.prompt_tokens(self.prompt_text(messages), limit)
+        n, exact = self.prompt_tokens(text, limit)
         if n <= limit:
             return None
         return (f"{what} is {'' if exact else 'more than '}{n} tokens; with --max-new-tokens {self.max_new_tokens} "
@@ -88,10 +94,12 @@ class PromptLimits:
                 "shorten the record or lower --max-new-tokens")
 
     def check_record(self, messages: list, where: str) -> None:
-        """A `DataError` naming `where` when the record uses a role the template does not render, or its
-        turns without the answers already leave less than `max_new_tokens` of the context."""
+        """A `DataError` naming `where` when the record uses a role the template does not render (the training
+        job's rule), or the template refuses it, or its last prompt with empty answers (a lower bound of the
+        prompt the last turn will have) already leaves less than `max_new_tokens` of the context."""
         check_messages(messages, where, self.roles)
-        problem = self.prompt_problem([m for m in messages if m["role"] != "assistant"],
-                                      "its prompt (the turns without the answers)")
+        last = max(i for i, m in enumerate(messages) if m["role"] != "assistant")
+        skeleton = [{"role": m["role"], "content": ""} if m["role"] == "assistant" else m for m in messages[:last + 1]]
+        problem = self.prompt_problem(skeleton, "its prompt (the turns without the answers)")
         if problem is not None:
             raise DataError(f"{where}: {problem}.")

@@ -130,6 +130,8 @@ def _regenerable(record: NormalizedRecord, where: str) -> None:
         raise DataError(f"{where}: a text record has no turns to regenerate; give chat records (messages or "
                         "conversations).")
     check_messages(record.messages, where, CHAT_ROLES)
+    if all(m["role"] == ASSISTANT for m in record.messages):
+        raise DataError(f"{where}: no turn to answer (every message is the assistant's).")
 
 
 def read_chats(path: str, bad_records: Optional[BadRecords] = None, log=print) -> list:

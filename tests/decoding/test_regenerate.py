@@ -434,3 +434,33 @@ def test_one_regeneration_at_a_time_per_output_directory(chats, tmp_path, monkey
         regenerate(chats, out, EchoAnswers, Settings(), target="echo", shard_size=2, rank=0, world_size=2)
     holder.release()
     assert sorted(os.listdir(out)) == ["_manifest.json"] + [f"shard-0000{k}.jsonl" for k in range(5)]
+
+
+def test_records_the_template_refuses_or_with_nothing_to_answer_are_bad_records(tmp_path):
+    """A template's raise_exception (here: a second user turn in a row) and a record of assistant turns only
+    are named before any generation, as the training job names them."""
+    from megatron_dflash.decoding.prompt_limits import PromptLimits
+    from megatron_dflash.embedded_job.synthetic_corpus import CHAT_TEMPLATE
+
+    class Strict(EchoAnswers):
+        def __init__(self):
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(SHIPPED_TARGET_DIR)
+            tok.chat_template = ("{% for m in messages %}{% if loop.index0 > 0 and m['role'] == messages[loop.index0 - 1]"
+                                 "['role'] %}{{ raise_exception('roles must alternate') }}{% endif %}{% endfor %}"
+                                 + CHAT_TEMPLATE)
+            self.check_record = PromptLimits(tok, 512, 8).check_record
+
+    records = chat_records()[:3]
+    records.insert(1, {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]})
+    records.insert(2, {"messages": [{"role": "assistant", "content": "only me"}]})
+    path = tmp_path / "odd.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    said = io.StringIO()
+    summary = regenerate(str(path), str(tmp_path / "out"), Strict, Settings(), target="echo",
+                         bad_records=BadRecords("skip", 0.5), progress_stream=said)
+    assert summary.records_written == 3
+    assert f"[data] skipped: {path}:3: no turn to answer (every message is the assistant's)." in said.getvalue()
+    assert f"[data] skipped: {path}:2: the chat template refuses its prompt (the turns without the answers) " \
+        "(TemplateError: roles must alternate)." in said.getvalue()
