@@ -35,6 +35,7 @@ if _ROOT not in sys.path:
 
 import argparse  # noqa: E402
 import hashlib  # noqa: E402
+import urllib.parse  # noqa: E402
 
 from megatron_dflash.common.cli import ArgumentParser, UsageError, json_object_option, quiet_dependency_warnings, report_failure, report_interrupt, require_dir, require_file, usage_error  # noqa: E402,E501
 from megatron_dflash.common.errors import RunError  # noqa: E402
@@ -103,6 +104,11 @@ def settings_of(args) -> Settings:
         raise UsageError("pass exactly one of --target (in this process) and --server (with --model).")
     if args.server is not None and not args.model:
         raise UsageError("--server needs --model, the name the server serves the target under.")
+    if args.server is not None:
+        url = urllib.parse.urlsplit(args.server)
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise UsageError(f"--server {args.server}: not an http:// or https:// URL with a host, e.g. "
+                             "http://127.0.0.1:8000.")
     for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--shard-size", args.shard_size),
                         ("--batch-size", args.batch_size), ("--concurrency", args.concurrency)):
         if value < 1:

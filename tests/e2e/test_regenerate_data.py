@@ -139,6 +139,7 @@ def test_the_output_directory_is_train_data_as_it_is(chats, tmp_path, capsys, mo
     (["--server", "http://h:1", "--model", "m", "--chat-template", "t.jinja"], "--chat-template is for --target"),
     (["--target", SHIPPED_TARGET_DIR, "--chat-template", "missing.jinja"], "--chat-template missing.jinja: no such"),
     (["--server", "http://h:1", "--model", "m", "--timeout", "0"], "--timeout must be > 0"),
+    (["--server", "127.0.0.1:8000", "--model", "m"], "--server 127.0.0.1:8000: not an http:// or https:// URL"),
     (["--target", "t", "--on-truncated", "keep"], "argument --on-truncated: invalid choice: 'keep'"),
     (["--server", "http://h:1"], "--server needs --model"),
     (["--target", "t", "--chat-template-kwargs", "[1]"], "--chat-template-kwargs must be a JSON object"),
