@@ -172,3 +172,34 @@ def test_chat_template_renders_the_prompts_and_is_the_manifests(chats, tmp_path,
     capsys.readouterr()
     assert regenerate_module().main(args + ["--output", str(tmp_path / "think")]) == 2
     assert "another chat_template_sha256" in capsys.readouterr().err
+
+
+def test_a_second_run_on_one_output_directory_is_refused_while_the_first_goes_on(chats, tmp_path):
+    """Two runs of other settings on one --output: the second is refused in one line naming the first, whose
+    manifest stays its own; stopped, it releases the lock."""
+    import socket
+
+    env = child_env(OMP_NUM_THREADS="1")
+    out = tmp_path / "out"
+
+    def slow(body, count):  # a slow server: the first run is still going when the second starts
+        time.sleep(0.05)
+
+    with ChatServer(*load_tiny_target(), faults=slow) as server:
+        first = subprocess.Popen(server_command(chats, out, server.url), env=env, stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.PIPE, text=True)
+        try:
+            while not (out / "_manifest.json").exists() and first.poll() is None:
+                time.sleep(0.01)
+            second = subprocess.run([*server_command(chats, out, server.url), "--seed", "4"], env=env,
+                                    capture_output=True, text=True)
+            assert first.poll() is None, "the first run ended before the second one started"
+            first.send_signal(signal.SIGINT)  # the first run stops here as after a Ctrl-C: its shards stay
+        finally:
+            first_status = first.wait(timeout=300)
+    assert second.returncode == 2 and second.stderr.count("\n") == 1, second.stderr
+    assert second.stderr.startswith(f"regenerate_data.py: error: --output={out} is in use by another run (host "
+                                    f"{socket.gethostname()}, pid {first.pid}, started ")
+    assert first_status == 130, first.stderr.read()
+    assert json.load(open(out / "_manifest.json"))["sampling"]["seed"] == 3
+    assert not [n for n in os.listdir(out) if n.startswith(".")]  # its lock released, nothing staged left
