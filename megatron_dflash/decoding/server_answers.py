@@ -31,7 +31,7 @@ import threading
 import time
 import urllib.parse
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
-from typing import Callable, Optional, Sequence
+from typing import Callable, Sequence
 
 from .regenerate import MAX_CHARS_PER_TOKEN, Answer, Request, RequestFailed, Settings
 

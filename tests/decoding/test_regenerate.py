@@ -447,9 +447,9 @@ def test_records_the_template_refuses_or_with_nothing_to_answer_are_bad_records(
             from transformers import AutoTokenizer
 
             tok = AutoTokenizer.from_pretrained(SHIPPED_TARGET_DIR)
-            tok.chat_template = ("{% for m in messages %}{% if loop.index0 > 0 and m['role'] == messages[loop.index0 - 1]"
-                                 "['role'] %}{{ raise_exception('roles must alternate') }}{% endif %}{% endfor %}"
-                                 + CHAT_TEMPLATE)
+            tok.chat_template = ("{% for m in messages %}{% if loop.index0 > 0 and "
+                                 "m['role'] == messages[loop.index0 - 1]['role'] %}"
+                                 "{{ raise_exception('roles must alternate') }}{% endif %}{% endfor %}" + CHAT_TEMPLATE)
             self.check_record = PromptLimits(tok, 512, 8).check_record
 
     records = chat_records()[:3]

@@ -40,8 +40,7 @@ def chats(tmp_path_factory):
 def in_process(chats, tmp_path_factory):
     out = tmp_path_factory.mktemp("local") / "out"
     regenerate(chats, str(out), lambda: LocalAnswers(SHIPPED_TARGET_DIR, SETTINGS, batch_size=4), SETTINGS,
-               target="tiny", shard_size=3,
-                             truncated="drop-rest")
+               target="tiny", shard_size=3, truncated="drop-rest")
     return out
 
 
@@ -88,7 +87,8 @@ def test_a_record_that_keeps_failing_is_reported_and_retried_by_a_rerun(target, 
 
     regen = regenerate_module()
     argv = ["--input", chats, "--output", str(tmp_path), "--model", "tiny", "--max-new-tokens", str(MAX_NEW),
-            "--shard-size", "3", "--retries", "2", "--concurrency", "2", "--backoff", "0.01", "--on-truncated", "drop-rest"]
+            "--shard-size", "3", "--retries", "2", "--concurrency", "2", "--backoff", "0.01",
+            "--on-truncated", "drop-rest"]
     with ChatServer(*target, faults=faults) as server:
         assert regen.main(argv + ["--server", server.url]) == 1
     err = capsys.readouterr().err
@@ -167,7 +167,7 @@ def test_a_reply_cut_inside_the_thinking_is_an_empty_answer_with_its_thinking(ta
     path = small_input(tmp_path)
     with ChatServer(*target, edit=edit) as server:
         summary = regenerate(path, str(tmp_path / "out"), server_backend(server.url), SETTINGS, target="tiny",
-                             truncated="drop-rest")
+                         truncated="drop-rest")
     assert not summary.failed and summary.records_written == 4 and summary.truncated == 4
     for row in written(tmp_path / "out"):
         assert row["finish_reason"] == "length"
