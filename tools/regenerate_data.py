@@ -13,12 +13,14 @@ In this process, on the local devices (one rank, or one per `torchrun` process, 
         --max-new-tokens 2048 --batch-size 16
     torchrun --nproc-per-node 8 tools/regenerate_data.py --input chats.jsonl --output regen/ --target ...
 
-From an OpenAI-compatible server (vLLM, SGLang, ...):
+From an OpenAI-compatible server (vLLM, SGLang, ...), the records checked against the target's tokenizer:
     python tools/regenerate_data.py --input chats.jsonl --output regen/ \\
-        --server http://127.0.0.1:8000 --model Qwen/Qwen3-8B --concurrency 64
+        --server http://127.0.0.1:8000 --model Qwen/Qwen3-8B --tokenizer Qwen/Qwen3-8B --concurrency 64
 
-Exit status 0 when every record of this rank was written, 1 when some kept failing (named on stderr and in
-`_shard-NNNNN.failed.json`; rerun to retry them), 2 for a bad command line or input.
+Exit status 0 when every record of this rank was written (or skipped, named, by --bad-records skip), 1 when
+some kept failing or got a bad answer (named on stderr and in `_shard-NNNNN.failed.json`; rerun to retry
+them), 2 for a bad command line or input (a bad record with --bad-records fail, a prompt past the target's
+context, an output directory another run holds or made with other settings).
 """
 
 from __future__ import annotations
@@ -31,10 +33,15 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-from megatron_dflash.common.cli import ArgumentParser, UsageError, json_object_option, quiet_dependency_warnings, report_failure, report_interrupt, require_dir, usage_error  # noqa: E402,E501
-from megatron_dflash.common.errors import DataError  # noqa: E402
+import argparse  # noqa: E402
+import hashlib  # noqa: E402
+import urllib.parse  # noqa: E402
+
+from megatron_dflash.common.cli import ArgumentParser, UsageError, json_object_option, quiet_dependency_warnings, report_failure, report_interrupt, require_dir, require_file, usage_error  # noqa: E402,E501
+from megatron_dflash.common.errors import RunError  # noqa: E402
+from megatron_dflash.data.chat import load_chat_template  # noqa: E402  (no torch)
 from megatron_dflash.data.formats import BAD_RECORD_MODES, DEFAULT_MAX_BAD_FRACTION, BadRecords, data_path_problem  # noqa: E402,E501  (no torch)
-from megatron_dflash.decoding.regenerate import Settings, regenerate  # noqa: E402  (no torch)
+from megatron_dflash.decoding.regenerate import TRUNCATION_POLICIES, Settings, regenerate  # noqa: E402  (no torch)
 
 PROG = "regenerate_data.py"
 
@@ -50,8 +57,16 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--target", default=None, help="HF directory (or hub id) of the target, run in this process.")
     p.add_argument("--server", default=None, help="URL of an OpenAI-compatible server instead of --target.")
     p.add_argument("--model", default=None, help="the model name the server serves (with --server).")
+    p.add_argument("--tokenizer", default=None,
+                   help="the target's tokenizer directory (default: --target): records are checked against its chat "
+                   "template's roles (the training job's rule) and the context of its config.json before any "
+                   "answer is asked; with --server, unchecked (the server judges) unless given.")
     p.add_argument("--concurrency", type=int, default=16, help="requests in flight (with --server).")
     p.add_argument("--retries", type=int, default=5, help="retries of a failed request (with --server).")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds one request may take in all, connect to the last byte (with --server); then retried.")
+    p.add_argument("--backoff", type=float, default=1.0,
+                   help="seconds before the first retry, doubled at each next one (with --server).")
     p.add_argument("--batch-size", type=int, default=8, help="answers per generate call (with --target).")
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"),
                    help="weights' dtype (with --target).")
@@ -60,15 +75,26 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy.")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0, help="per-answer seeds are derived from it and the record id.")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template file (.jinja, or a JSON file with 'chat_template') used instead of the "
+                   "tokenizer's (with --target; a server renders with the template it was started with).")
     p.add_argument("--chat-template-kwargs", default=None,
                    help='JSON object for the chat template, e.g. \'{"enable_thinking": true}\'.')
     p.add_argument("--bad-records", choices=BAD_RECORD_MODES, default="fail",
-                   help="records that are no chat (text records, a message without a role, non-string content): "
-                   "stop at the first (fail) or skip them, named.")
+                   help="records that are no chat (text records, a message without a role, non-string content), "
+                   "use a role the chat template does not render, do not fit the target's context with "
+                   "--max-new-tokens, or get an answer that cannot be written (not valid Unicode, far too long): "
+                   "stop at the first (fail; a bad answer: its shard is not written, the others are) or skip them, "
+                   "named.")
     p.add_argument("--max-bad-fraction", type=float, default=DEFAULT_MAX_BAD_FRACTION,
                    help="with --bad-records skip: refuse the input when more than this fraction of it is bad.")
-    p.add_argument("--drop-truncated", action="store_true",
-                   help="leave out records whose answer hit --max-new-tokens (default: kept, finish_reason 'length').")
+    p.add_argument("--on-truncated", choices=TRUNCATION_POLICIES, default="skip-record",
+                   help="a record with an answer cut at --max-new-tokens: left out (skip-record; a cut answer trained "
+                   "on teaches the draft that the target stops there); ended with the cut answer, its later turns "
+                   "dropped (drop-rest); or its later turns asked all the same (continue). The last two write "
+                   "finish_reason 'length'.")
+    p.add_argument("--drop-truncated", action="store_const", const="skip-record", dest="on_truncated",
+                   help=argparse.SUPPRESS)  # the earlier spelling of --on-truncated skip-record
     return p
 
 
@@ -78,10 +104,20 @@ def settings_of(args) -> Settings:
         raise UsageError("pass exactly one of --target (in this process) and --server (with --model).")
     if args.server is not None and not args.model:
         raise UsageError("--server needs --model, the name the server serves the target under.")
+    if args.server is not None:
+        url = urllib.parse.urlsplit(args.server)
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise UsageError(f"--server {args.server}: not an http:// or https:// URL with a host, e.g. "
+                             "http://127.0.0.1:8000.")
     for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--shard-size", args.shard_size),
                         ("--batch-size", args.batch_size), ("--concurrency", args.concurrency)):
         if value < 1:
             raise UsageError(f"{flag} must be at least 1, got {value}.")
+    if not (args.timeout > 0 and args.backoff >= 0 and args.retries >= 0):
+        raise UsageError("--timeout must be > 0, --backoff >= 0 and --retries >= 0.")
+    if args.chat_template is not None and args.server is not None:
+        raise UsageError("--chat-template is for --target; a server renders with its own template: start it with "
+                         "that template (vLLM and SGLang: --chat-template FILE).")
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         raise UsageError("--temperature must be >= 0 and --top-p in (0, 1].")
     if not 0.0 <= args.max_bad_fraction <= 1.0:
@@ -89,13 +125,38 @@ def settings_of(args) -> Settings:
     return Settings(args.max_new_tokens, args.temperature, args.top_p, args.seed, kwargs)
 
 
-def backend_of(args, settings: Settings, rank: int):
+def chat_template_of(args) -> tuple:
+    """(--chat-template's text, its SHA-256 for the manifest), or (None, None)."""
+    if args.chat_template is None:
+        return None, None
+    require_file("--chat-template", args.chat_template, "chat template file")
+    try:
+        text = load_chat_template(args.chat_template)
+    except (OSError, ValueError) as err:
+        raise UsageError(f"--chat-template {args.chat_template}: {err}") from None
+    return text, hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def backend_of(args, settings: Settings, rank: int, chat_template=None):
     """The answer back end, built only when a shard is left to do."""
     if args.server is not None:
-        from megatron_dflash.decoding.server_answers import ServerAnswers  # stdlib only
+        def server():
+            from megatron_dflash.decoding.server_answers import ServerAnswers  # stdlib only
 
-        return lambda: ServerAnswers(args.server, args.model, settings, concurrency=args.concurrency,
-                                     retries=args.retries, api_key=os.environ.get("OPENAI_API_KEY", ""))
+            limits = None
+            if args.tokenizer is None:
+                print(f"{PROG}: notice: without --tokenizer the records are not checked against the chat template's "
+                      "roles and the target's context before they are sent (the server judges the prompts; the "
+                      "training job checks the roles again).", file=sys.stderr)
+            else:  # transformers loads here, only when asked for
+                from megatron_dflash.decoding.prompt_limits import PromptLimits
+
+                limits = PromptLimits.from_directory(args.tokenizer, settings.max_new_tokens,
+                                                     settings.chat_template_kwargs)
+            return ServerAnswers(args.server, args.model, settings, concurrency=args.concurrency,
+                                 retries=args.retries, backoff=args.backoff, timeout=args.timeout,
+                                 api_key=os.environ.get("OPENAI_API_KEY", ""), limits=limits)
+        return server
 
     def local():
         # torch and transformers load here, after the command line and the manifest are checked.
@@ -105,8 +166,31 @@ def backend_of(args, settings: Settings, rank: int):
 
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', rank)) % torch.cuda.device_count()}" \
             if torch.cuda.is_available() else "cpu"
-        return LocalAnswers(args.target, settings, batch_size=args.batch_size, device=device, dtype=args.dtype)
+        return LocalAnswers(args.target, settings, batch_size=args.batch_size, device=device, dtype=args.dtype,
+                            chat_template=chat_template, tokenizer=args.tokenizer)
     return local
+
+
+TRUNCATED_SAID = {"skip-record": "left out", "drop-rest": "ended there", "continue": "continued"}
+
+
+def report(summary, args, rank: int, world: int) -> int:
+    """The run's summary lines on stderr; the exit status (1 when records failed)."""
+    who = f"rank {rank}: " if world > 1 else ""
+    dropped = f", {summary.dropped_turns} later turns not asked" if args.on_truncated == "drop-rest" else ""
+    skipped = f", {len(summary.skipped)} bad records left out" if summary.skipped else ""
+    print(f"{PROG}: {who}{summary.records_written} records in {summary.shards_written} new shards "
+          f"({summary.shards_skipped} already done), {summary.truncated} records with an answer cut at "
+          f"--max-new-tokens ({TRUNCATED_SAID[args.on_truncated]}{dropped}){skipped}, {len(summary.failed)} failed.",
+          file=sys.stderr)
+    for rid, reason in summary.failed:
+        print(f"{PROG}: error: record {rid} failed: {reason}", file=sys.stderr)
+    if summary.failed:
+        print(f"{PROG}: {len(summary.failed)} records failed; their shards were not written. Run the same "
+              "command again to retry them (a bad answer fails again: --bad-records skip leaves it out).",
+              file=sys.stderr)
+        return 1
+    return 0
 
 
 def main(argv=None) -> int:
@@ -120,29 +204,23 @@ def main(argv=None) -> int:
             raise UsageError(f"--input {args.input}: {problem}")
         if args.target is not None and os.path.isdir(args.target):
             require_dir("--target", args.target, "HF model directory", must_contain="config.json")
+        if args.tokenizer is not None and os.path.exists(args.tokenizer):
+            require_dir("--tokenizer", args.tokenizer, "tokenizer directory")
+        chat_template, template_sha = chat_template_of(args)
     except UsageError as err:
         usage_error(PROG, str(err))
     target = args.target if args.target is not None else args.model
     try:
-        summary = regenerate(args.input, args.output, backend_of(args, settings, rank), settings, target=target,
-                             shard_size=args.shard_size, drop_truncated=args.drop_truncated, rank=rank,
-                             world_size=world, bad_records=BadRecords(args.bad_records, args.max_bad_fraction))
-    except (DataError, ValueError, OSError) as err:
+        summary = regenerate(args.input, args.output, backend_of(args, settings, rank, chat_template), settings,
+                             target=target, shard_size=args.shard_size, truncated=args.on_truncated, rank=rank,
+                             world_size=world, bad_records=BadRecords(args.bad_records, args.max_bad_fraction),
+                             chat_template_sha256=template_sha)
+    except (RunError, ValueError, OSError) as err:
         report_failure(PROG, err)
         return 2
     except KeyboardInterrupt:  # the shards written so far stay; the same command resumes
         return report_interrupt(PROG, "; run the same command again to resume")
-    who = f"rank {rank}: " if world > 1 else ""
-    print(f"{PROG}: {who}{summary.records_written} records in {summary.shards_written} new shards "
-          f"({summary.shards_skipped} already done), {summary.truncated} answers cut at --max-new-tokens "
-          f"({'dropped' if args.drop_truncated else 'kept'}), {len(summary.failed)} failed.", file=sys.stderr)
-    for rid, reason in summary.failed:
-        print(f"{PROG}: error: record {rid} failed: {reason}", file=sys.stderr)
-    if summary.failed:
-        print(f"{PROG}: {len(summary.failed)} records kept failing; their shards were not written. Run the same "
-              "command again to retry them.", file=sys.stderr)
-        return 1
-    return 0
+    return report(summary, args, rank, world)
 
 
 if __name__ == "__main__":

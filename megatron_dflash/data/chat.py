@@ -32,6 +32,7 @@ __all__ = [
     "check_messages",
     "unicode_problem",
     "json_kind",
+    "one_line_error",
 ]
 
 _GENERATION_TAG = re.compile(r"\{\%-?\s*generation\s*-?\%\}")
@@ -325,6 +326,13 @@ def json_kind(value) -> str:
     if isinstance(value, list):
         return "an array"
     return "a string" if isinstance(value, str) else type(value).__name__
+
+
+def one_line_error(err: BaseException, limit: int = 200) -> str:
+    """``Type: message`` of an exception on one line, at most ``limit`` characters of the message (what a
+    record's error says of a template's or a tokenizer's exception)."""
+    text = " ".join(str(err).split()).encode("utf-8", "backslashreplace").decode("utf-8")  # printable
+    return f"{type(err).__name__}: {text[:limit]}{'...' if len(text) > limit else ''}"
 
 
 def unicode_problem(text: str) -> Optional[str]:

@@ -20,7 +20,7 @@ import torch
 
 from ..common.errors import DataError
 from ..embedded_job.synthetic_corpus import conversations
-from .chat import ChatOptions, chat_roles, check_messages, render_chat, tokenize_chat, unicode_problem
+from .chat import ChatOptions, chat_roles, check_messages, one_line_error, render_chat, tokenize_chat, unicode_problem
 from .formats import BAD_RECORD_MODES, DEFAULT_MAX_BAD_FRACTION, BadRecords, NormalizedRecord, normalize_record, open_records
 from .samples import Sample, check_seq_length, stable_sample_id
 
@@ -117,12 +117,6 @@ def _make_sample(ids, mask, sample_id: int, seq_length: int) -> Sample:
     input_ids = torch.as_tensor(list(ids)[:seq_length] if not isinstance(ids, torch.Tensor) else ids[:seq_length])
     loss_mask = torch.as_tensor(list(mask)[:seq_length] if not isinstance(mask, torch.Tensor) else mask[:seq_length])
     return Sample(input_ids.to(torch.int64), loss_mask.to(torch.bool), sample_id)
-
-
-def one_line_error(err: BaseException, limit: int = 200) -> str:
-    """``Type: message`` of an exception on one line, at most ``limit`` characters of the message."""
-    text = " ".join(str(err).split()).encode("utf-8", "backslashreplace").decode("utf-8")  # printable
-    return f"{type(err).__name__}: {text[:limit]}{'...' if len(text) > limit else ''}"
 
 
 class _RecordDataset(torch.utils.data.Dataset, abc.ABC):

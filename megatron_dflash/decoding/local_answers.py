@@ -5,7 +5,9 @@ tokenizer's chat template (`add_generation_prompt`, the `chat_template_kwargs` o
 tokenised without extra special tokens, as a chat-completions server renders them. Greedy is the plain
 argmax; at a temperature, every row draws its tokens from its own generator seeded by the request's seed
 (`SeededDraws`: one uniform per row and step, inverse CDF of `decoding.sampling.sampling_probs`), so an
-answer does not depend on the other rows of its batch.
+answer does not depend on the other rows of its batch. Records and prompts are checked against the
+target's chat template and context first (`check_record`, and every prompt before `generate`:
+`decoding/prompt_limits.py`); `chat_template` replaces the tokenizer's template (`--chat-template`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from typing import Optional, Sequence
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from .regenerate import Answer, Request, Settings
+from .prompt_limits import PromptLimits, context_of
+from .regenerate import Answer, Request, RequestFailed, Settings
 from .sampling import GREEDY_BELOW_TEMPERATURE, sampling_probs
 
 __all__ = ["SeededDraws", "LocalAnswers", "stop_token_ids"]
@@ -55,10 +58,12 @@ class LocalAnswers:
     """Answers from the HF target at `target` on `device`, `batch_size` requests per `generate` call."""
 
     def __init__(self, target: str, settings: Settings, *, batch_size: int = 8, device: Optional[str] = None,
-                 dtype: str = "float32"):
+                 dtype: str = "float32", chat_template: Optional[str] = None, tokenizer: Optional[str] = None):
         self.settings, self.batch_size = settings, batch_size
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        self.tokenizer = AutoTokenizer.from_pretrained(target)
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer or target)
+        if chat_template is not None:
+            self.tokenizer.chat_template = chat_template
         self.tokenizer.padding_side = "left"
         self.model = AutoModelForCausalLM.from_pretrained(target, dtype=DTYPES[dtype]).to(self.device).eval()
         self.stop = stop_token_ids(self.model, self.tokenizer)
@@ -66,10 +71,15 @@ class LocalAnswers:
         self.pad = self.stop[0] if pad is None else pad
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token_id = self.pad
+        self.limits = PromptLimits(self.tokenizer, context_of(self.model.config), settings.max_new_tokens,
+                                   settings.chat_template_kwargs)
 
     def prompt_text(self, messages: list) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
                                                   **(self.settings.chat_template_kwargs or {}))
+
+    def check_record(self, messages: list, where: str) -> None:
+        self.limits.check_record(messages, where)
 
     def answer(self, requests: Sequence[Request]) -> list:
         out = []
@@ -80,16 +90,23 @@ class LocalAnswers:
     @torch.no_grad()
     def _batch(self, requests: Sequence[Request]) -> list:
         s = self.settings
-        enc = self.tokenizer([self.prompt_text(q.messages) for q in requests], add_special_tokens=False,
-                             padding=True, return_tensors="pt").to(self.device)
+        texts = [self.prompt_text(q.messages) for q in requests]
+        problems = [self.limits.prompt_problem(q.messages) for q in requests]  # a later turn's prompt grew
+        ok = [i for i, p in enumerate(problems) if p is None]
+        out: list = [RequestFailed(p, bad_answer=True) if p is not None else None for p in problems]
+        if not ok:
+            return out
+        enc = self.tokenizer([texts[i] for i in ok], add_special_tokens=False, padding=True,
+                             return_tensors="pt").to(self.device)
         config = GenerationConfig(max_new_tokens=s.max_new_tokens, do_sample=False, eos_token_id=self.stop,
                                   pad_token_id=self.pad)
         processors = LogitsProcessorList()
         if s.temperature >= GREEDY_BELOW_TEMPERATURE:
-            processors.append(SeededDraws([q.seed for q in requests], s.temperature, s.top_p))
+            processors.append(SeededDraws([requests[i].seed for i in ok], s.temperature, s.top_p))
         generated = self.model.generate(**enc, generation_config=config, logits_processor=processors)
-        new = generated[:, enc["input_ids"].shape[1]:].tolist()
-        return [self._answer(row) for row in new]
+        for i, row in zip(ok, generated[:, enc["input_ids"].shape[1]:].tolist()):
+            out[i] = self._answer(row)
+        return out
 
     def _answer(self, row: list) -> Answer:
         stops = [j for j, t in enumerate(row) if t in self.stop]

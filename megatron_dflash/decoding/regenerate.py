@@ -16,16 +16,25 @@ Shards are files of the input's kind (`.jsonl`, `.json` or `.parquet`; JSONL for
 is itself a data directory the training job reads (`--train-data OUT`: the names starting with `_` are not
 data, `data.formats`). Every record is written in the style it was read in (OpenAI `messages` or ShareGPT
 `conversations`), keeps its other fields and gets `finish_reason` ("stop", or "length" when an answer was cut
-at `max_new_tokens`; the conversation then ends with that answer) and `generation` (the settings). A
-shard is written whole (`common.atomic.write_file`) or not at all; shard `k` belongs to rank
-`k % world_size`, so ranks never share a file. A rerun skips the shards on disk, redoes the others, and
-refuses an output directory whose manifest differs (one line naming the field). Per-answer seeds come
-from (seed, record id, turn), never from a rank, a batch or a position in a batch, so the output does not
-depend on how many ranks or how large batches were.
+at `max_new_tokens`) and `generation` (the settings); an answer's thinking (a server's reasoning parser)
+is its message's `reasoning_content`, as the readers take it. What becomes of a record with a cut answer is
+`TRUNCATION_POLICIES`: left out (the default: a cut answer trained on would teach the draft that the target
+stops there), ended with the cut answer (its later turns dropped, counted), or continued. A shard is written
+whole (`common.atomic.write_file`) or not at all; shard `k` belongs to rank `k % world_size`, so ranks
+never share a file, and one run at a time writes into OUT (`decoding/output_lock.py`). A rerun skips the
+shards on disk, redoes the others, and refuses an output directory whose manifest differs (one line naming
+the field; the target by its resolved path, not by how its path was spelled). Per-answer seeds come from
+(seed, record id, turn), never from a rank, a batch or a position in a batch, so the output does not depend
+on how many ranks or how large batches were.
 
 Records are read and written by `data.formats` (every file kind and record style the training job reads;
-bad records fail or are skipped by `formats.BadRecords`, as in training). No torch here: a rerun whose
-shards are all done, and the server back end, start in a fraction of a second.
+bad records fail or are skipped by `formats.BadRecords`, as in training). Before a shard is generated, each
+of its records is checked by the back end's `check_record` when it has one (`decoding/prompt_limits.py`:
+the roles the training job accepts, the prompt within the target's context); an answer that cannot be a
+record's (not valid Unicode, far longer than `max_new_tokens` allows, a prompt past the context at a later
+turn) is a `RequestFailed(bad_answer=True)`: the record is named and, by the same rule, skipped or its
+shard left undone while the others finish. No torch here: a rerun whose shards are all done, and the server
+back end, start in a fraction of a second.
 """
 
 from __future__ import annotations
@@ -40,20 +49,27 @@ from typing import Callable, Optional, Protocol, Sequence
 
 from ..common.atomic import file_sha256, remove_stale_siblings, write_file
 from ..common.errors import DataError
-from ..data.chat import CHAT_ROLES, check_messages
+from ..data.chat import CHAT_ROLES, check_messages, unicode_problem
 from ..data.formats import BadRecords, NormalizedRecord, data_files, file_kind, open_records, normalize_record, \
     write_records
+from .output_lock import lock_output
 
 __all__ = [
-    "MANIFEST", "MANIFEST_FORMAT", "Settings", "Request", "Answer", "RequestFailed", "AnswerBackend",
-    "Summary", "read_chats", "record_id", "answer_seed", "conversation_turns",
-    "shard_path", "build_manifest", "check_manifest", "regenerate", "Progress",
+    "MANIFEST", "MANIFEST_FORMAT", "TRUNCATION_POLICIES", "MAX_CHARS_PER_TOKEN", "Settings", "Request", "Answer",
+    "RequestFailed", "AnswerBackend", "Summary", "read_chats", "record_id", "answer_seed", "conversation_turns",
+    "answer_problem", "target_identity", "shard_path", "build_manifest", "check_manifest", "regenerate", "Progress",
 ]
 
 MANIFEST = "_manifest.json"  # '_': not a data file of the output directory (data.formats)
-MANIFEST_FORMAT = "megatron-dflash regenerated chats v2"
+MANIFEST_FORMAT = "megatron-dflash regenerated chats v3"
 ASSISTANT = "assistant"
 FINISH_REASONS = ("stop", "length")
+TRUNCATION_POLICIES = ("skip-record", "drop-rest", "continue")
+"""A record with an answer cut at `max_new_tokens`: left out; ended with the cut answer (its later turns
+dropped); or its later turns asked all the same (the cut answer in their prompts). The record's
+`finish_reason` is "length" in the last two."""
+MAX_CHARS_PER_TOKEN = 64
+"""An answer (text and thinking) longer than this many characters per `max_new_tokens` is no target's answer."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,18 +100,25 @@ class Answer:
     text: str
     finish_reason: str  # "stop" or "length"
     tokens: int  # generated tokens (with the stop token)
+    reasoning: Optional[str] = None  # the thinking a server's reasoning parser split off the text
 
 
 @dataclasses.dataclass(frozen=True)
 class RequestFailed:
-    """A request that failed for good (after the back end's retries): the reason, one line."""
+    """A request that failed for good (after the back end's retries): the reason, one line. `bad_answer`:
+    the record's own failure, which another try repeats (its prompt, or an answer that cannot be written);
+    it is named and skipped or failed by the bad-records rule."""
 
     reason: str
+    bad_answer: bool = False
 
 
 class AnswerBackend(Protocol):
     def answer(self, requests: Sequence[Request]) -> list:
         """One `Answer` or `RequestFailed` per request, in order."""
+
+    # Optional: `check_record(messages, where)` raises a `DataError` naming `where` for a record the target
+    # cannot answer (`decoding/prompt_limits.PromptLimits.check_record`).
 
 
 # ------------------------------------------------------------------------------ the records seam
@@ -107,19 +130,22 @@ def _regenerable(record: NormalizedRecord, where: str) -> None:
         raise DataError(f"{where}: a text record has no turns to regenerate; give chat records (messages or "
                         "conversations).")
     check_messages(record.messages, where, CHAT_ROLES)
+    if all(m["role"] == ASSISTANT for m in record.messages):
+        raise DataError(f"{where}: no turn to answer (every message is the assistant's).")
 
 
 def read_chats(path: str, bad_records: Optional[BadRecords] = None, log=print) -> list:
-    """``(index, NormalizedRecord)`` of the chat records of ``path`` (any file kind and record style of
-    ``data.formats``; ``index`` is the record's place in the input, bad records counted): the bad ones
-    (not a chat, a message without a role, non-string content, ...) fail or are skipped by ``bad_records``."""
+    """``(index, where, NormalizedRecord)`` of the chat records of ``path`` (any file kind and record style of
+    ``data.formats``; ``index`` is the record's place in the input, bad records counted; ``where`` its
+    ``file:line``): the bad ones (not a chat, a message without a role, non-string content, ...) fail or are
+    skipped by ``bad_records``."""
     source = open_records(path)
 
     def accept(raw, where):
         _regenerable(normalize_record(raw, where), where)
 
     kept = (bad_records or BadRecords()).scan(source, accept, log)
-    return [(i, normalize_record(source.record(i), source.where(i))) for i in kept]
+    return [(i, source.where(i), normalize_record(source.record(i), source.where(i))) for i in kept]
 
 
 # ------------------------------------------------------------------------------ conversations
@@ -153,30 +179,68 @@ def conversation_turns(messages: list) -> list[list]:
     return groups
 
 
+def answer_problem(answer: Answer, settings: Settings) -> Optional[str]:
+    """Why `answer` cannot be a record's answer (None: it can): a finish reason other than stop / length, text
+    that is not valid Unicode (a lone surrogate a server's JSON escapes can carry), or more characters than
+    `MAX_CHARS_PER_TOKEN` per `max_new_tokens` (a runaway server)."""
+    if answer.finish_reason not in FINISH_REASONS:
+        return f"finish_reason {answer.finish_reason!r} (expected one of {', '.join(FINISH_REASONS)})"
+    size = len(answer.text) + len(answer.reasoning or "")
+    if size > MAX_CHARS_PER_TOKEN * settings.max_new_tokens:
+        return (f"the answer holds {size} characters, far beyond --max-new-tokens {settings.max_new_tokens} "
+                f"(at most {MAX_CHARS_PER_TOKEN} per token)")
+    for what, text in (("answer", answer.text), ("thinking", answer.reasoning or "")):
+        problem = unicode_problem(text)
+        if problem is not None:
+            return f"the {what} {problem}"
+    return None
+
+
 class _Conversation:
     """One record being regenerated: its turns, the messages so far, and how it ended."""
 
-    def __init__(self, record: NormalizedRecord, rid: str):
-        self.record, self.rid = record, rid
+    def __init__(self, record: NormalizedRecord, rid: str, truncated: str = "skip-record"):
+        self.record, self.rid, self.truncated = record, rid, truncated
         self.turns = conversation_turns(record.messages)
         self.messages: list = []
         self.turn = 0
-        self.finish_reason = "stop"
-        self.failure: Optional[str] = None
+        self.cut = 0  # answers cut at max_new_tokens
+        self.failure: Optional[RequestFailed] = None
+        self.named = False  # the failure was logged when found
+        self.where = f"record {rid}"  # its file:line, once known
+
+    @property
+    def finish_reason(self) -> str:
+        return "length" if self.cut else "stop"
+
+    @property
+    def dropped_turns(self) -> int:
+        """Turns never asked because an earlier answer was cut (drop-rest)."""
+        return 0 if self.failure else len(self.turns) - self.turn
 
     def next_request(self, seed: int) -> Optional[Request]:
-        if self.failure or self.finish_reason != "stop" or self.turn >= len(self.turns):
+        if self.failure or (self.cut and self.truncated != "continue") or self.turn >= len(self.turns):
             return None
         self.messages += self.turns[self.turn]
-        return Request(list(self.messages), answer_seed(seed, self.rid, self.turn), f"record {self.rid} turn {self.turn}")
+        # the earlier answers' thinking stays out of the prompt (the record keeps it; templates drop it)
+        prompt = [{k: v for k, v in m.items() if k != "reasoning_content"} for m in self.messages]
+        return Request(prompt, answer_seed(seed, self.rid, self.turn), f"record {self.rid} turn {self.turn}")
 
-    def take(self, result) -> int:
+    def take(self, result, settings: Settings) -> int:
         """Record the answer of the current turn; returns the tokens it took."""
+        if isinstance(result, Answer):
+            problem = answer_problem(result, settings)
+            if problem is not None:
+                result = RequestFailed(problem, bad_answer=True)
         if isinstance(result, RequestFailed):
-            self.failure = result.reason
+            reason = f"{self.where}: turn {self.turn}: {result.reason}" if result.bad_answer else result.reason
+            self.failure = RequestFailed(reason, result.bad_answer)
             return 0
-        self.messages.append({"role": ASSISTANT, "content": result.text})
-        self.finish_reason = result.finish_reason
+        message = {"role": ASSISTANT, "content": result.text}
+        if result.reasoning is not None:
+            message["reasoning_content"] = result.reasoning
+        self.messages.append(message)
+        self.cut += result.finish_reason == "length"
         self.turn += 1
         return result.tokens
 
@@ -186,16 +250,15 @@ class _Conversation:
         return NormalizedRecord(self.record.style, messages=self.messages, fields=fields)
 
 
-def _regenerate_shard(records, ids, backend: AnswerBackend, settings: Settings, progress) -> list:
-    """The regenerated conversations of one shard, turn by turn across all its records."""
-    conversations = [_Conversation(r, rid) for r, rid in zip(records, ids)]
+def _regenerate_shard(conversations: list, backend: AnswerBackend, settings: Settings, progress) -> list:
+    """The shard's conversations regenerated turn by turn across all its records."""
     while True:
         pending = [(c, c.next_request(settings.seed)) for c in conversations]
         pending = [(c, q) for c, q in pending if q is not None]
         if not pending:
             return conversations
         results = backend.answer([q for _, q in pending])
-        tokens = sum(c.take(res) for (c, _), res in zip(pending, results))
+        tokens = sum(c.take(res, settings) for (c, _), res in zip(pending, results))
         progress.update(0, tokens)
 
 
@@ -227,18 +290,27 @@ def input_sha256(path: str) -> str:
     return h.hexdigest()
 
 
+def target_identity(target: str) -> str:
+    """The target as the manifest names it: a local directory by its resolved path (so `./t`, `t/` and its
+    absolute path are one target, a symbolic link the directory it leads to), anything else (a hub id, a
+    server's model name) as given."""
+    return os.path.realpath(target) if os.path.isdir(target) else target
+
+
 def build_manifest(input_path: str, records: int, target: str, settings: Settings, shard_size: int,
-                   drop_truncated: bool, bad_records: Optional[BadRecords] = None) -> dict:
+                   truncated: str = "skip-record", bad_records: Optional[BadRecords] = None,
+                   chat_template_sha256: Optional[str] = None) -> dict:
     return {
         "format": MANIFEST_FORMAT,
         "input_sha256": input_sha256(input_path),
         "input_records": records,
         "bad_records": (bad_records or BadRecords()).mode,
         "shard_kind": shard_kind(input_path),
-        "target": target,
+        "target": target_identity(target),
+        "chat_template_sha256": chat_template_sha256,
         "sampling": settings.as_dict(),
         "shard_size": shard_size,
-        "truncated": "drop" if drop_truncated else "keep",
+        "truncated": truncated,
     }
 
 
@@ -317,41 +389,85 @@ class Summary:
     shards_written: int = 0
     shards_skipped: int = 0
     records_written: int = 0
-    truncated: int = 0  # answers cut at max_new_tokens (kept or dropped, as the manifest says)
+    truncated: int = 0  # records with an answer cut at max_new_tokens (left out, ended or continued: the policy)
+    dropped_turns: int = 0  # turns never asked after a cut answer (drop-rest)
     failed: list = dataclasses.field(default_factory=list)  # (record id, reason)
+    skipped: list = dataclasses.field(default_factory=list)  # (record id, reason): bad records left out
 
 
-def _finish_shard(output, shard, kind, conversations, settings, drop_truncated, summary) -> None:
-    failed = [(c.rid, c.failure) for c in conversations if c.failure]
-    truncated = sum(c.finish_reason == "length" for c in conversations if not c.failure)
+def _checked(conversations: list, wheres: list, backend, bad_records: BadRecords, log) -> list:
+    """The conversations the back end's `check_record` accepts; the others fail the run or are skipped and
+    named, by `bad_records`."""
+    check = getattr(backend, "check_record", None)
+    if check is None:
+        return conversations
+    kept = []
+    for c, where in zip(conversations, wheres):
+        try:
+            check(c.record.messages, where)
+            kept.append(c)
+        except DataError as err:
+            if bad_records.mode == "fail":
+                raise DataError(f"{str(err).rstrip('.')}; --bad-records skip leaves such records out.") from None
+            log(f"[data] skipped: {err}")
+            c.failure, c.named = RequestFailed(str(err), bad_answer=True), True
+    return kept
+
+
+def _finish_shard(output, shard, kind, conversations, settings, truncated, bad_records, summary, log) -> None:
+    bad = [c for c in conversations if c.failure and c.failure.bad_answer and bad_records.mode == "skip"]
+    for c in bad:
+        if not c.named:
+            log(f"[data] skipped: record {c.rid}: {c.failure.reason}")  # the reason names its file:line
+    summary.skipped += [(c.rid, c.failure.reason) for c in bad]
+    failed = [(c.rid, c.failure.reason + ("; --bad-records skip leaves the record out" if c.failure.bad_answer else ""))
+              for c in conversations if c.failure and c not in bad]
+    done = [c for c in conversations if not c.failure]
     if failed:
         summary.failed += failed
         write_file(_failed_path(output, shard), json.dumps(
             [{"id": rid, "error": reason} for rid, reason in failed], indent=1) + "\n")
         return  # the shard stays undone: a rerun retries it whole
-    kept = [c.output(settings) for c in conversations if not (drop_truncated and c.finish_reason == "length")]
+    kept = [c.output(settings) for c in done if not (truncated == "skip-record" and c.cut)]
     write_records(shard_path(output, shard, kind), kept, style=None)  # each record in its input's style
     if os.path.exists(_failed_path(output, shard)):
         os.unlink(_failed_path(output, shard))
     summary.shards_written += 1
     summary.records_written += len(kept)
-    summary.truncated += truncated
+    summary.truncated += sum(bool(c.cut) for c in done)
+    summary.dropped_turns += sum(c.dropped_turns for c in done) if truncated == "drop-rest" else 0
 
 
 def regenerate(input_path: str, output: str, backend: Callable[[], AnswerBackend], settings: Settings, *,
-               target: str, shard_size: int = 1000, drop_truncated: bool = False, rank: int = 0,
-               world_size: int = 1, progress_stream=None, bad_records: Optional[BadRecords] = None) -> Summary:
+               target: str, shard_size: int = 1000, truncated: str = "skip-record", rank: int = 0,
+               world_size: int = 1, progress_stream=None, bad_records: Optional[BadRecords] = None,
+               chat_template_sha256: Optional[str] = None) -> Summary:
     """Regenerate the answers of `input_path` (a data file or directory, `data.formats`) into `output` (this
-    rank's shards); `backend` is called once, only when a shard remains to do. `target` names the model in
-    the manifest; `bad_records` says what becomes of records that are no chat (default: fatal)."""
+    rank's shards, under this rank's lock of `output`); `backend` is called once, only when a shard remains
+    to do. `target` names the model in the manifest (a directory by its resolved path); `truncated` is one of
+    `TRUNCATION_POLICIES`; `bad_records` says what becomes of records that are no chat, that the back end's
+    `check_record` refuses or whose answer is bad (default: fatal)."""
     if shard_size < 1:
         raise ValueError(f"shard size must be at least 1, got {shard_size}.")
+    if truncated not in TRUNCATION_POLICIES:
+        raise ValueError(f"truncated must be one of {', '.join(TRUNCATION_POLICIES)}, got {truncated!r}.")
+    bad_records = bad_records or BadRecords()
     stream = progress_stream or sys.stderr
-    quiet = lambda line: None  # noqa: E731 - the skipped records are named once, by rank 0
-    chats = read_chats(input_path, bad_records, log=(lambda line: print(line, file=stream)) if rank == 0 else quiet)
-    kind = shard_kind(input_path)
-    check_manifest(output, build_manifest(input_path, len(chats), target, settings, shard_size, drop_truncated,
-                                          bad_records), rank=rank)
+    log = lambda line: print(line, file=stream, flush=True)  # noqa: E731
+    lock = lock_output(output, rank, log)
+    try:
+        quiet = lambda line: None  # noqa: E731 - the skipped records are named once, by rank 0
+        chats = read_chats(input_path, bad_records, log=log if rank == 0 else quiet)
+        check_manifest(output, build_manifest(input_path, len(chats), target, settings, shard_size, truncated,
+                                              bad_records, chat_template_sha256), rank=rank)
+        return _run_shards(chats, output, shard_kind(input_path), backend, settings, shard_size, truncated,
+                           bad_records, rank, world_size, progress_stream, log)
+    finally:
+        lock.release()
+
+
+def _run_shards(chats, output, kind, backend, settings, shard_size, truncated, bad_records, rank, world_size,
+                progress_stream, log) -> Summary:
     shards = range(rank, (len(chats) + shard_size - 1) // shard_size, world_size)
     summary = Summary()
     todo = [k for k in shards if not os.path.exists(shard_path(output, k, kind))]
@@ -364,9 +480,16 @@ def regenerate(input_path: str, output: str, backend: Callable[[], AnswerBackend
     for k in todo:
         remove_stale_siblings(shard_path(output, k, kind))  # a staged copy a killed run left
         part = chats[k * shard_size:(k + 1) * shard_size]
-        conversations = _regenerate_shard([r for _, r in part], [record_id(r, i) for i, r in part], answers,
-                                          settings, progress)
-        _finish_shard(output, k, kind, conversations, settings, drop_truncated, summary)
+        conversations = [_Conversation(r, record_id(r, i), truncated) for i, _, r in part]
+        for c, (_, where, _) in zip(conversations, part):
+            c.where = where
+        _regenerate_shard(_checked(conversations, [w for _, w, _ in part], answers, bad_records, log), answers,
+                          settings, progress)
+        _finish_shard(output, k, kind, conversations, settings, truncated, bad_records, summary, log)
+        if len(summary.skipped) > bad_records.max_fraction * len(chats):
+            raise DataError(f"{len(summary.skipped)} of {len(chats)} records were left out as bad (more than "
+                            f"--max-bad-fraction {bad_records.max_fraction:g}); the first: record "
+                            f"{summary.skipped[0][0]}: {summary.skipped[0][1]}")
         progress.update(len(part), 0, force=True)
     progress.close()
     return summary

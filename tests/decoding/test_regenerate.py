@@ -6,11 +6,13 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 
 import pytest
 
 from chat_server import load_tiny_target, reference_messages
 from megatron_dflash.common.errors import DataError
+from megatron_dflash.data.formats import BadRecords
 from megatron_dflash.decoding.local_answers import LocalAnswers
 from megatron_dflash.decoding.regenerate import (Progress, Settings, answer_seed, conversation_turns, regenerate,
                                                  shard_path)
@@ -70,7 +72,8 @@ def test_turns_are_the_answers_to_generate():
 @pytest.mark.parametrize("batch_size", [1, 4])
 def test_in_process_answers_are_the_targets_greedy_answers(chats, reference, tmp_path, batch_size):
     settings = Settings(max_new_tokens=MAX_NEW)
-    summary = regenerate(chats, str(tmp_path), local(settings, batch_size), settings, target="tiny", shard_size=3)
+    summary = regenerate(chats, str(tmp_path), local(settings, batch_size), settings, target="tiny", shard_size=3,
+                         truncated="drop-rest")
     records, inputs = output_records(tmp_path), chat_records()
     assert summary.records_written == len(inputs) and not summary.failed and summary.shards_written == 4
     assert [r["messages"] for r in records] == [m for m, _ in reference]
@@ -113,10 +116,9 @@ def test_rerun_skips_finished_shards_and_redoes_missing_ones(chats, tmp_path):
     assert files_of(tmp_path) == before
 
 
-def test_truncated_answers_dropped_by_flag(chats, reference, tmp_path):
+def test_records_with_a_cut_answer_are_left_out_by_default(chats, reference, tmp_path):
     settings = Settings(max_new_tokens=MAX_NEW)
-    summary = regenerate(chats, str(tmp_path), local(settings, 4), settings, target="tiny", shard_size=3,
-                         drop_truncated=True)
+    summary = regenerate(chats, str(tmp_path), local(settings, 4), settings, target="tiny", shard_size=3)
     kept = [m for m, reason in reference if reason == "stop"]
     assert [r["messages"] for r in output_records(tmp_path)] == kept and len(kept) < len(reference)
     assert summary.truncated == len(reference) - len(kept)
@@ -126,13 +128,13 @@ def test_truncated_answers_dropped_by_flag(chats, reference, tmp_path):
     (dict(settings=Settings(max_new_tokens=MAX_NEW, temperature=0.7)), "sampling.temperature"),
     (dict(target="other"), "target"),
     (dict(shard_size=4), "shard_size"),
-    (dict(drop_truncated=True), "truncated"),
+    (dict(truncated="drop-rest"), "truncated"),
     (dict(input="other"), "input fingerprint"),
 ])
 def test_a_manifest_of_other_settings_is_refused(chats, tmp_path, change, field):
     settings = Settings(max_new_tokens=MAX_NEW)
     regenerate(chats, str(tmp_path), local(settings, 4), settings, target="tiny", shard_size=3)
-    args = dict(input=chats, settings=settings, target="tiny", shard_size=3, drop_truncated=False)
+    args = dict(input=chats, settings=settings, target="tiny", shard_size=3)
     args.update(change)
     if args["input"] == "other":
         records = chat_records()[:-1]
@@ -256,7 +258,8 @@ def test_every_input_kind_regenerates_the_targets_answers_in_its_own_style(kind,
     path, style, ext = write_input(kind, tmp_path)
     settings = Settings(max_new_tokens=MAX_NEW)
     out = tmp_path / "out"
-    summary = regenerate(path, str(out), local(settings, 4), settings, target="tiny", shard_size=4)
+    summary = regenerate(path, str(out), local(settings, 4), settings, target="tiny", shard_size=4,
+                         truncated="drop-rest")
     rows = read_shards(out, ext)
     assert summary.records_written == len(rows) == len(reference) and not summary.failed
     assert [turns_of(r) for r in rows] == [m for m, _ in reference]  # the per-record generate oracle
@@ -279,8 +282,6 @@ class EchoAnswers:
 
 
 def test_bad_and_text_records_fail_or_are_skipped_named(tmp_path):
-    from megatron_dflash.data.formats import BadRecords
-
     lines = [json.dumps(r) for r in chat_records()]
     lines.insert(3, json.dumps({"text": "no turns here"}))
     lines.insert(6, json.dumps({"messages": [{"content": "no role"}]}))
@@ -314,3 +315,152 @@ def test_a_directory_inputs_fingerprint_covers_each_of_its_files(tmp_path):
     (folder / "b.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))  # same count, other bytes
     with pytest.raises(DataError, match="another input fingerprint"):
         regenerate(str(folder), out, EchoAnswers, Settings(), target="echo", shard_size=3)
+
+
+# ------------------------------------------------------------------------------ within the target's limits
+
+
+def test_a_prompt_past_the_targets_context_is_named_before_any_generation(tmp_path):
+    """The tiny target has 512 positions: a 3,000-word prompt, or a 1 MB one, is no record it can answer. It
+    stops the run naming its line (--bad-records fail) or is skipped, named; nothing is generated for it."""
+    import time
+
+    words = " ".join(["white"] * 3000)
+    records = chat_records()[:3]
+    records.insert(1, {"messages": [{"role": "user", "content": "repeat " + words}]})
+    records.insert(3, {"messages": [{"role": "user", "content": "x " * 500_000}]})  # 1 MB
+    path = tmp_path / "long.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    settings = Settings(max_new_tokens=MAX_NEW)
+    start = time.monotonic()
+    with pytest.raises(DataError, match=rf"^{path}:2: its prompt \(the turns without the answers\) is (more than )?\d+ "
+                       r"tokens; with --max-new-tokens 12 it does not fit the target's context of 512 positions "
+                       r".*; --bad-records skip leaves such records out\.$"):
+        regenerate(str(path), str(tmp_path / "a"), local(settings, 4), settings, target="tiny", shard_size=5)
+    said = io.StringIO()
+    summary = regenerate(str(path), str(tmp_path / "b"), local(settings, 4), settings, target="tiny", shard_size=5,
+                         truncated="drop-rest", bad_records=BadRecords("skip", 0.5), progress_stream=said)
+    assert time.monotonic() - start < 30
+    assert summary.records_written == 3 and len(summary.skipped) == 2
+    assert f"[data] skipped: {path}:2: its prompt" in said.getvalue()
+    assert re.search(rf"\[data\] skipped: {path}:4: its prompt \(the turns without the answers\) is (more than )?\d+ "
+                     "tokens; with --max-new-tokens 12 it does not fit", said.getvalue())
+    assert [r["messages"][0] for r in output_records(tmp_path / "b")] == [r["messages"][0] for r in chat_records()[:3]]
+
+
+class CuttingAnswers:
+    """Echoes each request's last message, cut ("length") when it holds "cut"."""
+
+    def __init__(self):
+        self.requests = []
+
+    def answer(self, requests):
+        from megatron_dflash.decoding.regenerate import Answer
+
+        self.requests += requests
+        return [Answer("echo " + q.messages[-1]["content"], "length" if "cut" in q.messages[-1]["content"] else "stop",
+                       2) for q in requests]
+
+
+def two_turn_records(tmp_path) -> str:
+    turns = lambda a, b: [{"role": "user", "content": a}, {"role": "assistant", "content": "old"},  # noqa: E731
+                          {"role": "user", "content": b}, {"role": "assistant", "content": "old"}]
+    records = [{"id": "whole", "messages": turns("q1", "q2")}, {"id": "first cut", "messages": turns("cut q1", "q2")},
+               {"id": "last cut", "messages": turns("q1", "cut q2")}]
+    path = tmp_path / "two_turns.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+@pytest.mark.parametrize("policy, kept", [
+    ("skip-record", {"whole": 4}),
+    ("drop-rest", {"whole": 4, "first cut": 2, "last cut": 4}),
+    ("continue", {"whole": 4, "first cut": 4, "last cut": 4}),
+])
+def test_the_cut_answer_policy_says_what_becomes_of_the_rest_of_the_conversation(tmp_path, policy, kept):
+    backend = CuttingAnswers()
+    summary = regenerate(two_turn_records(tmp_path), str(tmp_path / "out"), lambda: backend, Settings(), target="echo",
+                         truncated=policy)
+    rows = output_records(tmp_path / "out")
+    assert {r["id"]: len(r["messages"]) for r in rows} == kept
+    assert {r["id"]: r["finish_reason"] for r in rows} == {k: "stop" if k == "whole" else "length" for k in kept}
+    assert summary.truncated == 2 and summary.dropped_turns == (1 if policy == "drop-rest" else 0)
+    assert json.load(open(tmp_path / "out" / "_manifest.json"))["truncated"] == policy
+    if policy == "continue":  # the later turn is asked after the cut answer
+        first_cut = [q.messages for q in backend.requests if q.name == "record first cut turn 1"]
+        assert first_cut[0][1] == {"role": "assistant", "content": "echo cut q1"}
+
+
+def test_the_target_is_one_target_however_its_path_is_spelled(tmp_path, monkeypatch, chats):
+    (tmp_path / "models" / "t").mkdir(parents=True)
+    (tmp_path / "models" / "link").symlink_to(tmp_path / "models" / "t")
+    monkeypatch.chdir(tmp_path / "models")
+    out = str(tmp_path / "out")
+    regenerate(chats, out, EchoAnswers, Settings(), target="t", shard_size=4)
+    for spelling in ("./t/", str(tmp_path / "models" / "t"), "link", "../models/t"):
+        summary = regenerate(chats, out, EchoAnswers, Settings(), target=spelling, shard_size=4)
+        assert summary.shards_skipped == 3 and summary.shards_written == 0
+    (tmp_path / "models" / "u").mkdir()
+    with pytest.raises(DataError, match="another target"):
+        regenerate(chats, out, EchoAnswers, Settings(), target="u", shard_size=4)
+
+
+def test_one_regeneration_at_a_time_per_output_directory(chats, tmp_path, monkeypatch):
+    """A second run on an output directory is refused in one line naming the holder, whatever the ranks; the
+    ranks of one launch (one torchrun run id) share it."""
+    import socket
+
+    from megatron_dflash.common.errors import RunError
+    from megatron_dflash.decoding.output_lock import lock_output
+
+    out = str(tmp_path / "out")
+    holder = lock_output(out)
+    with pytest.raises(RunError, match=rf"^--output={out} is in use by another run \(host {socket.gethostname()}, "
+                       rf"pid {os.getpid()}, started .*\); two regenerations into one directory"):
+        regenerate(chats, out, EchoAnswers, Settings(), target="echo")
+    holder.release()
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "launch-a")
+    regenerate(chats, out, EchoAnswers, Settings(), target="echo", shard_size=2, rank=0, world_size=2)
+    holder = lock_output(out, rank=0)  # launch a's rank 0, still running
+    summary = regenerate(chats, out, EchoAnswers, Settings(), target="echo", shard_size=2, rank=1, world_size=2)
+    assert summary.shards_written == 2  # its own launch's rank 1 goes on
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "launch-b")
+    with pytest.raises(RunError, match="is in use by another run"):
+        regenerate(chats, out, EchoAnswers, Settings(), target="echo", shard_size=2, rank=1, world_size=2)
+    holder.release()
+    holder = lock_output(out, rank=1)  # launch b's rank 1 alone: launch a's rank 0 may not start under it
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "launch-a")
+    with pytest.raises(RunError, match=r"is in use by another run .*rank-00001\.lock"):
+        regenerate(chats, out, EchoAnswers, Settings(), target="echo", shard_size=2, rank=0, world_size=2)
+    holder.release()
+    assert sorted(os.listdir(out)) == ["_manifest.json"] + [f"shard-0000{k}.jsonl" for k in range(5)]
+
+
+def test_records_the_template_refuses_or_with_nothing_to_answer_are_bad_records(tmp_path):
+    """A template's raise_exception (here: a second user turn in a row) and a record of assistant turns only
+    are named before any generation, as the training job names them."""
+    from megatron_dflash.decoding.prompt_limits import PromptLimits
+    from megatron_dflash.embedded_job.synthetic_corpus import CHAT_TEMPLATE
+
+    class Strict(EchoAnswers):
+        def __init__(self):
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(SHIPPED_TARGET_DIR)
+            tok.chat_template = ("{% for m in messages %}{% if loop.index0 > 0 and "
+                                 "m['role'] == messages[loop.index0 - 1]['role'] %}"
+                                 "{{ raise_exception('roles must alternate') }}{% endif %}{% endfor %}" + CHAT_TEMPLATE)
+            self.check_record = PromptLimits(tok, 512, 8).check_record
+
+    records = chat_records()[:3]
+    records.insert(1, {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]})
+    records.insert(2, {"messages": [{"role": "assistant", "content": "only me"}]})
+    path = tmp_path / "odd.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    said = io.StringIO()
+    summary = regenerate(str(path), str(tmp_path / "out"), Strict, Settings(), target="echo",
+                         bad_records=BadRecords("skip", 0.5), progress_stream=said)
+    assert summary.records_written == 3
+    assert f"[data] skipped: {path}:3: no turn to answer (every message is the assistant's)." in said.getvalue()
+    assert f"[data] skipped: {path}:2: the chat template refuses its prompt (the turns without the answers) " \
+        "(TemplateError: roles must alternate)." in said.getvalue()

@@ -4,7 +4,9 @@
   no padding), the oracle the regeneration back ends are compared with;
 * `reference_messages`: a record's conversation regenerated turn by turn with `greedy_answer`;
 * `ChatServer`: `http.server` in a thread answering `POST /v1/chat/completions` greedily with
-  `greedy_answer`; `faults(body, count)` may drop the connection ("drop") or answer an HTTP status instead.
+  `greedy_answer`; `faults(body, count)` may drop the connection ("drop") or answer an HTTP status instead;
+  `edit(body, reply)` may change the reply (a reasoning parser's fields) or return bytes to send instead
+  (a hostile server), and `send(handler, body)` writes every response itself instead (a slow server).
 """
 
 from __future__ import annotations
@@ -57,8 +59,10 @@ def reference_messages(model, tok, messages: list, max_new_tokens: int) -> tuple
 class ChatServer:
     """`with ChatServer(model, tok) as server:` serves at `server.url` until the block ends."""
 
-    def __init__(self, model, tok, faults: Optional[Callable[[dict, int], object]] = None):
-        self.model, self.tok, self.faults = model, tok, faults
+    def __init__(self, model, tok, faults: Optional[Callable[[dict, int], object]] = None,
+                 edit: Optional[Callable[[dict, dict], object]] = None,
+                 send: Optional[Callable[[object, dict], None]] = None):
+        self.model, self.tok, self.faults, self.edit, self.send = model, tok, faults, edit, send
         self.lock = threading.Lock()
         self.count = 0
         self.requests: list = []
@@ -80,16 +84,21 @@ class ChatServer:
                     if fault == "drop":
                         self.close_connection = True
                         return  # no answer: the client sees the connection closed
-                    if fault is None and self.path == "/v1/chat/completions":
+                    custom = fault is None and owner.send is not None
+                    if fault is None and not custom and self.path == "/v1/chat/completions":
                         text, reason, tokens = greedy_answer(owner.model, owner.tok, body["messages"],
                                                              body["max_tokens"], body.get("chat_template_kwargs"))
                         reply = {"choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                                               "finish_reason": reason}],
                                  "usage": {"completion_tokens": tokens}}
                         status = 200
-                    else:
+                    elif not custom:
                         reply, status = {"error": {"message": "injected"}}, int(fault or 404)
-                data = json.dumps(reply).encode()
+                if custom:
+                    owner.send(self, body)  # the test's own sender writes the whole response
+                    return
+                edited = owner.edit(body, reply) if status == 200 and owner.edit is not None else None
+                data = edited if isinstance(edited, bytes) else json.dumps(edited or reply).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
