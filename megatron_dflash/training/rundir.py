@@ -26,11 +26,14 @@ console or the metrics was dropped, if any.
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import json
 import os
 import shlex
+import signal
 import sys
+import threading
 import time
 from typing import Optional
 
@@ -163,51 +166,155 @@ class AppendedFile:
 # ------------------------------------------------------------------------------------------ console
 
 
+# A console stream that cannot take a write: closed (a `ValueError` from the file object), its reader gone
+# (EPIPE: `| head`), its terminal lost (EIO), or any other OSError of the descriptor.
+_CONSOLE_FAILURES = (OSError, ValueError)
+
+
+def _silence(fd: Optional[int]) -> None:
+    """Point the descriptor `fd` of a console stream that failed at os.devnull: what is still buffered for it,
+    later writes through any handle of it and Python's flush at exit then succeed instead of raising."""
+    if fd is None:
+        return
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+    except OSError:
+        return
+    if devnull == fd:  # `fd` was closed: devnull took its number, which is what was wanted
+        return
+    with contextlib.suppress(OSError):
+        os.dup2(devnull, fd)
+    os.close(devnull)
+
+
 class _Tee(io.TextIOBase):
-    def __init__(self, stream, sink: "ConsoleLog"):
-        self.stream, self.sink = stream, sink
+    """One console stream (stdout or stderr; `fd` its standard descriptor) copied into the console log. A stream
+    that fails (`_CONSOLE_FAILURES`) is given up for good: its descriptor is silenced (`_silence`), the log warns
+    once (`ConsoleLog.console_lost`) and every write after it goes to console.log only, so a closed or failing
+    console never stops the program."""
+
+    def __init__(self, stream, sink: "ConsoleLog", name: str, fd: int):
+        self.stream, self.sink, self.name, self.fd = stream, sink, name, fd
+        self.alive = stream is not None
 
     def write(self, text: str) -> int:
         self.sink.record(text)
-        return self.stream.write(text)
+        self.echo(text)
+        return len(text)
+
+    def echo(self, text: str) -> None:
+        """`text` onto the console stream only (not into the log), if it still works."""
+        if not self.alive:
+            return
+        try:
+            try:
+                self.stream.write(text)
+            except UnicodeEncodeError:  # a console that cannot show a character: show the rest
+                encoding = self.encoding or "ascii"
+                self.stream.write(text.encode(encoding, "replace").decode(encoding))
+        except _CONSOLE_FAILURES as err:
+            self._lost(err)
 
     def flush(self) -> None:
-        self.stream.flush()
+        if not self.alive:
+            return
+        try:
+            self.stream.flush()
+        except _CONSOLE_FAILURES as err:
+            self._lost(err)
+
+    def _lost(self, err: Exception) -> None:
+        self.alive = False
+        try:
+            fd = self.stream.fileno()
+        except _CONSOLE_FAILURES:
+            fd = None  # not a descriptor of its own (a test's capture): nothing to silence
+        _silence(fd)
+        self.sink.console_lost(self.name, err)
 
     def isatty(self) -> bool:
-        return self.stream.isatty()
+        if not self.alive:
+            return False
+        try:
+            return self.stream.isatty()
+        except _CONSOLE_FAILURES:
+            return False
 
     def fileno(self) -> int:
+        if self.stream is None:
+            raise io.UnsupportedOperation(f"{self.name} is closed")
         return self.stream.fileno()
 
     @property
     def encoding(self):
-        return getattr(self.stream, "encoding", "utf-8")
+        return getattr(self.stream, "encoding", None) or "utf-8"
 
 
 class ConsoleLog:
     """Copies stdout and stderr into a file. Buffers in memory until `attach(path)` (the run
     directory is known only once the command line is validated), so a rejected command line
     leaves no file behind. Carriage-return redraws (progress bars) are not copied. A write the
-    file system refuses never reaches the program (`AppendedFile`)."""
+    file system refuses never reaches the program (`AppendedFile`), and neither does a console
+    that is closed or fails (`_Tee`): the run warns once and goes on with console.log alone."""
 
     def __init__(self):
         self._buffer: list[str] = []
         self._file: Optional[AppendedFile] = None
         self._saved = None
+        self._tees: tuple = ()
+        self._console_warned = False
+        self._line_open = False  # the last text kept ended inside a line
+        self._deferred = ""      # a warning kept for the end of that line
 
     @classmethod
     def start(cls) -> "ConsoleLog":
         log = cls()
+        _ignore_sigpipe()
         log._saved = (sys.stdout, sys.stderr)
-        sys.stdout, sys.stderr = _Tee(sys.stdout, log), _Tee(sys.stderr, log)
+        log._tees = (_Tee(sys.stdout, log, "stdout", 1), _Tee(sys.stderr, log, "stderr", 2))
+        sys.stdout, sys.stderr = log._tees
+        for tee in log._tees:
+            if tee.stream is None:  # started with the descriptor closed (`>&-`): Python gave it no stream
+                if _is_closed(tee.fd):
+                    _silence(tee.fd)  # so no file opened later takes its number and gets the console's bytes
+                log.console_lost(tee.name, None)
         return log
+
+    def console_lost(self, name: str, err: Optional[Exception]) -> None:
+        """The console stream `name` failed (`err`; None: closed from the start): the first time, one line into
+        the log and onto the stream that still works, if one does."""
+        if self._console_warned:
+            return
+        self._console_warned = True
+        if err is None or isinstance(err, ValueError):
+            reason = "it is closed"
+        else:
+            reason = (err.strerror or str(err) or type(err).__name__).lower()
+        where = self._file.path if self._file is not None else "the run directory's console.log"
+        text = (f"[run] WARNING: cannot write {name} ({reason}); training goes on, and what it prints is kept "
+                f"in {where}.\n")
+        if self._line_open:  # print() failed between a line and its newline: the warning goes after that line
+            self._deferred = text
+        else:
+            self.record(text)
+        for tee in self._tees:
+            tee.echo(text)
+            tee.flush()
 
     def record(self, text: str) -> None:
         if "\r" in text:  # a progress bar (re)draw: keep only a complete line after the last \r
             text = text.rsplit("\r", 1)[1]
             if not text.endswith("\n") or not text.strip() or "\033[K" in text:
                 return
+        if not text:
+            return
+        self._keep(text)
+        self._line_open = not text.endswith("\n")
+        if self._deferred and not self._line_open:
+            deferred, self._deferred = self._deferred, ""
+            self._keep(deferred)
+
+    def _keep(self, text: str) -> None:
         if self._file is not None:
             self._file.append(text)
         else:
@@ -219,12 +326,32 @@ class ConsoleLog:
         self._file.append(buffered)
 
     def stop(self) -> None:
+        for tee in self._tees:  # what is still buffered, while a failure is still caught (not at exit)
+            tee.flush()
+        if self._deferred:  # the last line never ended
+            self._keep("\n" + self._deferred)
+            self._deferred = ""
         if self._saved is not None:
             sys.stdout, sys.stderr = self._saved
             self._saved = None
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def _ignore_sigpipe() -> None:
+    """A reader that goes away (`| head`) must end writes with EPIPE, which `_Tee` handles, not the process: Python
+    ignores SIGPIPE at start-up, but a library or a launcher may have restored the default (terminate)."""
+    if hasattr(signal, "SIGPIPE") and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+
+
+def _is_closed(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError as err:
+        return err.errno == errno.EBADF
+    return False
 
 
 # ------------------------------------------------------------------------------------------ writer
