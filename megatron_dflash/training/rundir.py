@@ -76,6 +76,19 @@ class RunDirHealth:
         self.path = path
         self.failing: dict[str, str] = {}  # file name -> why its last write failed
         self.lost: dict[str, int] = {}     # file name -> bytes dropped while failing
+        self._made_again: list = []        # what rewrites its files when the directory is made again
+
+    def when_made_again(self, rewrite) -> None:
+        """Call `rewrite()` whenever the directory, removed under the run, has been made again."""
+        self._made_again.append(rewrite)
+
+    def made_again(self) -> None:
+        """The directory was removed during the run and a write has just made it again: one line, and every
+        writer registered with `when_made_again` writes its files anew."""
+        self._say(f"[run] {self.path} was removed during the run: made it again; console.log and metrics.jsonl "
+                  "are written again whole from what the run holds, the other files at once.")
+        for rewrite in self._made_again:
+            rewrite()
 
     def failed(self, name: str, err: OSError) -> None:
         first = not self.failing
@@ -113,35 +126,61 @@ def health_of(run_dir: str) -> RunDirHealth:
     return _HEALTH[key]
 
 
+def make_directory(path: str) -> bool:
+    """`os.makedirs(path)`; whether it had to make it (it was not there: new, or removed under the run)."""
+    if os.path.isdir(path):
+        return False
+    os.makedirs(path, exist_ok=True)
+    return True
+
+
+def _open_appended(path: str) -> int:
+    """`path` opened for appending, and for reading where allowed (`AppendedFile._take_back` reads it back)."""
+    try:
+        return os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o666)
+    except PermissionError:  # a file of ours made write-only
+        return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+
+
 class AppendedFile:
     """A file the run appends to (console.log, metrics.jsonl) whose writes never raise. Bytes the file
     system refuses stay in memory (at most `limit`: beyond, the oldest whole lines are dropped and
     counted) and go out, in order and exactly once, ahead of the next append; `os.write` says how much
-    of a write reached the file, so a partial write is neither lost nor repeated."""
+    of a write reached the file, so a partial write is neither lost nor repeated. A file removed under
+    the run (its directory deleted) is made again at the next append, with what it held: its old
+    descriptor still reads the removed file (`_take_back`)."""
 
     def __init__(self, path: str, health: RunDirHealth, limit: int = PENDING_LIMIT):
         self.path, self.name, self.health, self.limit = path, os.path.basename(path), health, limit
         self._fd: Optional[int] = None
         self._pending = bytearray()
         self._lost = 0
+        self._removed = False  # the file was removed under the run and is not written again yet
 
     def append(self, text: str) -> None:
         self._pending += text.encode("utf-8", "replace")
+        self._bound()
+        self.flush()
+
+    def _bound(self) -> None:
+        """At most `limit` bytes pending: the oldest whole lines beyond it are dropped (and counted)."""
         if len(self._pending) > self.limit:
             cut = len(self._pending) - self.limit
             newline = self._pending.find(b"\n", cut)
             cut = len(self._pending) if newline < 0 else newline + 1
             self._lost += cut
             del self._pending[:cut]
-        self.flush()
 
     def flush(self) -> None:
         if not self._pending:
             return
         try:
+            if self._fd is not None and os.fstat(self._fd).st_nlink == 0:
+                self._take_back()
+            made = False
             if self._fd is None:
-                os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-                self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+                made = make_directory(os.path.dirname(self.path) or ".")
+                self._fd = _open_appended(self.path)
             while self._pending:
                 del self._pending[:os.write(self._fd, self._pending)]
         except OSError as err:
@@ -149,6 +188,42 @@ class AppendedFile:
             return
         lost, self._lost = self._lost, 0
         self.health.succeeded(self.name, lost)
+        made_again, self._removed = made and self._removed, False
+        if made_again:
+            self.health.made_again()
+
+    def _take_back(self) -> None:
+        """The file was removed (no link left): what it held (its last `limit` bytes) goes ahead of the pending
+        bytes, to be written into the file made again; its descriptor is closed."""
+        fd, self._fd = self._fd, None
+        self._removed = True
+        try:
+            size = os.fstat(fd).st_size
+            start = max(0, size - self.limit)
+            held = bytearray()
+            while start + len(held) < size:
+                chunk = os.pread(fd, size - start - len(held), start + len(held))
+                if not chunk:
+                    break
+                held += chunk
+            if start:  # from the first whole line on
+                newline = held.find(b"\n")
+                del held[:newline + 1 if newline >= 0 else len(held)]
+            self._lost += size - len(held)
+        except OSError:  # not readable (opened write-only by an older run): only the new lines are kept
+            held = bytearray()
+        finally:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._pending[:0] = held
+        self._bound()
+
+    def catch_up(self) -> None:
+        """Write the file again now if it was removed under the run (else that waits for the next append)."""
+        with contextlib.suppress(OSError):
+            if self._fd is not None and os.fstat(self._fd).st_nlink == 0:
+                self._take_back()
+        self.flush()
 
     def reopen(self) -> None:
         """Open the file again at the next write (it was replaced)."""
@@ -156,7 +231,7 @@ class AppendedFile:
 
     def close(self, flush: bool = True) -> None:
         if flush:
-            self.flush()
+            self.catch_up()
         if self._fd is not None:
             with contextlib.suppress(OSError):
                 os.close(self._fd)
@@ -367,11 +442,14 @@ class RunWriter:
         self.log = log
         self.records: list[dict] = []
         self._plot_warned = False
+        self._written: dict[str, bytes] = {}  # the files written whole, as last written: rewritten if the directory goes
+        self._linked = False
         if active:
             self.health = health_of(path)
-            self._attempt(path, lambda: os.makedirs(path, exist_ok=True))
+            self._had_directory = self._attempt(path, lambda: os.makedirs(path, exist_ok=True))
             self.metrics_path = os.path.join(path, "metrics.jsonl")
             self._metrics_file = AppendedFile(self.metrics_path, self.health)
+            self.health.when_made_again(self._write_again)
 
     def file(self, name: str) -> str:
         return os.path.join(self.path, name)
@@ -389,7 +467,25 @@ class RunWriter:
 
     def _write(self, name: str, data: bytes) -> bool:
         path = self.file(name)
-        return self._attempt(path, lambda: write_file(path, data))
+        if name != os.path.basename(self.metrics_path):  # metrics.jsonl is its appended file's to restore
+            self._written[name] = data
+
+        def write():
+            if make_directory(self.path) and self._had_directory:  # removed under the run: everything comes back
+                self.health.made_again()
+            self._had_directory = True
+            write_file(path, data)
+
+        return self._attempt(path, write)
+
+    def _write_again(self) -> None:
+        """The run directory was made again (it was removed during the run): the files written whole, the
+        `runs/latest` link and metrics.jsonl (from its appended file) are written anew."""
+        for name, data in list(self._written.items()):
+            self._attempt(self.file(name), lambda name=name, data=data: write_file(self.file(name), data))
+        if self._linked:
+            self.link_latest()
+        self._metrics_file.catch_up()
 
     def write_args(self, args) -> None:
         if not self.active:
@@ -405,6 +501,7 @@ class RunWriter:
         link = os.path.join(parent, LATEST)
         if os.path.exists(link) and not os.path.islink(link):
             return  # someone's own directory: leave it alone
+        self._linked = True
         tmp = f"{link}.tmp{os.getpid()}"
 
         def relink():

@@ -84,3 +84,38 @@ def test_closed_console_descriptors_never_stop_training(tiny_target, tmp_path):
     assert log.count("[run] WARNING: cannot write stdout (it is closed); training goes on") == 1, log
     assert _iterations(log) == [1, 2]
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+
+
+def test_a_run_directory_removed_during_the_run_is_made_again_with_everything(tiny_target, tmp_path, capsys):
+    """The run directory is deleted after iteration 3 of 6: training goes on, says so in one line, and the
+    directory is made again at the next write with console.log and metrics.jsonl whole (the removed files are
+    read back) and args.json, metrics.png and summary.json written anew."""
+    from megatron_dflash.training.loop import run
+    from megatron_dflash.training.rundir import ConsoleLog
+
+    run_dir = tmp_path / "run"
+
+    def on_step(iteration, values, body):
+        if iteration == 3:
+            shutil.rmtree(run_dir)
+
+    argv = training_argv(tiny_target, tmp_path, "--train-iters", "6", "--micro-batch-size", "4", "--global-batch-size",
+                         "4", "--dflash-eval-prompts", "0", "--eval-interval", "2", "--run-dir", str(run_dir))
+    console = ConsoleLog.start()
+    try:
+        result = run(argv, hooks={"on_step": on_step}, console=console)
+    finally:
+        console.stop()
+    assert result.iterations == 6
+    err = capsys.readouterr().err
+    assert err.count(f"[run] {run_dir} was removed during the run: made it again") == 1, err
+    assert "WARNING" not in err, err
+    log = (run_dir / "console.log").read_text()
+    assert log.startswith("[dflash] variant dflash") and _iterations(log) == list(range(1, 7)), log
+    assert log.count("[eval] iteration 2 validation") == 1 and "[dflash] done: 6 iterations" in log
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records if r["split"] == "train"] == list(range(1, 7))
+    assert [r["iteration"] for r in records if r["split"] == "valid"] == [2, 4, 6]
+    assert json.loads((run_dir / "args.json").read_text())["train_iters"] == 6
+    assert json.loads((run_dir / "summary.json").read_text())["iterations"] == 6
+    assert (run_dir / "metrics.png").stat().st_size > 0
