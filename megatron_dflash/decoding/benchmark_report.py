@@ -15,7 +15,8 @@ decoding time (and of the autoregressive baseline's). From those rows:
 
 A report written before categories existed has rows without ``set`` / ``category``: they count as set
 ``"prompts"`` with no category (the set's total line only). A table written before lines had a `kind` is
-computed again from the report's prompt rows, or, without them, given the kind its category name implies. No torch here (docs/design.md §7 Module map).
+computed again from the report's prompt rows, or, without them, given the kind its category name implies.
+No torch here (docs/design.md §7 Module map).
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from typing import Optional, Sequence
 
 from .metric import decode_metric
 
-__all__ = ["ALL", "DEFAULT_SET", "KINDS", "CATEGORY", "TURN", "SET", "category_table", "format_category_table", "compare_reports", "format_comparison",
-           "report_table", "line_kind", "line_key"]
+__all__ = ["ALL", "DEFAULT_SET", "KINDS", "CATEGORY", "TURN", "SET", "category_table", "format_category_table",
+           "compare_reports", "format_comparison", "report_table", "line_kind", "line_key"]
 
 ALL = "all"
 """The category of a set's total row."""

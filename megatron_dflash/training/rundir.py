@@ -20,24 +20,27 @@ console.log and metrics.jsonl it could not take stay in memory (`AppendedFile`, 
 `PENDING_LIMIT` bytes each, the oldest lines dropped beyond) and are written with the next line
 that fits, so the files catch up once there is space again; the plot and the other files are
 rewritten whole at their next write. One line says when writing works again, and how much of the
-console or the metrics was dropped, if any.
+console or the metrics was dropped, if any. A run directory removed during the run is made again
+at the next write: console.log and metrics.jsonl are read back through the descriptors that still
+hold the removed files (`AppendedFile._take_back`), the files written whole are written again
+(`RunWriter._write_again`), and one line says so. The console itself may fail too (closed, a
+reader gone under `| head`): `ConsoleLog` then warns once and keeps console.log alone
+(`console.ConsoleStream`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import io
 import json
 import os
 import shlex
-import signal
 import sys
-import threading
 import time
 from typing import Optional
 
 from ..common.atomic import write_file
+from .console import ConsoleStream, ignore_sigpipe, is_closed, silence
 from .monitor import DECODE_ACCEPTANCE, DECODE_TOKENS_PER_FORWARD, TRAIN_ACCEPTANCE, VALID_ACCEPTANCE
 
 __all__ = ["DEFAULT_RUNS_ROOT", "resolve_run_dir", "ConsoleLog", "RunWriter", "RunDirHealth", "AppendedFile",
@@ -241,96 +244,12 @@ class AppendedFile:
 # ------------------------------------------------------------------------------------------ console
 
 
-# A console stream that cannot take a write: closed (a `ValueError` from the file object), its reader gone
-# (EPIPE: `| head`), its terminal lost (EIO), or any other OSError of the descriptor.
-_CONSOLE_FAILURES = (OSError, ValueError)
-
-
-def _silence(fd: Optional[int]) -> None:
-    """Point the descriptor `fd` of a console stream that failed at os.devnull: what is still buffered for it,
-    later writes through any handle of it and Python's flush at exit then succeed instead of raising."""
-    if fd is None:
-        return
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-    except OSError:
-        return
-    if devnull == fd:  # `fd` was closed: devnull took its number, which is what was wanted
-        return
-    with contextlib.suppress(OSError):
-        os.dup2(devnull, fd)
-    os.close(devnull)
-
-
-class _Tee(io.TextIOBase):
-    """One console stream (stdout or stderr; `fd` its standard descriptor) copied into the console log. A stream
-    that fails (`_CONSOLE_FAILURES`) is given up for good: its descriptor is silenced (`_silence`), the log warns
-    once (`ConsoleLog.console_lost`) and every write after it goes to console.log only, so a closed or failing
-    console never stops the program."""
-
-    def __init__(self, stream, sink: "ConsoleLog", name: str, fd: int):
-        self.stream, self.sink, self.name, self.fd = stream, sink, name, fd
-        self.alive = stream is not None
-
-    def write(self, text: str) -> int:
-        self.sink.record(text)
-        self.echo(text)
-        return len(text)
-
-    def echo(self, text: str) -> None:
-        """`text` onto the console stream only (not into the log), if it still works."""
-        if not self.alive:
-            return
-        try:
-            try:
-                self.stream.write(text)
-            except UnicodeEncodeError:  # a console that cannot show a character: show the rest
-                encoding = self.encoding or "ascii"
-                self.stream.write(text.encode(encoding, "replace").decode(encoding))
-        except _CONSOLE_FAILURES as err:
-            self._lost(err)
-
-    def flush(self) -> None:
-        if not self.alive:
-            return
-        try:
-            self.stream.flush()
-        except _CONSOLE_FAILURES as err:
-            self._lost(err)
-
-    def _lost(self, err: Exception) -> None:
-        self.alive = False
-        try:
-            fd = self.stream.fileno()
-        except _CONSOLE_FAILURES:
-            fd = None  # not a descriptor of its own (a test's capture): nothing to silence
-        _silence(fd)
-        self.sink.console_lost(self.name, err)
-
-    def isatty(self) -> bool:
-        if not self.alive:
-            return False
-        try:
-            return self.stream.isatty()
-        except _CONSOLE_FAILURES:
-            return False
-
-    def fileno(self) -> int:
-        if self.stream is None:
-            raise io.UnsupportedOperation(f"{self.name} is closed")
-        return self.stream.fileno()
-
-    @property
-    def encoding(self):
-        return getattr(self.stream, "encoding", None) or "utf-8"
-
-
 class ConsoleLog:
     """Copies stdout and stderr into a file. Buffers in memory until `attach(path)` (the run
     directory is known only once the command line is validated), so a rejected command line
     leaves no file behind. Carriage-return redraws (progress bars) are not copied. A write the
     file system refuses never reaches the program (`AppendedFile`), and neither does a console
-    that is closed or fails (`_Tee`): the run warns once and goes on with console.log alone."""
+    that is closed or fails (`console.ConsoleStream`): the run warns once and goes on with console.log alone."""
 
     def __init__(self):
         self._buffer: list[str] = []
@@ -344,14 +263,14 @@ class ConsoleLog:
     @classmethod
     def start(cls) -> "ConsoleLog":
         log = cls()
-        _ignore_sigpipe()
+        ignore_sigpipe()
         log._saved = (sys.stdout, sys.stderr)
-        log._tees = (_Tee(sys.stdout, log, "stdout", 1), _Tee(sys.stderr, log, "stderr", 2))
+        log._tees = (ConsoleStream(sys.stdout, log, "stdout", 1), ConsoleStream(sys.stderr, log, "stderr", 2))
         sys.stdout, sys.stderr = log._tees
         for tee in log._tees:
             if tee.stream is None:  # started with the descriptor closed (`>&-`): Python gave it no stream
-                if _is_closed(tee.fd):
-                    _silence(tee.fd)  # so no file opened later takes its number and gets the console's bytes
+                if is_closed(tee.fd):
+                    silence(tee.fd)  # so no file opened later takes its number and gets the console's bytes
                 log.console_lost(tee.name, None)
         return log
 
@@ -414,21 +333,6 @@ class ConsoleLog:
             self._file = None
 
 
-def _ignore_sigpipe() -> None:
-    """A reader that goes away (`| head`) must end writes with EPIPE, which `_Tee` handles, not the process: Python
-    ignores SIGPIPE at start-up, but a library or a launcher may have restored the default (terminate)."""
-    if hasattr(signal, "SIGPIPE") and threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
-
-
-def _is_closed(fd: int) -> bool:
-    try:
-        os.fstat(fd)
-    except OSError as err:
-        return err.errno == errno.EBADF
-    return False
-
-
 # ------------------------------------------------------------------------------------------ writer
 
 
@@ -442,7 +346,7 @@ class RunWriter:
         self.log = log
         self.records: list[dict] = []
         self._plot_warned = False
-        self._written: dict[str, bytes] = {}  # the files written whole, as last written: rewritten if the directory goes
+        self._written: dict[str, bytes] = {}  # files written whole, as last written (for `_write_again`)
         self._linked = False
         if active:
             self.health = health_of(path)

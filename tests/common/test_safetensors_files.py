@@ -14,7 +14,8 @@ from megatron_dflash.common.safetensors_files import (
 def test_pickled_weights_are_named_and_never_read(tmp_path):
     """Shards and their index: the index is named; with safetensors beside them the pickles are ignored; the
     files are not opened (their bytes are no pickle at all)."""
-    for name in ("pytorch_model-00001-of-00002.bin", "pytorch_model-00002-of-00002.bin", "pytorch_model.bin.index.json"):
+    shards = ("pytorch_model-00001-of-00002.bin", "pytorch_model-00002-of-00002.bin")
+    for name in (*shards, "pytorch_model.bin.index.json"):
         (tmp_path / name).write_bytes(b"not read")
     assert pickled_weights(str(tmp_path)) == str(tmp_path / "pytorch_model.bin.index.json")
     with pytest.raises(TargetWeightsError) as info:

@@ -20,8 +20,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 _PRETRAIN = os.path.join(REPO_ROOT, "pretrain_dflash.py")
 _STEPS = 8
 # `python -c`: the entry point under SIGPIPE's default action (terminate), as a launcher or a library may leave it
-_SIGPIPE_DEFAULT = ("import runpy, signal, sys; signal.signal(signal.SIGPIPE, signal.SIG_DFL); sys.argv = sys.argv[1:]; "
-                    "runpy.run_path(sys.argv[0], run_name='__main__')")
+_SIGPIPE_DEFAULT = ("import runpy, signal, sys; signal.signal(signal.SIGPIPE, signal.SIG_DFL); "
+                    "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
 
 
 def _iterations(console_log) -> list:
