@@ -249,7 +249,8 @@ class ConsoleLog:
     directory is known only once the command line is validated), so a rejected command line
     leaves no file behind. Carriage-return redraws (progress bars) are not copied. A write the
     file system refuses never reaches the program (`AppendedFile`), and neither does a console
-    that is closed or fails (`console.ConsoleStream`): the run warns once and goes on with console.log alone."""
+    that is closed or fails (`console.ConsoleStream`): the run warns once and goes on with
+    console.log alone."""
 
     def __init__(self):
         self._buffer: list[str] = []
