@@ -82,8 +82,13 @@ class RunDirHealth:
         self._made_again: list = []        # what rewrites its files when the directory is made again
 
     def when_made_again(self, rewrite) -> None:
-        """Call `rewrite()` whenever the directory, removed under the run, has been made again."""
+        """Call `rewrite()` whenever the directory, removed under the run, has been made again (until `forget`)."""
         self._made_again.append(rewrite)
+
+    def forget(self, rewrite) -> None:
+        """No more `rewrite()` (its writer is closed: a later run on this directory in this process has its own)."""
+        with contextlib.suppress(ValueError):
+            self._made_again.remove(rewrite)
 
     def made_again(self) -> None:
         """The directory was removed during the run and a write has just made it again: one line, and every
@@ -497,6 +502,7 @@ class RunWriter:
         """Write what metrics.jsonl still holds in memory (a last try) and close it."""
         if self.active:
             self._metrics_file.close()
+            self.health.forget(self._write_again)
 
 
     def finish(self, job, result) -> None:
