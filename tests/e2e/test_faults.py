@@ -915,8 +915,8 @@ def test_a_pickled_target_is_refused_in_one_line_by_every_entry_point(tiny_targe
         capsys.readouterr()
         return main(argv), capsys.readouterr().err
 
-    runs = {backend: run_main(training_argv(str(target), tmp_path, *SHORT, "--target-backend", backend), capsys,
-                              monkeypatch) for backend in ("hf", "megatron")}
+    runs = {backend: run_main(training_argv(str(target), tmp_path, *SHORT, "--target-backend", backend, "--run-dir",
+                                            str(tmp_path / "run")), capsys, monkeypatch) for backend in ("hf", "megatron")}
     runs["evaluate"] = _evaluate(str(target), trained, tmp_path, capsys, monkeypatch)
     runs["regenerate"] = tool(regenerate_module().main, ["--input", str(chats), "--output", str(tmp_path / "regen"),
                                                          "--target", str(target)])
