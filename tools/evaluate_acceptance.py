@@ -56,6 +56,7 @@ from megatron_dflash.decoding.metric import (  # noqa: E402  (no torch: the head
     row_tokens_per_target_forward,
 )
 from megatron_dflash.checkpoint.torch_dist import looks_like_save_dir  # noqa: E402  (no torch: layout names only)
+from megatron_dflash.common.safetensors_files import TargetWeightsError  # noqa: E402  (no torch)
 from megatron_dflash.data.benchmarks import BENCHMARK_NAMES, missing_file_message  # noqa: E402  (no torch)
 from megatron_dflash.decoding.benchmark_report import (  # noqa: E402  (no torch: tables of a report)
     category_table,
@@ -539,6 +540,8 @@ class _Run:
         check_draft_config(args.draft)  # a broken draft is named before the target loads
         try:
             self.target = load_target(args.target, self.device, dtype)
+        except TargetWeightsError as err:  # pickled weights (never unpickled), or none: its own line
+            raise UsageError(f"--target {args.target}: {err}") from None
         except (OSError, ValueError) as err:  # a hub id that does not resolve, a broken directory
             raise UsageError(f"--target {args.target}: cannot load a causal LM ({type(err).__name__}: "
                              f"{str(err).splitlines()[0] if str(err) else ''}).") from None

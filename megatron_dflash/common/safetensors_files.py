@@ -1,6 +1,8 @@
 """Where the tensors of a HF checkpoint directory are: `model.safetensors`, or the shards its
 `model.safetensors.index.json` names. The one discovery that draft checkpoints and target weights share
 (docs/design.md §11 HF export format, §14 Reliability guarantees: an index names only files of its directory).
+A target whose weights are pickles only (`pytorch_model.bin`) is refused here, for every loader, in one line
+(`TargetWeightsError`): unpickling can run code, and is never tried.
 """
 
 from __future__ import annotations
@@ -9,7 +11,12 @@ import json
 import os
 from typing import Optional
 
+from .errors import RunError
+
 __all__ = [
+    "TargetWeightsError",
+    "pickled_weights",
+    "refuse_pickled_weights",
     "SAFETENSORS_NAME",
     "SAFETENSORS_INDEX_NAME",
     "safetensors_index_files",
@@ -68,12 +75,46 @@ def safetensors_files(directory: str, missing: Optional[str] = None) -> list[str
     ))
 
 
+class TargetWeightsError(RunError, FileNotFoundError):
+    """A target directory without safetensors weights (none, or pickled `.bin` files only)."""
+
+
+_PICKLED = (".bin", ".bin.index.json")  # transformers' pickled weights: pytorch_model.bin, its shards, their index
+
+
+def pickled_weights(directory: str) -> Optional[str]:
+    """The pickled weights file of the directory `directory` that a loader would unpickle (the shards' index, else
+    the first `.bin`), when it holds no safetensors weights; None otherwise (or when it is no directory)."""
+    if not os.path.isdir(directory) or any(os.path.isfile(os.path.join(directory, name))
+                                           for name in (SAFETENSORS_NAME, SAFETENSORS_INDEX_NAME)):
+        return None
+    found = sorted(name for name in os.listdir(directory) if name.endswith(_PICKLED))
+    index = [name for name in found if name.endswith(".index.json")]
+    return os.path.join(directory, (index or found)[0]) if found else None
+
+
+def refuse_pickled_weights(directory: str) -> None:
+    """Raise `TargetWeightsError` (one line: the file and the conversion to do) when the target directory
+    `directory` holds its weights as pickles only; nothing is unpickled. A directory without weights at all
+    passes here (`target_safetensors_files` names that when the weights are read)."""
+    pickled = pickled_weights(directory)
+    if pickled is not None:
+        raise TargetWeightsError(
+            f"{pickled}: the target's weights are a pickle, which is never loaded (unpickling can run code); "
+            "convert them to safetensors (AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(NEW_DIR) writes "
+            "model.safetensors; only for a file you trust) and pass that directory.")
+
+
 def target_safetensors_files(directory: str) -> list[str]:
-    """`safetensors_files` of a HF target directory (HF and megatron backends alike), with the target's message
-    when there are none."""
-    return safetensors_files(directory, missing=(
-        f"{directory} holds no model.safetensors or model.safetensors.index.json; save the target with "
-        "save_pretrained(safe_serialization=True)."))
+    """`safetensors_files` of a HF target directory (HF and megatron backends alike); a `TargetWeightsError` with
+    the target's message when there are none (`refuse_pickled_weights`'s when there are pickles instead)."""
+    refuse_pickled_weights(directory)
+    try:
+        return safetensors_files(directory)
+    except FileNotFoundError:
+        raise TargetWeightsError(
+            f"{directory} holds no model.safetensors or model.safetensors.index.json; save the target with "
+            "save_pretrained(safe_serialization=True).") from None
 
 
 def safetensors_header_bytes(path: str) -> bytes:

@@ -17,6 +17,7 @@ from typing import Optional, Sequence
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LogitsProcessor, LogitsProcessorList
 
+from ..common.safetensors_files import refuse_pickled_weights
 from .prompt_limits import PromptLimits, context_of
 from .regenerate import Answer, Request, RequestFailed, Settings
 from .sampling import GREEDY_BELOW_TEMPERATURE, sampling_probs
@@ -65,7 +66,9 @@ class LocalAnswers:
         if chat_template is not None:
             self.tokenizer.chat_template = chat_template
         self.tokenizer.padding_side = "left"
-        self.model = AutoModelForCausalLM.from_pretrained(target, dtype=DTYPES[dtype]).to(self.device).eval()
+        refuse_pickled_weights(target)  # one line naming the .bin; a hub id is fetched as safetensors only
+        self.model = AutoModelForCausalLM.from_pretrained(target, dtype=DTYPES[dtype], use_safetensors=True)
+        self.model = self.model.to(self.device).eval()
         self.stop = stop_token_ids(self.model, self.tokenizer)
         pad = self.tokenizer.pad_token_id
         self.pad = self.stop[0] if pad is None else pad

@@ -26,9 +26,11 @@ named but not registered is refused with the list of supported ones.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
 
+from ..common.safetensors_files import target_safetensors_files
 from ..draft.config import default_target_layer_ids, read_rope_parameters, resolve_text_config
 
 __all__ = [
@@ -125,11 +127,15 @@ def _load_with(auto_class: str) -> Callable:
     def load(directory: str, dtype):
         import transformers
 
+        # safetensors only: a local directory of pickles is refused in one line before transformers sees it, and
+        # a hub id is never fetched as pickles (`common.safetensors_files.TargetWeightsError`)
+        if os.path.isdir(directory):
+            target_safetensors_files(directory)
         cls = getattr(transformers, auto_class)
         try:
-            model = cls.from_pretrained(directory, dtype=dtype)
+            model = cls.from_pretrained(directory, dtype=dtype, use_safetensors=True)
         except TypeError:  # transformers < 4.56 spells it torch_dtype
-            model = cls.from_pretrained(directory, torch_dtype=dtype)
+            model = cls.from_pretrained(directory, torch_dtype=dtype, use_safetensors=True)
         return model.eval()
 
     load.__name__ = f"load_with_{auto_class}"

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from ..common.safetensors_files import TargetWeightsError, refuse_pickled_weights
 from ..data.chat import load_chat_template
 from ..data.prompts import PromptError, read_data_prompts, read_prompt_file, tokenize_prompt, unknown_token_warning
 from ..draft.config import DFlashConfig
@@ -332,11 +333,16 @@ def _family_and_variant(args, target_dir: str, target_config: dict) -> tuple[Tar
 
 
 def _check_target_config(args, target_dir: str, target_config: dict) -> None:
-    """A decoder LLM config; with the megatron backend, its sizes against the parallel layout."""
+    """A decoder LLM config whose weights are no pickles; with the megatron backend, its sizes against the parallel
+    layout."""
     text_config = resolve_text_config(target_config)
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
         if key not in text_config:
             raise ArgumentError(f"--target={target_dir}: config.json has no {key!r}; not a decoder LLM config.")
+    try:
+        refuse_pickled_weights(target_dir)
+    except TargetWeightsError as err:
+        raise ArgumentError(f"--target={target_dir}: {err}") from None
     if args.target_backend != "megatron":
         return
     # here: only the megatron backend needs the target model's module (megatron-core's GPT layers)

@@ -20,7 +20,12 @@ console.log and metrics.jsonl it could not take stay in memory (`AppendedFile`, 
 `PENDING_LIMIT` bytes each, the oldest lines dropped beyond) and are written with the next line
 that fits, so the files catch up once there is space again; the plot and the other files are
 rewritten whole at their next write. One line says when writing works again, and how much of the
-console or the metrics was dropped, if any.
+console or the metrics was dropped, if any. A run directory removed during the run is made again
+at the next write: console.log and metrics.jsonl are read back through the descriptors that still
+hold the removed files (`AppendedFile._take_back`), the files written whole are written again
+(`RunWriter._write_again`), and one line says so. The console itself may fail too (closed, a
+reader gone under `| head`): `ConsoleLog` then warns once and keeps console.log alone
+(`console.ConsoleStream`).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import time
 from typing import Optional
 
 from ..common.atomic import write_file
+from .console import ConsoleStream, ignore_sigpipe, is_closed, silence
 from .monitor import DECODE_ACCEPTANCE, DECODE_TOKENS_PER_FORWARD, TRAIN_ACCEPTANCE, VALID_ACCEPTANCE
 
 __all__ = ["DEFAULT_RUNS_ROOT", "resolve_run_dir", "ConsoleLog", "RunWriter", "RunDirHealth", "AppendedFile",
@@ -73,6 +79,24 @@ class RunDirHealth:
         self.path = path
         self.failing: dict[str, str] = {}  # file name -> why its last write failed
         self.lost: dict[str, int] = {}     # file name -> bytes dropped while failing
+        self._made_again: list = []        # what rewrites its files when the directory is made again
+
+    def when_made_again(self, rewrite) -> None:
+        """Call `rewrite()` whenever the directory, removed under the run, has been made again (until `forget`)."""
+        self._made_again.append(rewrite)
+
+    def forget(self, rewrite) -> None:
+        """No more `rewrite()` (its writer is closed: a later run on this directory in this process has its own)."""
+        with contextlib.suppress(ValueError):
+            self._made_again.remove(rewrite)
+
+    def made_again(self) -> None:
+        """The directory was removed during the run and a write has just made it again: one line, and every
+        writer registered with `when_made_again` writes its files anew."""
+        self._say(f"[run] {self.path} was removed during the run: made it again; console.log and metrics.jsonl "
+                  "are written again whole from what the run holds, the other files at once.")
+        for rewrite in self._made_again:
+            rewrite()
 
     def failed(self, name: str, err: OSError) -> None:
         first = not self.failing
@@ -110,35 +134,61 @@ def health_of(run_dir: str) -> RunDirHealth:
     return _HEALTH[key]
 
 
+def make_directory(path: str) -> bool:
+    """`os.makedirs(path)`; whether it had to make it (it was not there: new, or removed under the run)."""
+    if os.path.isdir(path):
+        return False
+    os.makedirs(path, exist_ok=True)
+    return True
+
+
+def _open_appended(path: str) -> int:
+    """`path` opened for appending, and for reading where allowed (`AppendedFile._take_back` reads it back)."""
+    try:
+        return os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o666)
+    except PermissionError:  # a file of ours made write-only
+        return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+
+
 class AppendedFile:
     """A file the run appends to (console.log, metrics.jsonl) whose writes never raise. Bytes the file
     system refuses stay in memory (at most `limit`: beyond, the oldest whole lines are dropped and
     counted) and go out, in order and exactly once, ahead of the next append; `os.write` says how much
-    of a write reached the file, so a partial write is neither lost nor repeated."""
+    of a write reached the file, so a partial write is neither lost nor repeated. A file removed under
+    the run (its directory deleted) is made again at the next append, with what it held: its old
+    descriptor still reads the removed file (`_take_back`)."""
 
     def __init__(self, path: str, health: RunDirHealth, limit: int = PENDING_LIMIT):
         self.path, self.name, self.health, self.limit = path, os.path.basename(path), health, limit
         self._fd: Optional[int] = None
         self._pending = bytearray()
         self._lost = 0
+        self._removed = False  # the file was removed under the run and is not written again yet
 
     def append(self, text: str) -> None:
         self._pending += text.encode("utf-8", "replace")
+        self._bound()
+        self.flush()
+
+    def _bound(self) -> None:
+        """At most `limit` bytes pending: the oldest whole lines beyond it are dropped (and counted)."""
         if len(self._pending) > self.limit:
             cut = len(self._pending) - self.limit
             newline = self._pending.find(b"\n", cut)
             cut = len(self._pending) if newline < 0 else newline + 1
             self._lost += cut
             del self._pending[:cut]
-        self.flush()
 
     def flush(self) -> None:
         if not self._pending:
             return
         try:
+            if self._fd is not None and os.fstat(self._fd).st_nlink == 0:
+                self._take_back()
+            made = False
             if self._fd is None:
-                os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-                self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+                made = make_directory(os.path.dirname(self.path) or ".")
+                self._fd = _open_appended(self.path)
             while self._pending:
                 del self._pending[:os.write(self._fd, self._pending)]
         except OSError as err:
@@ -146,6 +196,42 @@ class AppendedFile:
             return
         lost, self._lost = self._lost, 0
         self.health.succeeded(self.name, lost)
+        made_again, self._removed = made and self._removed, False
+        if made_again:
+            self.health.made_again()
+
+    def _take_back(self) -> None:
+        """The file was removed (no link left): what it held (its last `limit` bytes) goes ahead of the pending
+        bytes, to be written into the file made again; its descriptor is closed."""
+        fd, self._fd = self._fd, None
+        self._removed = True
+        try:
+            size = os.fstat(fd).st_size
+            start = max(0, size - self.limit)
+            held = bytearray()
+            while start + len(held) < size:
+                chunk = os.pread(fd, size - start - len(held), start + len(held))
+                if not chunk:
+                    break
+                held += chunk
+            if start:  # from the first whole line on
+                newline = held.find(b"\n")
+                del held[:newline + 1 if newline >= 0 else len(held)]
+            self._lost += size - len(held)
+        except OSError:  # not readable (opened write-only by an older run): only the new lines are kept
+            held = bytearray()
+        finally:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._pending[:0] = held
+        self._bound()
+
+    def catch_up(self) -> None:
+        """Write the file again now if it was removed under the run (else that waits for the next append)."""
+        with contextlib.suppress(OSError):
+            if self._fd is not None and os.fstat(self._fd).st_nlink == 0:
+                self._take_back()
+        self.flush()
 
     def reopen(self) -> None:
         """Open the file again at the next write (it was replaced)."""
@@ -153,7 +239,7 @@ class AppendedFile:
 
     def close(self, flush: bool = True) -> None:
         if flush:
-            self.flush()
+            self.catch_up()
         if self._fd is not None:
             with contextlib.suppress(OSError):
                 os.close(self._fd)
@@ -163,51 +249,72 @@ class AppendedFile:
 # ------------------------------------------------------------------------------------------ console
 
 
-class _Tee(io.TextIOBase):
-    def __init__(self, stream, sink: "ConsoleLog"):
-        self.stream, self.sink = stream, sink
-
-    def write(self, text: str) -> int:
-        self.sink.record(text)
-        return self.stream.write(text)
-
-    def flush(self) -> None:
-        self.stream.flush()
-
-    def isatty(self) -> bool:
-        return self.stream.isatty()
-
-    def fileno(self) -> int:
-        return self.stream.fileno()
-
-    @property
-    def encoding(self):
-        return getattr(self.stream, "encoding", "utf-8")
-
-
 class ConsoleLog:
     """Copies stdout and stderr into a file. Buffers in memory until `attach(path)` (the run
     directory is known only once the command line is validated), so a rejected command line
     leaves no file behind. Carriage-return redraws (progress bars) are not copied. A write the
-    file system refuses never reaches the program (`AppendedFile`)."""
+    file system refuses never reaches the program (`AppendedFile`), and neither does a console
+    that is closed or fails (`console.ConsoleStream`): the run warns once and goes on with
+    console.log alone."""
 
     def __init__(self):
         self._buffer: list[str] = []
         self._file: Optional[AppendedFile] = None
         self._saved = None
+        self._tees: tuple = ()
+        self._console_warned = False
+        self._line_open = False  # the last text kept ended inside a line
+        self._deferred = ""      # a warning kept for the end of that line
 
     @classmethod
     def start(cls) -> "ConsoleLog":
         log = cls()
+        ignore_sigpipe()
         log._saved = (sys.stdout, sys.stderr)
-        sys.stdout, sys.stderr = _Tee(sys.stdout, log), _Tee(sys.stderr, log)
+        log._tees = (ConsoleStream(sys.stdout, log, "stdout", 1), ConsoleStream(sys.stderr, log, "stderr", 2))
+        sys.stdout, sys.stderr = log._tees
+        for tee in log._tees:
+            if tee.stream is None:  # started with the descriptor closed (`>&-`): Python gave it no stream
+                if is_closed(tee.fd):
+                    silence(tee.fd)  # so no file opened later takes its number and gets the console's bytes
+                log.console_lost(tee.name, None)
         return log
+
+    def console_lost(self, name: str, err: Optional[Exception]) -> None:
+        """The console stream `name` failed (`err`; None: closed from the start): the first time, one line into
+        the log and onto the stream that still works, if one does."""
+        if self._console_warned:
+            return
+        self._console_warned = True
+        if err is None or isinstance(err, ValueError):
+            reason = "it is closed"
+        else:
+            reason = (err.strerror or str(err) or type(err).__name__).lower()
+        where = self._file.path if self._file is not None else "the run directory's console.log"
+        text = (f"[run] WARNING: cannot write {name} ({reason}); training goes on, and what it prints is kept "
+                f"in {where}.\n")
+        if self._line_open:  # print() failed between a line and its newline: the warning goes after that line
+            self._deferred = text
+        else:
+            self.record(text)
+        for tee in self._tees:
+            tee.echo(text)
+            tee.flush()
 
     def record(self, text: str) -> None:
         if "\r" in text:  # a progress bar (re)draw: keep only a complete line after the last \r
             text = text.rsplit("\r", 1)[1]
             if not text.endswith("\n") or not text.strip() or "\033[K" in text:
                 return
+        if not text:
+            return
+        self._keep(text)
+        self._line_open = not text.endswith("\n")
+        if self._deferred and not self._line_open:
+            deferred, self._deferred = self._deferred, ""
+            self._keep(deferred)
+
+    def _keep(self, text: str) -> None:
         if self._file is not None:
             self._file.append(text)
         else:
@@ -219,6 +326,11 @@ class ConsoleLog:
         self._file.append(buffered)
 
     def stop(self) -> None:
+        for tee in self._tees:  # what is still buffered, while a failure is still caught (not at exit)
+            tee.flush()
+        if self._deferred:  # the last line never ended
+            self._keep("\n" + self._deferred)
+            self._deferred = ""
         if self._saved is not None:
             sys.stdout, sys.stderr = self._saved
             self._saved = None
@@ -240,11 +352,14 @@ class RunWriter:
         self.log = log
         self.records: list[dict] = []
         self._plot_warned = False
+        self._written: dict[str, bytes] = {}  # files written whole, as last written (for `_write_again`)
+        self._linked = False
         if active:
             self.health = health_of(path)
-            self._attempt(path, lambda: os.makedirs(path, exist_ok=True))
+            self._had_directory = self._attempt(path, lambda: os.makedirs(path, exist_ok=True))
             self.metrics_path = os.path.join(path, "metrics.jsonl")
             self._metrics_file = AppendedFile(self.metrics_path, self.health)
+            self.health.when_made_again(self._write_again)
 
     def file(self, name: str) -> str:
         return os.path.join(self.path, name)
@@ -262,7 +377,25 @@ class RunWriter:
 
     def _write(self, name: str, data: bytes) -> bool:
         path = self.file(name)
-        return self._attempt(path, lambda: write_file(path, data))
+        if name != os.path.basename(self.metrics_path):  # metrics.jsonl is its appended file's to restore
+            self._written[name] = data
+
+        def write():
+            if make_directory(self.path) and self._had_directory:  # removed under the run: everything comes back
+                self.health.made_again()
+            self._had_directory = True
+            write_file(path, data)
+
+        return self._attempt(path, write)
+
+    def _write_again(self) -> None:
+        """The run directory was made again (it was removed during the run): the files written whole, the
+        `runs/latest` link and metrics.jsonl (from its appended file) are written anew."""
+        for name, data in list(self._written.items()):
+            self._attempt(self.file(name), lambda name=name, data=data: write_file(self.file(name), data))
+        if self._linked:
+            self.link_latest()
+        self._metrics_file.catch_up()
 
     def write_args(self, args) -> None:
         if not self.active:
@@ -278,6 +411,7 @@ class RunWriter:
         link = os.path.join(parent, LATEST)
         if os.path.exists(link) and not os.path.islink(link):
             return  # someone's own directory: leave it alone
+        self._linked = True
         tmp = f"{link}.tmp{os.getpid()}"
 
         def relink():
@@ -368,6 +502,7 @@ class RunWriter:
         """Write what metrics.jsonl still holds in memory (a last try) and close it."""
         if self.active:
             self._metrics_file.close()
+            self.health.forget(self._write_again)
 
 
     def finish(self, job, result) -> None:

@@ -74,3 +74,39 @@ def test_two_reports_side_by_side_with_the_differences():
     assert text.splitlines()[:2] == ["A: old.json", "B: new.json"]
     writing = next(line for line in text.splitlines() if line.startswith("writing"))
     assert writing.split()[:4] == ["writing", "3.00", "4.00", "+1.00"]
+
+
+def test_categories_named_like_the_aggregate_lines_stay_lines_of_their_own():
+    """Data categories called "all" and "turn 2" next to a two-turn set's turn lines and its total: every line's
+    (set, kind, category) is unique, each totals its own rows, and --compare matches each with its own."""
+    rows = [{**_row("all", [4, 4]), "turn": 1}, {**_row("all", [1]), "turn": 2},
+            {**_row("turn 2", [2, 2]), "turn": 1}, {**_row("turn 2", [3]), "turn": 2}]
+    table = category_table(rows)
+    keys = [(line["set"], line["kind"], line["category"]) for line in table]
+    assert keys == [("mt-bench", "category", "all"), ("mt-bench", "category", "turn 2"), ("mt-bench", "turn", "turn 1"),
+                    ("mt-bench", "turn", "turn 2"), ("mt-bench", "set", "all")]
+    data_all, data_turn_2, _, turn_2, total = table
+    assert data_all["prompts"] == 2 and data_all["acceptance_length"] == (4 + 4 + 1) / 3
+    assert data_turn_2["prompts"] == 2 and data_turn_2["acceptance_length"] == (2 + 2 + 3) / 3
+    assert turn_2["prompts"] == 2 and turn_2["acceptance_length"] == (1 + 3) / 2
+    assert total["prompts"] == 4 and total["cycles"] == 6
+
+    second = [{**r, "acceptance_lengths": [c + 1 for c in r["acceptance_lengths"]]} for r in rows]
+    comparison = compare_reports({"prompts": rows}, {"categories": category_table(second)})
+    assert [(e["set"], e["kind"], e["category"]) for e in comparison] == keys
+    assert comparison[0]["acceptance_length"] == (9 / 3, 12 / 3, 1.0)  # the data category "all", not the set
+    assert comparison[3]["acceptance_length"] == (2.0, 3.0, 1.0)      # the turn line, not the category "turn 2"
+    labels = [line.split("  ")[0].strip() for line in format_category_table(table).splitlines()[2:]]
+    assert labels == ['"all"', '"turn 2"', "turn 1", "turn 2", "mt-bench (all)"]
+    compared = [line.split("  ")[0].strip() for line in format_comparison(comparison, "a", "b").splitlines()[4:]]
+    assert compared == labels
+
+
+def test_a_table_written_before_lines_had_a_kind_is_computed_again_from_its_rows():
+    rows = [{**_row("all", [4, 4]), "turn": 1}, {**_row("x", [1]), "turn": 2}]
+    old = [{k: v for k, v in line.items() if k != "kind"} for line in category_table(rows)]
+    comparison = compare_reports({"prompts": rows, "categories": old}, {"prompts": rows})
+    assert [(e["kind"], e["category"]) for e in comparison] == [("category", "all"), ("category", "x"),
+                                                              ("turn", "turn 1"), ("turn", "turn 2"), ("set", "all")]
+    alone = compare_reports({"categories": old[2:]}, {"categories": old[2:]})  # no rows: kinds from the names
+    assert [(e["kind"], e["category"]) for e in alone] == [("turn", "turn 1"), ("turn", "turn 2"), ("set", "all")]

@@ -214,3 +214,24 @@ def test_bad_benchmark_files_are_one_line_errors(models, tmp_path, capsys):
     not_a_report.write_text('{"prompts": [{"category": "x"}]}')
     assert tool.main(["--compare", str(not_a_report), str(not_a_report)]) == 2
     assert "not a report of this tool" in capsys.readouterr().err
+
+
+def test_categories_named_all_or_turn_2_get_lines_of_their_own(models, capsys):
+    """MT-Bench questions whose categories are called "all" and "turn 2": the report's lines stay unique by
+    (set, kind, category), so `--compare` puts each next to its own."""
+    renamed = models["root"] / "renamed.jsonl"
+    renamed.write_text("".join(json.dumps({**q, "category": name}) + "\n"
+                               for q, name in zip(MT_BENCH, ["all", "turn 2", "all"])))
+    code, report = _run(models, "--benchmark", "mt-bench", "--benchmark-file", str(renamed), "--no-baseline")
+    assert code == 0
+    keys = [(line["set"], line["kind"], line["category"]) for line in report["categories"]]
+    assert keys == [("mt-bench", "category", "all"), ("mt-bench", "category", "turn 2"), ("mt-bench", "turn", "turn 1"),
+                    ("mt-bench", "turn", "turn 2"), ("mt-bench", "set", "all")]
+    assert [line["prompts"] for line in report["categories"]] == [4, 2, 3, 3, 6]
+    path = models["root"] / "renamed-report.json"
+    path.write_text(json.dumps(report))
+    capsys.readouterr()
+    assert evaluate_module().main(["--compare", str(path), str(path)]) == 0
+    rows = capsys.readouterr().out.splitlines()[4:]
+    assert [row.split("  ")[0].strip() for row in rows] == ['"all"', '"turn 2"', "turn 1", "turn 2", "mt-bench (all)"]
+    assert all(row.split()[-1] in ("+0.00", "n/a") for row in rows), rows

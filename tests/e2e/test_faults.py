@@ -26,7 +26,7 @@ import torch
 from megatron_dflash.training.arguments import ArgumentError, parse_args
 from megatron_dflash.common.errors import CheckpointError, DataError, RunError
 from megatron_dflash.training.job import prepare_job
-from entry_points import child_env
+from entry_points import cache_states_module, child_env, regenerate_module
 from training_runs import (
     MULTI_RANK_TIMEOUT_S,
     SHORT,
@@ -891,6 +891,43 @@ def test_planted_pickles_never_run(tiny_target, tmp_path, trained, previous_vers
         status, err = _evaluate(tiny_target, save, tmp_path, capsys, monkeypatch)
         _one_line_refusal(status, err, planted)
         assert not marker.exists(), name
+
+
+def test_a_pickled_target_is_refused_in_one_line_by_every_entry_point(tiny_target, tmp_path, trained, capsys,
+                                                                      monkeypatch):
+    """A target whose weights are a `pytorch_model.bin` holding code: training (both backends), the evaluation tool,
+    regeneration and the target cache refuse it in one line naming the file and the conversion, and nothing of it
+    runs (not even transformers' weights-only unpickler is reached)."""
+    import pickle
+
+    marker = tmp_path / "planted-code-ran"
+    target = tmp_path / "pickled-target"
+    shutil.copytree(tiny_target, target, ignore=shutil.ignore_patterns("*.safetensors"))
+    (target / "pytorch_model.bin").write_bytes(pickle.dumps(_Planted(marker, {})))
+    refusal = (f"{target / 'pytorch_model.bin'}: the target's weights are a pickle, which is never loaded (unpickling "
+               "can run code); convert them to safetensors")
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                              {"role": "assistant", "content": "hello"}]}) + "\n")
+    monkeypatch.setenv("MEGATRON_DFLASH_DEBUG", "0")
+
+    def tool(main, argv):
+        capsys.readouterr()
+        return main(argv), capsys.readouterr().err
+
+    runs = {backend: run_main(training_argv(str(target), tmp_path, *SHORT, "--target-backend", backend, "--run-dir",
+                                            str(tmp_path / "run")), capsys, monkeypatch) for backend in ("hf", "megatron")}
+    runs["evaluate"] = _evaluate(str(target), trained, tmp_path, capsys, monkeypatch)
+    runs["regenerate"] = tool(regenerate_module().main, ["--input", str(chats), "--output", str(tmp_path / "regen"),
+                                                         "--target", str(target)])
+    runs["cache"] = tool(cache_states_module().main, ["--target", str(target), *STEPS_ARGS, "--micro-batch-size", "2",
+                                                      "--global-batch-size", "2", "--dflash-target-cache",
+                                                      str(tmp_path / "states")])
+    for name, (status, err) in runs.items():
+        errors = [line for line in err.splitlines() if ": error: " in line]
+        assert status in (1, 2) and "Traceback" not in err and len(errors) == 1, (name, err[-3000:])
+        assert refusal in errors[0], (name, errors[0])
+    assert not marker.exists()
 
 
 def test_checkpoint_metadata_may_name_only_its_own_files(tiny_target, tmp_path, trained, capsys, monkeypatch):
