@@ -45,3 +45,15 @@ def test_only_public_names_are_imported_from_the_helpers():
              for path in _python_files() for line, module, names in _imports(path)
              if module in helpers for name in names if name.startswith("_")]
     assert not found, "private helper names imported across modules (make them public):\n" + "\n".join(found)
+
+
+def test_test_module_base_names_are_unique():
+    """The test folders share one sys.path (tests/conftest.py): two test modules of one base name in two folders
+    cannot both be imported, and pytest stops at collection."""
+    seen: dict = {}
+    for path in _python_files():
+        name = os.path.basename(path)
+        if name.startswith("test_"):
+            seen.setdefault(name, []).append(os.path.relpath(path, TESTS_DIR))
+    clashes = {name: paths for name, paths in seen.items() if len(paths) > 1}
+    assert not clashes, f"test modules sharing a base name (rename one): {clashes}"
