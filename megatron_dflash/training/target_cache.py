@@ -171,7 +171,7 @@ def _publish_run_manifest(directory: str, manifest: CacheManifest, groups: Proce
             publish_manifest(directory, manifest)  # a differing manifest is refused here
         except Exception as err:  # noqa: BLE001 - raised on every rank alike (a full disk too), below
             error = err
-    agree_or_raise(error, elsewhere=StateCacheError(
+    agree_or_raise(error, group=groups.world, elsewhere=StateCacheError(
         f"creating the target-state cache {directory} failed on rank 0 (see its error); fix that and rerun."))
     publish_manifest(directory, manifest)  # every rank checks it (a no-op where it matches)
 
@@ -198,9 +198,12 @@ def write_target_cache(job: Job, make_target: Callable, datasets: dict, director
     free = shutil.disk_usage(directory).free
     line = _storage_line(manifest, to_write, free)
     log(line)
-    if writes and to_write * manifest.seq_length * bytes_per_token(manifest) > free:
-        raise StateCacheError(f"not enough free space for the target-state cache in {directory}: {line[8:]}; free "
-                              "space or choose another directory (or --dflash-target-cache-dtype bfloat16).")
+    short = writes and to_write * manifest.seq_length * bytes_per_token(manifest) > free
+    agree_or_raise(StateCacheError(  # every rank stops alike (replicas write different shards)
+        f"not enough free space for the target-state cache in {directory}: {line[8:]}; free space or choose "
+        "another directory (or --dflash-target-cache-dtype bfloat16).") if short else None, group=groups.world,
+        elsewhere=StateCacheError(f"not enough free space for the target-state cache in {directory} on another "
+                                  "rank (see its error); free space or choose another directory."))
     collate = Collator(job.pad_token_id, job.args.seq_length, False)
     target = []  # made by the first shard that computes a sample
 
@@ -212,7 +215,7 @@ def write_target_cache(job: Job, make_target: Callable, datasets: dict, director
     error = _write_shards(work, get_target, datasets, collate, job.args.micro_batch_size, manifest, directory,
                           directory if staged else None, groups, log)
     # every rank here (a barrier); a failed write (a full disk: the shard named) raised alike everywhere
-    agree_or_raise(error, elsewhere=StateCacheError(
+    agree_or_raise(error, group=groups.world, elsewhere=StateCacheError(
         f"writing the target-state cache {directory} failed on another rank (see its error); the shards written "
         "are complete: fix that and rerun with the same arguments to write the rest."))
     error = None
@@ -221,7 +224,7 @@ def write_target_cache(job: Job, make_target: Callable, datasets: dict, director
             write_index(directory, manifest)
         except Exception as err:  # noqa: BLE001 - raised on every rank alike, below
             error = err
-    agree_or_raise(error, elsewhere=StateCacheError(
+    agree_or_raise(error, group=groups.world, elsewhere=StateCacheError(
         f"writing the index of the target-state cache {directory} failed on rank 0 (see its error); the shards "
         "are complete: fix that and rerun with the same arguments."))
     return manifest

@@ -404,3 +404,26 @@ def test_evaluate_acceptance_report_on_a_full_disk(tmp_path, capsys, monkeypatch
     assert report.read_text() == '{"previous": true}\n' and os.listdir(reports) == ["eval.json"]
     assert evaluate_acceptance.main(argv) == 0  # space again: the whole report
     assert json.loads(report.read_text())["summary"]
+
+
+def test_the_target_cache_on_a_full_disk_ends_in_one_line_naming_the_shard(tiny_target, tmp_path, capsys, monkeypatch):
+    """`tools/cache_target_states.py` onto a file system that fills after the manifest: one line naming the shard it
+    was writing, no partial shard or staged copy, no index (the cache is not complete); with room again the rerun
+    finishes it."""
+    from entry_points import cache_states_module
+    from training_runs import STEPS_ARGS
+
+    monkeypatch.setenv("MEGATRON_DFLASH_DEBUG", "0")
+    cache = tmp_path / "cache"
+    argv = ["--target", tiny_target, *STEPS_ARGS, "--micro-batch-size", "2", "--global-batch-size", "2",
+            "--dflash-target-cache", str(cache), "--dflash-target-cache-shard-size", "16"]
+    tool = cache_states_module()
+    capsys.readouterr()
+    with FullDisk(cache, room=4096) as disk:  # the manifest fits, the first shard does not
+        status = tool.main(argv)
+    err = capsys.readouterr().err
+    assert status == 1 and disk.refused > 0
+    assert _error_line(err) == (f"cache_target_states.py: error: {_NO_SPACE} {cache / 'train-00000.safetensors'}; "
+                                "free space on its file system or write somewhere else, then run again.")
+    assert sorted(os.listdir(cache)) == ["manifest.json"]  # nothing partial, nothing staged, no index
+    assert tool.main(argv) == 0 and (cache / "index.json").is_file()

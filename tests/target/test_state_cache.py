@@ -132,7 +132,7 @@ def test_a_truncated_shard_is_named_at_reader_start(cache):
     ("[1, 2]", "a JSON list, not an object"),
     ('{"shards": {"../outside/train-00000.safetensors": "' + "0" * 64 + '"}}', "outside"),
     ("[" * 100000 + "]" * 100000, "nested too deeply"),
-])
+], ids=["not-json", "a-list", "outside", "nested"])
 def test_an_index_that_is_not_this_caches_is_refused_in_one_line(cache, index, why):
     """index.json must be a JSON object naming exactly this cache's shards (so no file outside the directory is
     read): anything else is one line naming it, at reader start."""
@@ -150,7 +150,7 @@ def test_an_index_that_is_not_this_caches_is_refused_in_one_line(cache, index, w
     ("[1]", "a JSON list, not an object"),
     (MANIFEST.to_json().replace('"shard_size": 2', '"shard_size": "2"'), "field shard_size is \"2\""),
     (MANIFEST.to_json().replace('"train": 3', '"train": -3'), "field samples is"),
-])
+], ids=["nested", "a-list", "a-string-count", "a-negative-count"])
 def test_a_manifest_that_is_not_one_is_refused_in_one_line(cache, text, field):
     directory, _ = cache
     (directory / "manifest.json").write_text(text)
