@@ -53,7 +53,8 @@ def _header(path: str) -> tuple[bytes, dict]:
             raise ValueError("the header is not a JSON object")
         for name, meta in header.items():
             if name != "__metadata__" and not (
-                    isinstance(meta, dict) and isinstance(meta.get("dtype"), str) and isinstance(meta.get("shape"), list)
+                    isinstance(meta, dict) and isinstance(meta.get("dtype"), str)
+                    and isinstance(meta.get("shape"), list)
                     and isinstance(meta.get("data_offsets"), list) and len(meta["data_offsets"]) == 2
                     and all(isinstance(o, int) and o >= 0 for o in meta["data_offsets"])):
                 raise ValueError(f"tensor {name!r} has no dtype, shape and two data_offsets")
@@ -91,14 +92,17 @@ def tensor_digests(path: str) -> dict:
     st = os.stat(path)
     key = {"version": _STORE_VERSION, "size": st.st_size, "mtime_ns": st.st_mtime_ns,
            "header_sha256": hashlib.sha256(raw).hexdigest()}
-    store = os.path.join(digest_store_dir(),
-                         hashlib.sha256(os.path.realpath(path).encode("utf-8", "surrogateescape")).hexdigest() + ".json")
+    store_name = hashlib.sha256(os.path.realpath(path).encode("utf-8", "surrogateescape")).hexdigest()
+    store = os.path.join(digest_store_dir(), store_name + ".json")
+    names = set(header) - {"__metadata__"}
     digests = None
     try:
         with open(store) as f:
             kept = json.load(f)
-        if isinstance(kept, dict) and kept.get("key") == key and isinstance(kept.get("tensors"), dict):
-            digests = kept["tensors"]
+        tensors = kept.get("tensors") if isinstance(kept, dict) and kept.get("key") == key else None
+        if isinstance(tensors, dict) and set(tensors) == names and all(
+                isinstance(v, str) and len(v) == 64 for v in tensors.values()):
+            digests = tensors
     except (OSError, ValueError, RecursionError):
         pass  # none kept yet, or unreadable: computed again
     if digests is None:
@@ -109,8 +113,7 @@ def tensor_digests(path: str) -> dict:
                                          sort_keys=True) + "\n")
         except OSError:
             pass  # a store that cannot be written: the digests are computed again next time
-    return {name: (meta["dtype"], meta["shape"], digests.get(name)) for name, meta in header.items()
-            if name != "__metadata__"}
+    return {name: (header[name]["dtype"], header[name]["shape"], digests[name]) for name in names}
 
 
 def _counts(name: str, last_layer: Optional[int]) -> bool:

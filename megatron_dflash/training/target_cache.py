@@ -76,6 +76,21 @@ def data_files_of(args) -> list:
     return paths
 
 
+_DATA_DIGESTS: dict = {}  # (real path, inode, size, mtime, ctime) -> digest: a run builds its manifest up to 3 times
+
+
+def _data_digest(path: str) -> str:
+    """`data.formats.data_sha256` of `path`; a file's read once per process while its size and mtime stay (a
+    directory's mtime does not follow its files' contents: computed each time)."""
+    if not os.path.isfile(path):
+        return data_sha256(path)
+    st = os.stat(path)
+    key = (os.path.realpath(path), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    if key not in _DATA_DIGESTS:
+        _DATA_DIGESTS[key] = data_sha256(path)
+    return _DATA_DIGESTS[key]
+
+
 def data_fingerprint(datasets: dict, files=()) -> str:
     """sha256 of the whole data files (`data.formats.data_sha256`: a changed record anywhere changes it, refused
     before training), each split's length and the ids and tokens of its first, middle and last samples (what the
@@ -83,7 +98,7 @@ def data_fingerprint(datasets: dict, files=()) -> str:
     cache's when it is read (`CachedTarget`)."""
     digest = hashlib.sha256()
     for path in files:
-        digest.update(f"{os.path.basename(path)}:{data_sha256(path)}".encode("utf-8", "surrogateescape"))
+        digest.update(f"{os.path.basename(path)}:{_data_digest(path)}".encode("utf-8", "surrogateescape"))
     for split, ds in sorted(datasets.items()):
         n = len(ds) if ds is not None else 0
         digest.update(f"{split}:{n}".encode())
