@@ -42,7 +42,7 @@ __all__ = [
     "shard_ranges", "read_manifest", "publish_manifest", "write_shard", "remove_stale_temporaries",
     "missing_shards", "write_index", "StateCacheReader", "bytes_per_token", "STAGING_DIR",
     "stage_sample", "is_staged", "read_staged", "remove_staging", "is_complete", "check_staged", "read_index",
-    "expected_shards",
+    "expected_shards", "check_manifest",
 ]
 
 CACHE_FORMAT_VERSION = 2  # 2: the target's fingerprint covers its tensors' bytes; index.json the headers'

@@ -33,6 +33,7 @@ from ..target.state_cache import (
     StateCacheError,
     StateCacheReader,
     bytes_per_token,
+    check_manifest,
     check_staged,
     missing_shards,
     read_manifest,
@@ -180,11 +181,13 @@ def _publish_run_manifest(directory: str, manifest: CacheManifest, groups: Proce
         raise StateCacheError(f"the target-state cache {directory} does not match this run (shard_size: cache "
                               f"{found.shard_size}, run {manifest.shard_size}); pass --dflash-target-cache-shard-size "
                               f"{found.shard_size} to finish it.")
+    if found is not None:
+        check_manifest(directory, manifest)  # a differing field refused on every rank alike, before the collective
     error = None
     if groups.rank == 0:
         try:
-            publish_manifest(directory, manifest)  # a differing manifest is refused here
-        except Exception as err:  # noqa: BLE001 - raised on every rank alike (a full disk too), below
+            publish_manifest(directory, manifest)
+        except Exception as err:  # noqa: BLE001 - raised on every rank alike (a full disk), below
             error = err
     agree_or_raise(error, group=groups.world, elsewhere=StateCacheError(
         f"creating the target-state cache {directory} failed on rank 0 (see its error); fix that and rerun."))
