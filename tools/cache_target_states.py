@@ -14,7 +14,7 @@ writes only the missing shards; a manifest of other settings is refused naming t
         --tensor-model-parallel-size 8 --dflash-target-cache states/                              # a TP=8 target
 
 Exit status 0 when the cache is complete, 1 for an expected failure (data, a differing manifest, too little free
-space), 2 for a bad command line.
+space, a file system that fills while writing: the file named, the shards written kept), 2 for a bad command line.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-from megatron_dflash.common.cli import UsageError, report_failure, report_interrupt, usage_error  # noqa: E402
+from megatron_dflash.common.cli import (  # noqa: E402
+    UsageError, is_no_space, report_failure, report_interrupt, usage_error)
 from megatron_dflash.training.arguments import ArgumentError, check_input_paths, parse_args  # noqa: E402  (no torch)
 
 PROG = "cache_target_states.py"
@@ -55,6 +56,11 @@ def main(argv=None) -> int:
     except RunError as err:
         report_failure(PROG, err, debug="--debug" in argv)
         return 2 if isinstance(err, ArgumentError) else 1
+    except Exception as err:  # noqa: BLE001 - a full file system is expected (the file named); bugs are not
+        if not is_no_space(err):
+            raise
+        report_failure(PROG, err, debug="--debug" in argv)
+        return 1
     if os.environ.get("RANK", "0") == "0":
         print(f"[cache] complete: {args.dflash_target_cache} ({sum(manifest.samples.values())} samples)", flush=True)
     return 0

@@ -35,6 +35,7 @@ import abc
 import bisect
 import dataclasses
 import gzip
+import hashlib
 import io
 import json
 import os
@@ -43,7 +44,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 
-from ..common.atomic import write_file
+from ..common.atomic import file_sha256, write_file
 from ..common.errors import DataError
 from .chat import json_kind
 
@@ -58,6 +59,7 @@ __all__ = [
     "normalize_record",
     "data_path_problem",
     "data_files",
+    "data_sha256",
     "file_kind",
     "RecordSource",
     "open_records",
@@ -440,6 +442,17 @@ def data_files(path: str) -> list:
     else:
         names = _data_file_names(path)
     return [os.path.join(path, n) for n in names]
+
+
+def data_sha256(path: str) -> str:
+    """The fingerprint of the data at ``path``: its file's SHA-256, or for a directory one over the names and
+    SHA-256s of all its data files in order (`data_files`). Every byte counts: a changed record anywhere changes it."""
+    if not os.path.isdir(path):
+        return file_sha256(path)
+    h = hashlib.sha256()
+    for file in data_files(path):
+        h.update(f"{os.path.relpath(file, path)}\x00{file_sha256(file)}\n".encode("utf-8", "surrogateescape"))
+    return h.hexdigest()
 
 
 def data_path_problem(path: str) -> Optional[str]:

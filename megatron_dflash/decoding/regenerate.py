@@ -47,11 +47,11 @@ import sys
 import time
 from typing import Callable, Optional, Protocol, Sequence
 
-from ..common.atomic import file_sha256, remove_stale_siblings, write_file
+from ..common.atomic import remove_stale_siblings, write_file
 from ..common.errors import DataError
 from ..data.chat import CHAT_ROLES, check_messages, unicode_problem
-from ..data.formats import BadRecords, NormalizedRecord, data_files, file_kind, open_records, normalize_record, \
-    write_records
+from ..data.formats import BadRecords, NormalizedRecord, data_sha256, file_kind, open_records, \
+    normalize_record, write_records
 from .output_lock import lock_output
 
 __all__ = [
@@ -280,14 +280,9 @@ def _failed_path(output: str, shard: int) -> str:
 
 
 def input_sha256(path: str) -> str:
-    """The fingerprint of the input: its file's SHA-256, or for a directory one over the names and SHA-256s
-    of all its data files in order (`data.formats.data_files`)."""
-    if not os.path.isdir(path):
-        return file_sha256(path)
-    h = hashlib.sha256()
-    for file in data_files(path):
-        h.update(f"{os.path.relpath(file, path)}\x00{file_sha256(file)}\n".encode("utf-8", "surrogateescape"))
-    return h.hexdigest()
+    """The fingerprint of the input (`data.formats.data_sha256`: the file's SHA-256, or a directory's over its
+    data files): the digest a training run's target-state cache also records of its data."""
+    return data_sha256(path)
 
 
 def target_identity(target: str) -> str:

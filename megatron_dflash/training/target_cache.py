@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import gc
 import hashlib
-import json
 import os
 import shutil
 from typing import Callable, Optional
@@ -24,9 +23,9 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from ..common.parallel import ProcessGroups
-from ..common.safetensors_files import safetensors_header_bytes, target_safetensors_files
+from ..common.parallel import ProcessGroups, agree_or_raise
 from ..data.batching import Collator
+from ..data.formats import data_sha256
 from ..target.frozen_heads import load_frozen_heads
 from ..target.state_cache import (
     CACHE_FORMAT_VERSION,
@@ -34,6 +33,8 @@ from ..target.state_cache import (
     StateCacheError,
     StateCacheReader,
     bytes_per_token,
+    check_manifest,
+    check_staged,
     missing_shards,
     read_manifest,
     publish_manifest,
@@ -47,6 +48,7 @@ from ..target.state_cache import (
     write_index,
     write_shard,
 )
+from ..target.weight_digests import weights_fingerprint
 from .datasets import build_datasets
 from .device_shim import megatron_target_on_cpu
 from .distributed import initialize_distributed
@@ -55,23 +57,49 @@ from .job import Job
 
 __all__ = ["run_manifest", "data_fingerprint", "target_fingerprint", "write_target_cache",
            "CachedTarget", "HybridTarget", "open_cache_reader", "build_cached_target",
-           "write_cache_of_job"]
+           "write_cache_of_job", "data_files_of"]
 
-def target_fingerprint(target_dir: str) -> str:
-    """sha256 of the target's ``config.json`` and its safetensors headers (names, dtypes, shapes, offsets): a
-    different checkpoint changes it without reading its weights."""
+def target_fingerprint(target_dir: str, target_layer_ids, final_hidden: bool) -> str:
+    """What the cached states are a function of in the target (`target.weight_digests.weights_fingerprint`): its
+    ``config.json`` and the bytes of the tensors up to the last tapped layer (every tensor when the final hidden
+    state is cached), digested once per file and kept: a fine-tuned target with the same config is another one."""
+    return weights_fingerprint(target_dir, None if final_hidden else max(int(i) for i in target_layer_ids))
+
+
+def data_files_of(args) -> list:
+    """The data files a run's samples are made of: ``--train-data`` / ``--valid-data`` (a Megatron indexed prefix
+    as its ``.bin`` and ``.idx``); none for synthetic data (a function of its seed and sizes)."""
+    if args.data_format == "synthetic":
+        return []
+    paths = [p for p in (args.train_path, args.valid_data) if p]
+    if args.data_format == "indexed":
+        return [p + ext for p in paths for ext in (".bin", ".idx")]
+    return paths
+
+
+_DATA_DIGESTS: dict = {}  # (real path, inode, size, mtime, ctime) -> digest: a run builds its manifest up to 3 times
+
+
+def _data_digest(path: str) -> str:
+    """`data.formats.data_sha256` of `path`; a file's read once per process while its size and mtime stay (a
+    directory's mtime does not follow its files' contents: computed each time)."""
+    if not os.path.isfile(path):
+        return data_sha256(path)
+    st = os.stat(path)
+    key = (os.path.realpath(path), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    if key not in _DATA_DIGESTS:
+        _DATA_DIGESTS[key] = data_sha256(path)
+    return _DATA_DIGESTS[key]
+
+
+def data_fingerprint(datasets: dict, files=()) -> str:
+    """sha256 of the whole data files (`data.formats.data_sha256`: a changed record anywhere changes it, refused
+    before training), each split's length and the ids and tokens of its first, middle and last samples (what the
+    tokenizer, chat template and sequence length made of them); every sample's tokens are also compared with the
+    cache's when it is read (`CachedTarget`)."""
     digest = hashlib.sha256()
-    with open(os.path.join(target_dir, "config.json"), "rb") as f:
-        digest.update(json.dumps(json.load(f), sort_keys=True).encode())
-    for path in target_safetensors_files(target_dir):
-        digest.update(os.path.basename(path).encode() + safetensors_header_bytes(path))
-    return digest.hexdigest()
-
-
-def data_fingerprint(datasets: dict) -> str:
-    """sha256 of each split's length and the ids and tokens of its first, middle and last samples; every sample's
-    tokens are also compared with the cache's when it is read (`CachedTarget`)."""
-    digest = hashlib.sha256()
+    for path in files:
+        digest.update(f"{os.path.basename(path)}:{_data_digest(path)}".encode("utf-8", "surrogateescape"))
     for split, ds in sorted(datasets.items()):
         n = len(ds) if ds is not None else 0
         digest.update(f"{split}:{n}".encode())
@@ -81,15 +109,18 @@ def data_fingerprint(datasets: dict) -> str:
     return digest.hexdigest()
 
 
-def run_manifest(job: Job, train_ds, valid_ds) -> CacheManifest:
+def run_manifest(job: Job, train_ds, valid_ds, cached_final: bool = False) -> CacheManifest:
+    """This run's manifest; `cached_final`: the cache holds the final hidden state (which this run may not read),
+    so the target's fingerprint covers what made it too (every tensor), as the cache's does."""
     args, cfg = job.args, job.draft_config
     splits = {"train": train_ds, "valid": valid_ds}
     return CacheManifest(
-        format_version=CACHE_FORMAT_VERSION, target=target_fingerprint(job.target_dir),
+        format_version=CACHE_FORMAT_VERSION,
+        target=target_fingerprint(job.target_dir, cfg.target_layer_ids, needs_final_hidden(job) or cached_final),
         target_layer_ids=tuple(cfg.target_layer_ids), hidden_size=cfg.hidden_size,
         final_hidden=needs_final_hidden(job),
         dtype=args.dflash_target_cache_dtype, seq_length=args.seq_length, packing=bool(args.pack_sequences),
-        data=data_fingerprint(splits), shard_size=args.dflash_target_cache_shard_size,
+        data=data_fingerprint(splits, data_files_of(args)), shard_size=args.dflash_target_cache_shard_size,
         samples={k: (len(v) if v is not None else 0) for k, v in splits.items()},
     )
 
@@ -150,10 +181,16 @@ def _publish_run_manifest(directory: str, manifest: CacheManifest, groups: Proce
         raise StateCacheError(f"the target-state cache {directory} does not match this run (shard_size: cache "
                               f"{found.shard_size}, run {manifest.shard_size}); pass --dflash-target-cache-shard-size "
                               f"{found.shard_size} to finish it.")
+    if found is not None:
+        check_manifest(directory, manifest)  # a differing field refused on every rank alike, before the collective
+    error = None
     if groups.rank == 0:
-        publish_manifest(directory, manifest)  # a differing manifest is refused here
-    if groups.is_distributed:
-        dist.barrier()
+        try:
+            publish_manifest(directory, manifest)
+        except Exception as err:  # noqa: BLE001 - raised on every rank alike (a full disk), below
+            error = err
+    agree_or_raise(error, group=groups.world, elsewhere=StateCacheError(
+        f"creating the target-state cache {directory} failed on rank 0 (see its error); fix that and rerun."))
     publish_manifest(directory, manifest)  # every rank checks it (a no-op where it matches)
 
 
@@ -166,6 +203,8 @@ def write_target_cache(job: Job, make_target: Callable, datasets: dict, director
 
     Long on purpose: manifest, storage check, the shards and the index are one pass whose order matters."""
     manifest = run_manifest(job, datasets["train"], datasets.get("valid"))
+    if staged:
+        check_staged(directory, manifest)  # every rank alike, before any collective
     _publish_run_manifest(directory, manifest, groups)
     work = _owned_missing(directory, manifest, groups.dp_rank, groups.dp_size)
     if groups.is_distributed:  # every TP rank has listed the same shards before any is written
@@ -177,9 +216,12 @@ def write_target_cache(job: Job, make_target: Callable, datasets: dict, director
     free = shutil.disk_usage(directory).free
     line = _storage_line(manifest, to_write, free)
     log(line)
-    if writes and to_write * manifest.seq_length * bytes_per_token(manifest) > free:
-        raise StateCacheError(f"not enough free space for the target-state cache in {directory}: {line[8:]}; free "
-                              "space or choose another directory (or --dflash-target-cache-dtype bfloat16).")
+    short = writes and to_write * manifest.seq_length * bytes_per_token(manifest) > free
+    agree_or_raise(StateCacheError(  # every rank stops alike (replicas write different shards)
+        f"not enough free space for the target-state cache in {directory}: {line[8:]}; free space or choose "
+        "another directory (or --dflash-target-cache-dtype bfloat16).") if short else None, group=groups.world,
+        elsewhere=StateCacheError(f"not enough free space for the target-state cache in {directory} on another "
+                                  "rank (see its error); free space or choose another directory."))
     collate = Collator(job.pad_token_id, job.args.seq_length, False)
     target = []  # made by the first shard that computes a sample
 
@@ -188,19 +230,44 @@ def write_target_cache(job: Job, make_target: Callable, datasets: dict, director
             target.append(make_target())
         return target[0]
 
-    for split, k, indices in work:
-        states = _shard_states(get_target, datasets[split], indices, collate, job.args.micro_batch_size, manifest,
-                               directory if staged else None)
-        if writes:
-            write_shard(directory, split, k, states)
-        log(f"[cache] wrote {shard_name(split, k)} ({len(indices)} samples)")
-    if groups.is_distributed:
-        dist.barrier()
+    error = _write_shards(work, get_target, datasets, collate, job.args.micro_batch_size, manifest, directory,
+                          directory if staged else None, groups, log)
+    # every rank here (a barrier); a failed write (a full disk: the shard named) raised alike everywhere
+    agree_or_raise(error, group=groups.world, elsewhere=StateCacheError(
+        f"writing the target-state cache {directory} failed on another rank (see its error); the shards written "
+        "are complete: fix that and rerun with the same arguments to write the rest."))
+    error = None
     if groups.rank == 0:
-        write_index(directory, manifest)
-    if groups.is_distributed:
-        dist.barrier()
+        try:
+            write_index(directory, manifest)
+        except Exception as err:  # noqa: BLE001 - raised on every rank alike, below
+            error = err
+    agree_or_raise(error, group=groups.world, elsewhere=StateCacheError(
+        f"writing the index of the target-state cache {directory} failed on rank 0 (see its error); the shards "
+        "are complete: fix that and rerun with the same arguments."))
     return manifest
+
+
+def _write_shards(work: list, get_target: Callable, datasets: dict, collate, micro: int, manifest: CacheManifest,
+                  directory: str, staging: Optional[str], groups: ProcessGroups, log) -> Optional[BaseException]:
+    """Compute and write this replica's missing shards (TP rank 0 writes); the first failed write stops the
+    replica's TP ranks together (agreed per shard, so none is left in a collective) and is returned."""
+    for split, k, indices in work:
+        states = _shard_states(get_target, datasets[split], indices, collate, micro, manifest, staging)
+        error = None
+        if groups.tp_rank == 0:
+            try:
+                write_shard(directory, split, k, states)  # whole or not at all (a full disk: NoSpaceError)
+            except Exception as err:  # noqa: BLE001 - returned, and raised on every rank alike by the caller
+                error = err
+        try:
+            agree_or_raise(error, group=groups.tp, elsewhere=StateCacheError(
+                f"writing {shard_name(split, k)} of the target-state cache {directory} failed on TP rank 0 (see "
+                "its error); fix that and rerun with the same arguments."))
+        except Exception as err:  # noqa: BLE001 - the caller agrees over the world
+            return err
+        log(f"[cache] wrote {shard_name(split, k)} ({len(indices)} samples)")
+    return None
 
 
 class CachedTarget:
@@ -258,7 +325,10 @@ class CachedTarget:
 
 def open_cache_reader(job: Job, train_ds, valid_ds) -> StateCacheReader:
     """The reader of ``--dflash-target-cache`` for this run (its manifest must match the run's)."""
-    return StateCacheReader(job.args.dflash_target_cache, run_manifest(job, train_ds, valid_ds))
+    directory = job.args.dflash_target_cache
+    found = read_manifest(directory) if os.path.isdir(directory) else None
+    cached_final = found is not None and found.final_hidden
+    return StateCacheReader(directory, run_manifest(job, train_ds, valid_ds, cached_final=cached_final))
 
 
 def _parameter_bytes(modules) -> dict:
@@ -289,6 +359,7 @@ class HybridTarget:
             groups, log
         self.directory = job.args.dflash_target_cache
         self.manifest = run_manifest(job, datasets["train"], datasets.get("valid"))
+        check_staged(self.directory, self.manifest)  # an interrupted run's staged samples, before any collective
         _publish_run_manifest(self.directory, self.manifest, groups)  # refused before the first epoch, not after
         self.online: Optional[FrozenTarget] = FrozenTarget(job, device, dtype, groups)
         self.embedding, self.head = self.online.embedding, self.online.head

@@ -427,3 +427,56 @@ def test_count_draft_vocab_on_a_full_disk_ends_in_one_line(tiny_target, tmp_path
     assert vocab.read_text() == '{"previous": true}\n' and os.listdir(outputs) == ["vocab.json"]  # nothing partial
     assert count_draft_vocab.main(argv) == 0  # space again: the whole file
     assert len(json.loads(vocab.read_text())["ids"]) == 60
+
+
+def test_the_target_cache_on_a_full_disk_ends_in_one_line_naming_the_shard(tiny_target, tmp_path, capsys, monkeypatch):
+    """`tools/cache_target_states.py` onto a file system that fills after the manifest: one line naming the shard it
+    was writing, no partial shard or staged copy, no index (the cache is not complete); with room again the rerun
+    finishes it."""
+    from entry_points import cache_states_module
+    from training_runs import STEPS_ARGS
+
+    monkeypatch.setenv("MEGATRON_DFLASH_DEBUG", "0")
+    cache = tmp_path / "cache"
+    argv = ["--target", tiny_target, *STEPS_ARGS, "--micro-batch-size", "2", "--global-batch-size", "2",
+            "--dflash-target-cache", str(cache), "--dflash-target-cache-shard-size", "16"]
+    tool = cache_states_module()
+    capsys.readouterr()
+    with FullDisk(cache, room=4096) as disk:  # the manifest fits, the first shard does not
+        status = tool.main(argv)
+    err = capsys.readouterr().err
+    assert status == 1 and disk.refused > 0
+    assert _error_line(err) == (f"cache_target_states.py: error: {_NO_SPACE} {cache / 'train-00000.safetensors'}; "
+                                "free space on its file system or write somewhere else, then run again.")
+    assert sorted(os.listdir(cache)) == ["manifest.json"]  # nothing partial, nothing staged, no index
+    assert tool.main(argv) == 0 and (cache / "index.json").is_file()
+
+
+def _rank_caching_on_a_full_disk(rank, world_size, target, out_dir, full_rank):
+    """One rank of a DP=2 run writing its target-state cache first, on a file system full for `full_rank` only:
+    (error type, message)."""
+    import pathlib
+
+    from megatron_dflash.common.errors import RunError
+
+    torch.set_num_threads(1)
+    argv = training_argv(target, pathlib.Path(out_dir) / "run", *SHORT, "--global-batch-size", "8",
+                         "--dflash-target-cache", os.path.join(out_dir, "cache"), "--dflash-target-cache-mode", "write",
+                         "--dflash-target-cache-shard-size", "8")
+    try:
+        with FullDisk(os.path.join(out_dir, "cache"), full=rank == full_rank):
+            run_training(argv)
+    except (NoSpaceError, RunError) as err:
+        return type(err).__name__, str(err)
+    return "ok", None
+
+
+def test_a_target_cache_write_failing_on_one_rank_stops_every_rank_in_one_line(tp_pool, tiny_target, tmp_path):
+    """DP=2: replica 1's shard meets a full disk; it names its shard, replica 0 says another rank failed, no rank
+    waits for the other, and no index is written (the cache is incomplete, its whole shards kept)."""
+    results = tp_pool(2).run(_rank_caching_on_a_full_disk, tiny_target, str(tmp_path), 1, tp=1,
+                             timeout=MULTI_RANK_TIMEOUT_S)
+    assert results[1] == ("NoSpaceError", f"{_NO_SPACE} {tmp_path / 'cache' / 'train-00001.safetensors'}; free space "
+                                          "on its file system or write somewhere else, then run again."), results
+    assert results[0][0] == "StateCacheError" and "failed on another rank" in results[0][1], results
+    assert not (tmp_path / "cache" / "index.json").exists() and _temporaries(tmp_path / "cache") == []

@@ -98,3 +98,61 @@ def test_a_corrupt_shard_is_named(cache):
     with pytest.raises(StateCacheError, match="shard train-00001.safetensors .* is corrupt: its header"):
         StateCacheReader(str(directory), MANIFEST)
     assert json.loads((directory / "manifest.json").read_text())["format_version"] == CACHE_FORMAT_VERSION
+
+
+def _replace_in_header(shard, old: bytes, new: bytes) -> None:
+    """Rewrite bytes of a shard's header in place (same length: the header's size and the data stay)."""
+    data = shard.read_bytes()
+    header_end = 8 + int.from_bytes(data[:8], "little")
+    assert len(old) == len(new) and old in data[:header_end]
+    shard.write_bytes(data[:header_end].replace(old, new) + data[header_end:])
+
+
+@pytest.mark.parametrize("new", [b"00000000000000000x3", b"0000000000000000019"])
+def test_a_shard_with_a_corrupt_sample_key_is_named_at_reader_start(cache, new):
+    """A sample key damaged in a shard's header (to a non-number, or to another sample's id) is named with its
+    shard when the reader opens, not at the step that misses the sample."""
+    directory, _ = cache
+    _replace_in_header(directory / "train-00001.safetensors", b"0000000000000000013", new)
+    with pytest.raises(StateCacheError, match=r"^shard train-00001.safetensors of the target-state cache .* is "
+                                              r"corrupt: [^;]*; delete it and its index.json"):
+        StateCacheReader(str(directory), MANIFEST)
+
+
+def test_a_truncated_shard_is_named_at_reader_start(cache):
+    directory, _ = cache
+    shard = directory / "train-00000.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-4])
+    with pytest.raises(StateCacheError, match=r"shard train-00000.safetensors .* is corrupt: .*truncated"):
+        StateCacheReader(str(directory), MANIFEST)
+
+
+@pytest.mark.parametrize("index, why", [
+    ("{not json", "not the index"),
+    ("[1, 2]", "a JSON list, not an object"),
+    ('{"shards": {"../outside/train-00000.safetensors": "' + "0" * 64 + '"}}', "outside"),
+    ("[" * 100000 + "]" * 100000, "nested too deeply"),
+], ids=["not-json", "a-list", "outside", "nested"])
+def test_an_index_that_is_not_this_caches_is_refused_in_one_line(cache, index, why):
+    """index.json must be a JSON object naming exactly this cache's shards (so no file outside the directory is
+    read): anything else is one line naming it, at reader start."""
+    directory, _ = cache
+    (directory / "index.json").write_text(index)
+    with pytest.raises(StateCacheError) as err:
+        StateCacheReader(str(directory), MANIFEST)
+    message = str(err.value)
+    assert message.startswith(f"{directory / 'index.json'} is not the index of this target-state cache (")
+    assert why in message and "write the cache again" in message and "\n" not in message
+
+
+@pytest.mark.parametrize("text, field", [
+    ("[" * 100000 + "]" * 100000, "nested too deeply"),
+    ("[1]", "a JSON list, not an object"),
+    (MANIFEST.to_json().replace('"shard_size": 2', '"shard_size": "2"'), "field shard_size is \"2\""),
+    (MANIFEST.to_json().replace('"train": 3', '"train": -3'), "field samples is"),
+], ids=["nested", "a-list", "a-string-count", "a-negative-count"])
+def test_a_manifest_that_is_not_one_is_refused_in_one_line(cache, text, field):
+    directory, _ = cache
+    (directory / "manifest.json").write_text(text)
+    with pytest.raises(StateCacheError, match=rf"manifest.json is not a target-state cache manifest \({field}"):
+        StateCacheReader(str(directory), MANIFEST)

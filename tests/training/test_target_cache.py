@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megatron_dflash.common.errors import DataError
-from training_runs import MULTI_RANK_TIMEOUT_S, run_main, run_training, safetensors_of, training_argv
+from training_runs import MULTI_RANK_TIMEOUT_S, TINY_DRAFT, run_main, run_training, safetensors_of, training_argv
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -118,6 +118,57 @@ def test_a_corrupt_shard_is_named(runs, tiny_target, tmp_path):
     with pytest.raises(DataError, match=r"shard train-00000.safetensors of the target-state cache .* is corrupt: its "
                                         "sha256 differs"):
         run_training(training_argv(tiny_target, tmp_path / "run", *RUN, *cache_args(cache)))
+
+
+def test_a_fine_tuned_target_with_the_same_config_is_refused_naming_the_field(runs, tiny_target, tmp_path, capsys,
+                                                                             monkeypatch):
+    """The target's copy with one tapped layer's weights changed (same config.json, names, dtypes and shapes: the
+    same safetensors header) made other states: its run is refused before the first step, naming the manifest's
+    target field, in one line."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    tuned = tmp_path / "tuned"
+    shutil.copytree(tiny_target, tuned)
+    weights = load_file(str(tuned / "model.safetensors"))
+    name = next(n for n in weights if ".layers.1." in n and n.endswith("mlp.down_proj.weight"))
+    weights[name] = weights[name] * 1.01
+    save_file(weights, str(tuned / "model.safetensors"), metadata={"format": "pt"})
+    status, err = run_main(training_argv(str(tuned), tmp_path / "run", *RUN, *cache_args(runs["dflash"]["cache"])),
+                           capsys, monkeypatch)
+    assert status == 1 and len(err.strip().splitlines()) == 1, err
+    assert "does not match this run (target: cache '" in err and "the target's config or weights differ" in err, err
+    assert not (tmp_path / "run" / "hf").exists()
+
+
+def chat_argv(target, out, data, *extra):
+    return ["--target", str(target), *TINY_DRAFT, "--no-progress-bar", "--seq-length", "64", "--train-iters", "1",
+            "--micro-batch-size", "4", "--global-batch-size", "4", "--dflash-anchors-per-sample", "4",
+            "--lr-warmup-iters", "0", "--dflash-eval-prompts", "0", "--data-format", "chat", "--train-data", str(data),
+            "--dflash-export", str(out / "hf"), "--run-dir", str(out), *extra]
+
+
+def test_a_changed_record_anywhere_in_the_data_is_refused_before_training(tiny_target, tmp_path, capsys,
+                                                                          monkeypatch):
+    """The cache records the whole data file's digest: a record changed in the middle of the file (none of the
+    first, middle and last samples, which the manifest also fingerprints) is refused at the start, naming the data
+    field, not at the step that reads its sample."""
+    import json
+
+    from megatron_dflash.embedded_job.synthetic_corpus import conversations
+
+    chats = [{"messages": c} for c in conversations(7, 24)]
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps(c) + "\n" for c in chats))
+    cache = tmp_path / "cache"
+    run_training(chat_argv(tiny_target, tmp_path / "write", data, *cache_args(cache, "write")))
+    chats[3]["messages"][1]["content"], chats[5]["messages"][1]["content"] = (chats[5]["messages"][1]["content"],
+                                                                              chats[3]["messages"][1]["content"])
+    data.write_text("".join(json.dumps(c) + "\n" for c in chats))
+    status, err = run_main(chat_argv(tiny_target, tmp_path / "read", data, *cache_args(cache)), capsys, monkeypatch)
+    assert status == 1 and len(err.strip().splitlines()) == 1, err
+    assert "does not match this run (data: cache '" in err, err
 
 
 # ------------------------------------------------------------------------------------------ DP = 2, TP = 2
@@ -284,3 +335,23 @@ def test_a_hybrid_run_refuses_a_cache_of_another_run_before_training(tiny_target
         status, err = run_main(training_argv(tiny_target, tmp_path / field[:6], *HYBRID, *extra,
                                              *cache_args(cache, "hybrid")), capsys, monkeypatch)
         assert status == 1 and field in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_corrupt_staged_sample_is_named_in_one_line(tiny_target, tmp_path, capsys, monkeypatch):
+    """A staged sample of an interrupted hybrid run replaced by a pickle, or truncated, is named in one line when the
+    run resumes, before the target is loaded (nothing is unpickled: staged samples are read as safetensors only)."""
+    import pickle
+
+    save, cache = tmp_path / "ckpt", tmp_path / "cache"
+    args = [*SMALL, *cache_args(cache, "hybrid"), "--save", str(save)]
+    run_training(training_argv(tiny_target, tmp_path / "first", *args, "--train-iters", "1"))
+    victim = sorted((cache / "staged").glob("*.safetensors"))[0]
+    good = victim.read_bytes()
+    for damage, why in ((pickle.dumps({"input_ids": [1, 2, 3]}), "not a safetensors file"),
+                        (good[:-16], "truncated")):
+        victim.write_bytes(damage)
+        status, err = run_main(training_argv(tiny_target, tmp_path / "rest", *args, "--train-iters", "5", "--load",
+                                             str(save)), capsys, monkeypatch)
+        assert status == 1 and len(err.strip().splitlines()) == 1, err
+        assert err.startswith(f"pretrain_dflash.py: error: {victim}: a staged sample of the target-state cache is "
+                              "corrupt (") and why in err and "delete it and rerun" in err, err
