@@ -40,8 +40,10 @@ def _tool_child(argv):
     os._exit(cache_states_module().main(argv))
 
 
-def fork_tool(argv):
-    proc = multiprocessing.get_context("fork").Process(target=_tool_child, args=(argv,))
+def spawn_tool(argv):
+    """The tool in a fresh process: a forked child inherits the state of any gloo group an earlier in-process run
+    of this pytest process made (its transport's threads are not forked), and hangs in its own first collective."""
+    proc = multiprocessing.get_context("spawn").Process(target=_tool_child, args=(argv,))
     proc.start()
     return proc
 
@@ -62,7 +64,7 @@ Whole = namedtuple("Whole", "cache seconds")
 def whole(tiny_target, tmp_path_factory):
     cache = tmp_path_factory.mktemp("whole") / "cache"
     start = time.monotonic()
-    proc = fork_tool(tool_argv(tiny_target, cache))
+    proc = spawn_tool(tool_argv(tiny_target, cache))
     proc.join()
     assert proc.exitcode == 0
     return Whole(cache, time.monotonic() - start)
@@ -73,7 +75,7 @@ def test_killed_at_random_points_and_rerun_equals_an_uninterrupted_cache(whole, 
     out, killed, total = tmp_path / "killed", 0, shards_done(whole.cache)
     per_shard = whole.seconds / total / 2  # the whole run's time includes its start: a shard takes less
     while killed < KILLS and shards_done(out) < total:
-        proc = fork_tool(tool_argv(tiny_target, out))
+        proc = spawn_tool(tool_argv(tiny_target, out))
         wait_for = shards_done(out) + rng.randrange(2)
         while proc.is_alive() and shards_done(out) < wait_for:
             time.sleep(0.002)
@@ -83,7 +85,7 @@ def test_killed_at_random_points_and_rerun_equals_an_uninterrupted_cache(whole, 
             killed += 1
         proc.join()
     assert killed == KILLS
-    proc = fork_tool(tool_argv(tiny_target, out))
+    proc = spawn_tool(tool_argv(tiny_target, out))
     proc.join()
     assert proc.exitcode == 0
     assert every_file(out) == every_file(whole.cache)
