@@ -624,7 +624,7 @@ def test_bad_hf_drafters_are_explained(tmp_path):
         (variant("nan", edit_weights=poison), "holds NaN or inf values"),
         (variant("unknown", lambda d: d.update(architectures=["LlamaForCausalLM"])),
          "has architectures=['LlamaForCausalLM'], not a draft model"),
-        (variant("malformed", lambda d: d.update(dflash_config="oops")), "config.json is not a valid"),
+        (variant("malformed", lambda d: d.update(dflash_config="oops")), "config.json: dflash_config is \"oops\"; it must be a JSON object"),
     ]
     for directory, message in cases:
         with pytest.raises(ValueError) as info:
