@@ -217,7 +217,8 @@ def _add_draft_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dflash-target-layer-ids", default=None,
                    help="comma-separated 0-based target layers to tap (default: the published formula).")
     g.add_argument("--dflash-mask-token-id", type=int, default=None,
-                   help="MASK token id (default: the tokenizer's mask token; never guessed).")
+                   help="MASK token id (default: the tokenizer's mask token, else the first row of the target's "
+                   "embedding past the tokenizer's ids; never pad or EOS, never a resize).")
     g.add_argument("--dflash-num-layers", type=int, default=RunDefault(5, 2), help="draft decoder layers.")
     g.add_argument("--dflash-init-from", default=None, help="initialise from a published HF drafter (a directory or hub id; default: none, random initialisation).")
     g.add_argument("--dflash-pipeline-stage", type=int, default=-1,
