@@ -2,8 +2,8 @@
 and says the same one line when the id is neither a directory nor in the cache.
 
 The entry points: `pretrain_dflash.py --target` (a short run), `tools/cache_target_states.py --target` (a small
-cache), `tools/regenerate_data.py --target` (two answers) and `tools/evaluate_acceptance.py --target` (its
-argument check)."""
+cache), `tools/regenerate_data.py --target` (two answers), `tools/evaluate_acceptance.py --target` (its
+argument check) and `tools/check_serving.py --target` (the check of the short run's export)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from entry_points import cache_states_module, child_env, evaluate_module, regenerate_module
+from entry_points import cache_states_module, child_env, evaluate_module, regenerate_module, tool_module
 from hub_cache import HUB_ID, fill_hub_cache, offline_hub_env
 from megatron_dflash.embedded_job import synthetic_corpus as sc
 from repo_paths import REPO_ROOT
@@ -33,12 +33,17 @@ def hub(tmp_path, monkeypatch):
     return snapshot
 
 
-def test_training_runs_on_a_hub_id(hub, tmp_path):
+def test_training_and_the_serving_check_run_on_a_hub_id(hub, tmp_path, capsys):
     result = run_training(["--target", HUB_ID, "--dflash-export", str(tmp_path / "hf"), "--run-dir", str(tmp_path),
                            *STEPS_ARGS, *SHORT])
     args = json.load(open(os.path.join(tmp_path, "args.json")))
     assert args["target"] == hub  # every step after the command line works on the local snapshot
     assert os.path.isfile(os.path.join(tmp_path, "hf", "config.json")) and result.stopped_by is None
+    # the serving check reads the target from the same snapshot; its serve commands keep the hub id
+    capsys.readouterr()
+    tool_module("check_serving").main([str(tmp_path / "hf"), "--target", HUB_ID])
+    out = capsys.readouterr().out
+    assert f"vllm serve {HUB_ID} --speculative-config" in out and "is not a row" not in out, out
 
 
 def test_the_target_cache_writer_takes_a_hub_id(hub, tmp_path):
@@ -77,6 +82,7 @@ ENTRY_POINTS = {
                                "--dflash-target-cache", "states"],
     "regenerate_data.py": ["tools/regenerate_data.py", "--input", "chats.jsonl", "--output", "regen"],
     "evaluate_acceptance.py": ["tools/evaluate_acceptance.py", "--draft", "draft", "--prompts", "prompts.jsonl"],
+    "check_serving.py": ["tools/check_serving.py", "draft"],
 }
 
 
