@@ -54,7 +54,7 @@ def test_the_target_cache_writer_takes_a_hub_id(hub, tmp_path):
     assert os.path.isfile(cache / "index.json")
 
 
-def test_regeneration_takes_a_hub_id_and_records_it_as_given(hub, tmp_path):
+def test_regeneration_and_evaluation_take_a_hub_id(hub, tmp_path):
     chats = tmp_path / "chats.jsonl"
     chats.write_text("".join(json.dumps({"messages": c[:1]}) + "\n" for c in sc.conversations(5, 2)))
     out = tmp_path / "regen"
@@ -63,17 +63,16 @@ def test_regeneration_takes_a_hub_id_and_records_it_as_given(hub, tmp_path):
     manifest = json.load(open(out / "_manifest.json"))
     assert manifest["target"] == HUB_ID  # the manifest stays valid on a machine whose cache lies elsewhere
 
-
-def test_evaluation_takes_a_hub_id(hub, tmp_path):
     tool = evaluate_module()
     draft = tmp_path / "draft"
     draft.mkdir()
     (draft / "config.json").write_text("{}")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"text": "count from 1 to 5"}\n')
-    args = tool.build_parser().parse_args(["--target", HUB_ID, "--draft", str(draft), "--prompts", str(prompts)])
+    args = tool.build_parser().parse_args(["--target", HUB_ID, "--tokenizer", HUB_ID, "--draft", str(draft),
+                                           "--prompts", str(prompts)])
     tool.check_paths(args)
-    assert args.target == hub
+    assert args.target == hub and args.tokenizer == hub  # the models load from the snapshot, no hub request
 
 
 ENTRY_POINTS = {
