@@ -2,7 +2,7 @@
 """Train a DFlash draft model next to a frozen target (megatron-core).
 
     python pretrain_dflash.py                         # the embedded job: tiny target, CPU, minutes
-    torchrun --nproc-per-node 8 pretrain_dflash.py --target /models/Qwen3-8B --target-backend megatron \
+    torchrun --nproc-per-node 8 pretrain_dflash.py --target Qwen/Qwen3-8B --target-backend megatron \
         --tensor-model-parallel-size 2 --data-format chat --train-data chats.jsonl \
         --dflash-mask-token-id 151669 --seq-length 4096 --micro-batch-size 1 --global-batch-size 64 ...
 

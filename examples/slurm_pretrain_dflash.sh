@@ -6,7 +6,7 @@
 #   sbatch examples/slurm_pretrain_dflash.sh
 #
 # Adjust the paths below. The MASK token must be an existing row of the target's embedding (Qwen3 drafters
-# use 151669); it is never guessed. Data: one chat per line, {"messages": [{"role": ..., "content": ...}]}
+# use 151669, the first row past the tokenizer's ids: what the trainer chooses without the flag). Data: one chat per line, {"messages": [{"role": ..., "content": ...}]}
 # (target-generated responses give the best acceptance), or a Megatron indexed dataset with
 # --data-format indexed --data-path PREFIX.
 #

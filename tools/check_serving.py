@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from typing import Optional
 
 # Run from a checkout without installing the package.
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,6 +40,7 @@ from megatron_dflash.common.cli import (  # noqa: E402  (no torch: --help and us
     require_dir,
     usage_status,
 )
+from megatron_dflash.common.model_dirs import looks_like_hub_id, resolve_model_dir  # noqa: E402  (no torch)
 
 PROG = "check_serving.py"
 
@@ -52,7 +54,7 @@ def build_parser() -> ArgumentParser:
     )
     parser.add_argument("draft", help="HF draft directory (config.json + model.safetensors), e.g. runs/latest/hf.")
     parser.add_argument("--target", default=None,
-                        help="the target's HF directory: its config.json (vocabulary, hidden size, depth) and "
+                        help="the target's HF directory or hub id (read from the local HF cache): its config.json (vocabulary, hidden size, depth) and "
                         "tokenizer.json (the MASK token) are checked against the draft, and the serve commands "
                         "name it.")
     parser.add_argument("--json", default=None, metavar="OUT", help="also write the verdicts as JSON to OUT.")
@@ -77,12 +79,13 @@ def runtime_versions(values) -> dict:
     return out
 
 
-def _check_paths(args) -> None:
+def _check_paths(args) -> Optional[str]:
+    """The target's local directory (a hub id: its snapshot in the local HF cache), or None without --target."""
     require_dir("draft", args.draft, must_contain="config.json")
-    if args.target is not None:
-        require_dir("--target", args.target, must_contain="config.json")
+    target_dir = None if args.target is None else resolve_model_dir("--target", args.target)
     if args.json is not None and os.path.isdir(args.json):
         raise UsageError(f"--json {args.json} is a directory; give a file name.")
+    return target_dir
 
 
 def main(argv=None) -> int:
@@ -90,7 +93,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         versions = runtime_versions(args.runtime_version)
-        _check_paths(args)
+        target_dir = _check_paths(args)
     except UsageError as err:
         return usage_status(PROG, err)
     # loads torch
@@ -101,7 +104,10 @@ def main(argv=None) -> int:
     except ValueError as err:  # a release with no rules: a usage error like a mistyped flag
         return usage_status(PROG, err)
     try:
-        reports = check_serving(args.draft, args.target, vllm_v2_runner=args.vllm_v2_runner, runtimes=rules)
+        # a hub id stays the name in the serve commands: the runtimes resolve it from the same cache
+        name = args.target if args.target is not None and looks_like_hub_id(args.target) else None
+        reports = check_serving(args.draft, target_dir, target_name=name, vllm_v2_runner=args.vllm_v2_runner,
+                                runtimes=rules)
     except (ValueError, OSError) as err:
         report_failure(PROG, err)
         return 1

@@ -50,7 +50,8 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-from megatron_dflash.common.cli import ArgumentParser, UsageError, json_object_option, quiet_dependency_warnings, report_failure, require_dir, require_file, usage_error, usage_status  # noqa: E402,E501
+from megatron_dflash.common.cli import ArgumentParser, UsageError, json_object_option, quiet_dependency_warnings, report_failure, require_file, usage_error, usage_status  # noqa: E402,E501
+from megatron_dflash.common.model_dirs import resolve_model_dir  # noqa: E402
 from megatron_dflash.decoding.metric import (  # noqa: E402  (no torch: the headline metric, shared with training)
     decode_summary,
     row_tokens_per_target_forward,
@@ -77,7 +78,7 @@ def build_parser() -> ArgumentParser:
         "forward and wall-clock speedup over autoregressive greedy decoding.",
     )
     parser.add_argument("--target", default=None,
-                        help="HF directory (or hub id) of the target causal LM (default: the embedded tiny "
+                        help="HF directory or hub id (read from the local HF cache, downloaded once when missing) of the target causal LM (default: the embedded tiny "
                         "target of `python pretrain_dflash.py`).")
     parser.add_argument(
         "--draft", default=None,
@@ -109,7 +110,7 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--compare", nargs="+", default=None, metavar="REPORT",
                         help="REPORT.json: print it next to this run's report, per category and overall, with "
                         "the differences; two reports A.json B.json: compare them without decoding.")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --target); needed "
+    parser.add_argument("--tokenizer", default=None, help="tokenizer directory or hub id (default: --target); needed "
                         "for 'text'/'prompt'/'messages' lines and for the decoded text of the report.")
     parser.add_argument("--chat-template", default=None,
                         help="a Jinja chat template file (.jinja, or a JSON file with 'chat_template') for "
@@ -207,12 +208,6 @@ def _check_modes(parser: ArgumentParser, args: argparse.Namespace) -> None:
         parser.error(f"--benchmark-file {args.benchmark_file}: no such file")
 
 
-def _looks_like_hub_id(name: str) -> bool:
-    """`org/model` (what the hub accepts), not a filesystem path."""
-    return (name.count("/") == 1 and not name.startswith((".", "/", "~")) and not name.endswith("/")
-            and not os.path.exists(name))
-
-
 def check_paths(args: argparse.Namespace) -> None:
     """Every path of the command line, before torch and transformers load (raises `UsageError`).
 
@@ -225,19 +220,18 @@ def check_paths(args: argparse.Namespace) -> None:
     benchmark = args.benchmark is not None
     if args.prompts is None and not benchmark and matches_recipe(args.target):  # the embedded tiny target
         args.prompts = SHIPPED_PROMPTS
-    if not _looks_like_hub_id(args.target):
-        require_dir("--target", args.target, "HF model directory", must_contain="config.json")
+    args.target = resolve_model_dir("--target", args.target)  # a directory or a hub id (its local snapshot)
     if args.prompts is None and not benchmark:
         raise UsageError("--prompts (or --benchmark) is required with a --target other than the embedded tiny "
                          "target.")
     if not looks_like_save_dir(args.draft):  # else a megatron checkpoint, checked when it is read
-        require_dir("--draft", args.draft, "HF draft directory", must_contain="config.json")
+        args.draft = resolve_model_dir("--draft", args.draft, "HF draft directory")
     if benchmark:
         args.benchmark_items = read_benchmark_items(args)  # a bad record is named before torch loads; read once
     else:
         require_file("--prompts", args.prompts, "prompt file")
-    if args.tokenizer is not None and not _looks_like_hub_id(args.tokenizer):
-        require_dir("--tokenizer", args.tokenizer, "tokenizer directory")
+    if args.tokenizer is not None:
+        args.tokenizer = resolve_model_dir("--tokenizer", args.tokenizer, "tokenizer directory", must_contain=None)
     if args.chat_template is not None:
         require_file("--chat-template", args.chat_template, "chat template file")
 

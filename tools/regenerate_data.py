@@ -37,8 +37,9 @@ import argparse  # noqa: E402
 import hashlib  # noqa: E402
 import urllib.parse  # noqa: E402
 
-from megatron_dflash.common.cli import ArgumentParser, UsageError, json_object_option, quiet_dependency_warnings, report_failure, report_interrupt, require_dir, require_file, usage_error  # noqa: E402,E501
+from megatron_dflash.common.cli import ArgumentParser, UsageError, json_object_option, quiet_dependency_warnings, report_failure, report_interrupt, require_file, usage_error  # noqa: E402,E501
 from megatron_dflash.common.errors import RunError  # noqa: E402
+from megatron_dflash.common.model_dirs import resolve_model_dir  # noqa: E402
 from megatron_dflash.data.chat import load_chat_template  # noqa: E402  (no torch)
 from megatron_dflash.data.formats import BAD_RECORD_MODES, DEFAULT_MAX_BAD_FRACTION, BadRecords, data_path_problem  # noqa: E402,E501  (no torch)
 from megatron_dflash.decoding.regenerate import TRUNCATION_POLICIES, Settings, regenerate  # noqa: E402  (no torch)
@@ -54,7 +55,8 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--output", required=True,
                    help="output directory: _manifest.json and shard-NNNNN.<the input file's kind; jsonl for a "
                    "directory>; usable as --train-data.")
-    p.add_argument("--target", default=None, help="HF directory (or hub id) of the target, run in this process.")
+    p.add_argument("--target", default=None, help="HF directory or hub id (read from the local HF cache, downloaded once "
+                   "when missing) of the target, run in this process.")
     p.add_argument("--server", default=None, help="URL of an OpenAI-compatible server instead of --target.")
     p.add_argument("--model", default=None, help="the model name the server serves (with --server).")
     p.add_argument("--tokenizer", default=None,
@@ -202,14 +204,16 @@ def main(argv=None) -> int:
         problem = data_path_problem(args.input)
         if problem is not None:
             raise UsageError(f"--input {args.input}: {problem}")
-        if args.target is not None and os.path.isdir(args.target):
-            require_dir("--target", args.target, "HF model directory", must_contain="config.json")
-        if args.tokenizer is not None and os.path.exists(args.tokenizer):
-            require_dir("--tokenizer", args.tokenizer, "tokenizer directory")
+        # the manifest names the target as given (a hub id stays one; a directory by its resolved path); the target
+        # runs from its local directory
+        target = args.target if args.target is not None else args.model
+        if args.target is not None:
+            args.target = resolve_model_dir("--target", args.target)
+        if args.tokenizer is not None:
+            args.tokenizer = resolve_model_dir("--tokenizer", args.tokenizer, "tokenizer directory", must_contain=None)
         chat_template, template_sha = chat_template_of(args)
     except UsageError as err:
         usage_error(PROG, str(err))
-    target = args.target if args.target is not None else args.model
     try:
         summary = regenerate(args.input, args.output, backend_of(args, settings, rank, chat_template), settings,
                              target=target, shard_size=args.shard_size, truncated=args.on_truncated, rank=rank,

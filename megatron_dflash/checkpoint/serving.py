@@ -913,12 +913,15 @@ def check_runtime(draft: DraftFile, rules: RuntimeRules, options: CheckOptions, 
 _UNREAD = "this package does not read it as a draft"
 
 
-def check_serving(directory: str, target: Optional[str] = None, *, vllm_v2_runner: bool = False,
+def check_serving(directory: str, target: Optional[str] = None, *, target_name: Optional[str] = None,
+                  vllm_v2_runner: bool = False,
                   versions: Optional[Mapping[str, str]] = None,
                   runtimes: Optional[Sequence[RuntimeRules]] = None) -> list[RuntimeReport]:
     """Per runtime: whether the HF draft in `directory` loads (`LOADS`, `CAVEAT`, `FAILS`), why, and its serve
     command (for a draft that loads). `target`: the target's HF directory (config.json, tokenizer.json);
-    `versions`: the release per runtime (`runtime_rules`; default the current ones), or `runtimes` given."""
+    `target_name`: how the serve commands name the target (a hub id, which the runtimes resolve themselves;
+    default the directory); `versions`: the release per runtime (`runtime_rules`; default the current ones), or
+    `runtimes` given."""
     runtimes = runtime_rules(versions) if runtimes is None else runtimes
     draft = read_draft_file(directory)
     if draft.file_error is not None:  # malformed, or its config contradicts its weights: no runtime loads it
@@ -927,7 +930,7 @@ def check_serving(directory: str, target: Optional[str] = None, *, vllm_v2_runne
     shared = target_findings(draft, target)
     if draft.trained_error is not None:
         shared.append(Finding(FAILS, f"{_UNREAD}, so what it was trained with is unknown: {draft.trained_error}"))
-    shown_target = shlex.quote(os.path.abspath(target)) if target else "<target>"
+    shown_target = shlex.quote(target_name or os.path.abspath(target)) if target else "<target>"
     options = CheckOptions(vllm_v2_runner=vllm_v2_runner)
     return [check_runtime(draft, rules, options, shared, shown_target) for rules in runtimes]
 

@@ -21,6 +21,7 @@ import os
 from typing import Mapping, Optional, Sequence
 
 from ..common.cli import ArgumentParser, UsageError, json_object_option, require_dir, require_file
+from ..common.model_dirs import resolve_model_dir
 from ..common.errors import RunError
 from ..data.chat import LOSS_TURNS, REASONING_MODES
 from ..data.formats import BAD_RECORD_MODES, DEFAULT_MAX_BAD_FRACTION, data_path_problem
@@ -188,14 +189,15 @@ def _add_data_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pack-sequences", action="store_true", help="pack several documents per row.")
     g.add_argument("--synthetic-train-samples", type=int, default=20000)
     g.add_argument("--synthetic-valid-samples", type=int, default=256)
-    g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --target).")
+    g.add_argument("--tokenizer", default=None, help="tokenizer directory or hub id (default: --target).")
 
 
 def _add_target_arguments(p: argparse.ArgumentParser) -> None:
     """The "target" options of `build_parser`."""
     g = p.add_argument_group("target")
     g.add_argument("--target", default=None,
-                   help="HF directory of the frozen target (default: the embedded tiny target, built "
+                   help="HF directory or hub id (Qwen/Qwen3-8B: read from the local HF cache, downloaded once when "
+                   "missing) of the frozen target (default: the embedded tiny target, built "
                    "once and cached under $MEGATRON_DFLASH_CACHE or ~/.cache/megatron_dflash).")
     g.add_argument("--target-backend", choices=TARGET_BACKENDS, default="hf",
                    help="hf: transformers model (TP=PP=1 only); megatron: megatron-core GPTModel at TP/PP.")
@@ -215,9 +217,10 @@ def _add_draft_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dflash-target-layer-ids", default=None,
                    help="comma-separated 0-based target layers to tap (default: the published formula).")
     g.add_argument("--dflash-mask-token-id", type=int, default=None,
-                   help="MASK token id (default: the tokenizer's mask token; never guessed).")
+                   help="MASK token id (default: the tokenizer's mask token, else the first row of the target's "
+                   "embedding past the tokenizer's ids; never pad or EOS, never a resize).")
     g.add_argument("--dflash-num-layers", type=int, default=RunDefault(5, 2), help="draft decoder layers.")
-    g.add_argument("--dflash-init-from", default=None, help="initialise from a published HF drafter directory (default: none, random initialisation).")
+    g.add_argument("--dflash-init-from", default=None, help="initialise from a published HF drafter (a directory or hub id; default: none, random initialisation).")
     g.add_argument("--dflash-pipeline-stage", type=int, default=-1,
                    help="pipeline stage that holds the draft (-1: the last).")
     g.add_argument("--dflash-variable-prefix", type=float, nargs="?", const=0.9, default=None, metavar="BASE",
@@ -396,12 +399,12 @@ def check_input_paths(args: argparse.Namespace) -> None:
             )
     if getattr(args, "chat_template", None) is not None:
         require_file("--chat-template", args.chat_template, "chat template file")
-    if args.target is not None:
-        require_dir("--target", args.target, "HF model directory", must_contain="config.json")
+    if args.target is not None:  # a directory or a hub id, resolved once to its local snapshot
+        args.target = resolve_model_dir("--target", args.target)
     if args.tokenizer is not None:
-        require_dir("--tokenizer", args.tokenizer, "tokenizer directory")
+        args.tokenizer = resolve_model_dir("--tokenizer", args.tokenizer, "tokenizer directory", must_contain=None)
     if args.dflash_init_from is not None:
-        require_dir("--dflash-init-from", args.dflash_init_from, "HF drafter directory", must_contain="config.json")
+        args.dflash_init_from = resolve_model_dir("--dflash-init-from", args.dflash_init_from, "HF drafter directory")
     if args.dflash_eval_prompts is not None and not _is_int(args.dflash_eval_prompts):
         require_file("--dflash-eval-prompts", args.dflash_eval_prompts, "JSONL prompt file")
     if args.load is not None and os.path.exists(args.load):

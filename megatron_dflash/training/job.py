@@ -43,7 +43,8 @@ from .arguments import (
 from .outputs import check_outputs
 from .rundir import resolve_run_dir
 
-__all__ = ["Job", "prepare_job", "draft_config_from_target", "load_eval_prompts", "resolve_target_dir"]
+__all__ = ["Job", "prepare_job", "draft_config_from_target", "load_eval_prompts", "resolve_target_dir",
+           "choose_mask_token"]
 
 DEFAULT_SYNTHETIC_EVAL_PROMPTS = 24
 
@@ -195,17 +196,32 @@ def _config_from_init(args, variant: Variant, options, target_config: dict) -> D
     return config  # the drafter's own MASK token (it was trained with it), whatever the tokenizer says
 
 
-def _resolve_mask_token(args, tokenizer, tokenizer_dir: str) -> int:
-    if args.dflash_mask_token_id is not None:
-        return int(args.dflash_mask_token_id)
+def choose_mask_token(explicit: Optional[int], tokenizer, embedding_rows: int, tokenizer_dir: str) -> tuple[int, str]:
+    """The MASK token id of a new draft and why it was chosen (docs/design.md §2, the MASK row), never a resize:
+
+    1. `--dflash-mask-token-id`, when given;
+    2. the tokenizer's own mask token;
+    3. else the first row of the target's embedding past every id of the tokenizer, when the embedding has
+       such rows (no text ever maps to it): the rule behind the published drafters' MASK (z-lab's Qwen3
+       drafters use 151669, the first row past Qwen3's 151,669 tokens in its 151,936-row embedding) and
+       SpecForge's fallback;
+    4. else refused: every row is a token the data may hold, and a pad / EOS fallback would give the MASK
+       slots the embedding of a real token (pad is often EOS).
+    Raises `ArgumentError`."""
+    if explicit is not None:
+        return int(explicit), "given by --dflash-mask-token-id"
     mask = getattr(tokenizer, "mask_token_id", None)
-    if mask is None:
-        raise ArgumentError(
-            f"the tokenizer in {tokenizer_dir} has no mask token, and the MASK token is never guessed: pass "
-            "--dflash-mask-token-id ID (an existing row of the target's embedding, e.g. a reserved special "
-            "token; Qwen3 drafters use 151669)."
-        )
-    return int(mask)
+    if mask is not None:
+        return int(mask), f"the tokenizer's mask token {tokenizer.mask_token!r}"
+    used = max(tokenizer.get_vocab().values(), default=-1) + 1
+    if used < embedding_rows:
+        return used, (f"the tokenizer has no mask token: the first row of the target's {embedding_rows}-row embedding "
+                      f"past the tokenizer's ids 0..{used - 1}, which no text maps to (the published drafters' rule)")
+    raise ArgumentError(
+        f"the tokenizer in {tokenizer_dir} has no mask token and its ids fill all {embedding_rows} rows of the "
+        "target's embedding, so no row is free for MASK (a pad / EOS fallback would make MASK a real token): pass "
+        "--dflash-mask-token-id ID, a reserved or unused token the data never contains."
+    )
 
 
 # ------------------------------------------------------------------------------------------ evaluation
@@ -282,7 +298,7 @@ def prepare_job(
             tokenizer.chat_template = load_chat_template(args.chat_template)
         except (OSError, ValueError) as err:
             raise ArgumentError(f"--chat-template {args.chat_template}: {err}") from None
-    config = _draft_config(args, family, variant, options, target_config, tokenizer, tokenizer_dir)
+    config = _draft_config(args, family, variant, options, target_config, tokenizer, tokenizer_dir, log)
     _check_sequence_length(args, config)
     _check_decode_settings(variant, options, config)
     run_dir, export_dir = _resolve_outputs(args, env)
@@ -381,8 +397,16 @@ def _checked_tokenizer(tokenizer_dir: str, vocab: int):
     return tokenizer
 
 
+def _mask_token(args, target_config: dict, tokenizer, tokenizer_dir: str, log) -> int:
+    """`choose_mask_token` for this run, said in the log (the draft config records it)."""
+    rows = int(resolve_text_config(target_config)["vocab_size"])
+    mask, why = choose_mask_token(args.dflash_mask_token_id, tokenizer, rows, tokenizer_dir)
+    log(f"[draft] MASK token id {mask}: {why}")
+    return mask
+
+
 def _draft_config(args, family: TargetFamily, variant: Variant, options, target_config: dict, tokenizer,
-                  tokenizer_dir: str) -> DFlashConfig:
+                  tokenizer_dir: str, log=print) -> DFlashConfig:
     """The draft config: `--dflash-init-from`'s, or derived by the family from the target and the flags."""
     try:
         if args.dflash_init_from is not None:
@@ -393,7 +417,7 @@ def _draft_config(args, family: TargetFamily, variant: Variant, options, target_
                 config_cls=variant.config_cls,
                 num_layers=args.dflash_num_layers,
                 block_size=args.dflash_block_size,
-                mask_token_id=_resolve_mask_token(args, tokenizer, tokenizer_dir),
+                mask_token_id=_mask_token(args, target_config, tokenizer, tokenizer_dir, log),
                 target_layer_ids=args.dflash_target_layer_ids_list,
                 **draft_config_overrides(args, args.dflash_num_layers),
                 **variant.config_overrides(options),

@@ -21,7 +21,7 @@ import warnings
 import pytest
 
 from megatron_dflash.common import cli
-from entry_points import TORCH_PROBE, child_env, evaluate_module
+from entry_points import TORCH_PROBE, child_env, evaluate_module, regenerate_module, tool_module
 from repo_paths import REPO_ROOT
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -386,6 +386,77 @@ def test_readme_commands_parse_and_match_ci():
 
     for label in (TRAIN_ACCEPTANCE, VALID_ACCEPTANCE, DECODE_ACCEPTANCE):
         assert label in readme, label
+
+
+def _world_size(words: list[str]) -> int:
+    """The ranks a README line launches: torchrun's --nnodes x --nproc-per-node, else one."""
+    if words[0] != "torchrun":
+        return 1
+    size = {"--nnodes": 1, "--nproc-per-node": 1}
+    for flag in size:
+        if flag in words:
+            size[flag] = int(words[words.index(flag) + 1])
+    return size["--nnodes"] * size["--nproc-per-node"]
+
+
+def _script_and_argv(words: list[str]):
+    """(the repository script a README line runs, its arguments), or None for other commands (pip, vllm, ...)."""
+    for i, word in enumerate(words):
+        if word == "pretrain_dflash.py" or (word.startswith(("tools/", "benchmarks/")) and word.endswith(".py")):
+            return word, words[i + 1:]
+    return None
+
+
+MODEL_FLAGS = ("--target", "--tokenizer", "--dflash-init-from")
+
+
+def test_readme_commands_are_valid_command_lines(monkeypatch, tmp_path):
+    """Every repository command of the README's code blocks (the quickstarts, the cluster launch, regeneration,
+    evaluation, ...) is accepted by its tool's real parser, and training's by the whole argument check for the
+    ranks it launches (flag combinations, parallel sizes, batch sizes); a hub id given as a model is accepted (read
+    here from a cache filled in advance, offline). The files it names are not checked here (they are the user's)."""
+    from hub_cache import fill_hub_cache, offline_hub_env
+    from megatron_dflash.common.model_dirs import looks_like_hub_id, resolve_model_dir
+    from megatron_dflash.training import arguments
+
+    monkeypatch.setattr(arguments, "check_input_paths", lambda args: None)  # the user's files, not here
+    commands = [shlex.split(command) for command in _readme_commands()]
+    hub_ids = {words[i + 1] for words in commands for i, w in enumerate(words[:-1])
+               if w in MODEL_FLAGS and looks_like_hub_id(words[i + 1])}
+    assert "Qwen/Qwen3-8B" in hub_ids
+    for hub_id in hub_ids:
+        fill_hub_cache(str(tmp_path / "hub"), hub_id)
+    for key, value in offline_hub_env(str(tmp_path / "hub")).items():
+        monkeypatch.setenv(key, value)
+    regenerate = regenerate_module()
+    serving = tool_module("check_serving")
+    checked = set()
+    for words in commands:
+        found = _script_and_argv(words)
+        if found is None or found[0].startswith("benchmarks/"):
+            continue
+        script, argv = found
+        for i, word in enumerate(argv[:-1]):
+            if word in MODEL_FLAGS and looks_like_hub_id(argv[i + 1]):
+                assert os.path.isdir(resolve_model_dir(word, argv[i + 1], must_contain=None)), (script, word)
+        if script in ("pretrain_dflash.py", "tools/cache_target_states.py", "tools/count_draft_vocab.py"):
+            if script == "tools/count_draft_vocab.py":  # pretrain_dflash.py's arguments plus its --output
+                argv = tool_module("count_draft_vocab")._split_output(argv)[1]
+            args = arguments.parse_args(argv)
+            arguments.validate_args(args, _world_size(words), env={}, cuda="--bf16" in argv or words[0] == "torchrun")
+        elif script == "tools/regenerate_data.py":
+            regenerate.settings_of(regenerate.build_parser().parse_args(argv))
+        elif script == "tools/evaluate_acceptance.py":
+            evaluate_module().build_parser().parse_args(argv)
+        elif script == "tools/check_serving.py":
+            serving.runtime_versions(serving.build_parser().parse_args(argv).runtime_version)
+        elif script == "tools/convert_checkpoint.py":
+            _parsers()[f"convert {argv[0]}"].parse_args(argv[1:])
+        else:
+            continue  # tools/build_tiny_target.py: its parser is built inside its main
+        checked.add(script)
+    assert {"pretrain_dflash.py", "tools/cache_target_states.py", "tools/regenerate_data.py",
+            "tools/evaluate_acceptance.py", "tools/check_serving.py", "tools/convert_checkpoint.py"} <= checked
 
 
 def test_the_shipped_target_is_package_data():

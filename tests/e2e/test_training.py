@@ -102,7 +102,6 @@ def test_job_errors_need_the_target(tiny_target, tmp_path):
                         world, env={}, cuda=False)
         return str(info.value)
 
-    assert "has no mask token, and the MASK token is never guessed" in err("--tokenizer", _without_mask_token(tiny_target, tmp_path))
     assert "is not a row of the target embedding" in err("--dflash-mask-token-id", "100000")
     assert "includes the target's last layer 5" in err("--dflash-target-layer-ids", "1,5")
     assert "has duplicates" in err("--dflash-target-layer-ids", "1,1")
@@ -120,6 +119,12 @@ def test_job_errors_need_the_target(tiny_target, tmp_path):
                                                                 "--dflash-block-size", "4")
     # the same job resolves without errors: the MASK token comes from the tokenizer
     assert job.draft_config.mask_token_id == job.tokenizer.mask_token_id
+    # a tokenizer without one: the first embedding row past its ids, said in the log and kept in the draft config
+    lines = []
+    masked = prepare_job(parse_args(["--target", tiny_target, "--data-format", "synthetic", *TINY_DRAFT, "--tokenizer",
+                                     _without_mask_token(tiny_target, tmp_path)]), 1, env={}, cuda=False, log=lines.append)
+    assert masked.draft_config.mask_token_id == len(masked.tokenizer) == 315
+    assert any(line.startswith("[draft] MASK token id 315: the tokenizer has no mask token") for line in lines), lines
     assert job.draft_config.hidden_size == 128 and job.decay_gamma == 4.0  # the recipe's value for block 8
 
 
