@@ -17,10 +17,12 @@ Only Llama-architecture GGUFs are converted (the ones tested).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 from ..common.atomic import atomic_directory, file_sha256
 from ..common.errors import RunError
@@ -47,6 +49,29 @@ def matches_gguf(directory: str, source: dict) -> bool:
             return json.load(f) == source and os.path.isfile(os.path.join(directory, "model.safetensors"))
     except (OSError, ValueError):
         return False
+
+
+@contextlib.contextmanager
+def heartbeat(log: Callable[[str], None], what: str, interval: float = PROGRESS_INTERVAL_S) -> Iterator[None]:
+    """A line `[gguf] still <what> (Ns)` every `interval` seconds while the block runs: the steps that are one
+    library call (reading the tokenizer, writing the weights) say they are alive, in a log file too; none with
+    `interval` 0."""
+    done = threading.Event()
+    start = time.monotonic()
+
+    def beat():
+        while not done.wait(interval):
+            log(f"[gguf] still {what} ({time.monotonic() - start:.0f}s)")
+
+    thread = threading.Thread(target=beat, daemon=True)
+    if interval > 0:
+        thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        if interval > 0:
+            thread.join()
 
 
 def _read_metadata(gguf_path: str):
@@ -134,7 +159,8 @@ def convert_gguf(gguf_path: str, out_dir: str, *, log: Callable[[str], None] = p
 
     require_module("gguf", GGUF_PIP_LINE, "reading a GGUF file")
     start = time.monotonic()
-    config, tokenizer = _read_metadata(gguf_path)
+    with heartbeat(log, "reading the config and the tokenizer", interval):
+        config, tokenizer = _read_metadata(gguf_path)
     log(f"[gguf] config and tokenizer read ({time.monotonic() - start:.0f}s)")
     model = _plain_model(config)
     written = read_gguf_weights(gguf_path, model, log=log, interval=interval)
@@ -145,11 +171,12 @@ def convert_gguf(gguf_path: str, out_dir: str, *, log: Callable[[str], None] = p
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # the log has its own lines; a bar's carriage returns only clutter a file
     try:
-        model.save_pretrained(out_dir, safe_serialization=True)
+        with heartbeat(log, "writing the weights", interval):
+            model.save_pretrained(out_dir, safe_serialization=True)
+            tokenizer.save_pretrained(out_dir)
     finally:
         if bars:
             hf_logging.enable_progress_bar()
-    tokenizer.save_pretrained(out_dir)
     log(f"[gguf] written ({time.monotonic() - start:.0f}s)")
     with open(os.path.join(out_dir, SOURCE_FILE), "w", encoding="utf-8") as f:
         json.dump(source_record(gguf_path, digest), f, indent=2)

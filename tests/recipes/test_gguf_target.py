@@ -109,3 +109,16 @@ def test_a_packaged_file_that_is_not_installed_names_its_pip_line():
     absent_file = PackagedFile("json", "no_such_file.txt", "pip install x", "a file")
     with pytest.raises(RunError, match="package json has no no_such_file.txt"):
         absent_file.path()
+
+
+def test_a_step_that_is_one_call_prints_a_line_at_the_interval():
+    import time
+
+    lines = []
+    with gguf_target.heartbeat(lines.append, "writing the weights", interval=0.05):
+        time.sleep(0.3)
+    count = len(lines)
+    time.sleep(0.15)
+    assert count >= 2 and len(lines) == count  # lines while the step ran, none after
+    assert lines[0].startswith("[gguf] still writing the weights (")
+
