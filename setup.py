@@ -26,7 +26,10 @@ setup(
     extras_require={
         # scipy: the statistical test of speculative sampling (chi-square against the target's distribution)
         # datasets: Parquet and save_to_disk data (the data tests of those formats skip without it)
-        "test": ["pytest>=8", "hypothesis>=6", "scipy", "datasets"],
+        # gguf: a tiny GGUF target written and converted to a HF directory (recipes/gguf_target.py)
+        "test": ["pytest>=8", "hypothesis>=6", "scipy", "datasets", "gguf"],
+        # the real-target job's GGUF conversion (recipes/gguf_target.py)
+        "gguf": ["gguf"],
         # Parquet and save_to_disk training data (data/formats.py reads them through datasets)
         "data": ["datasets"],
         # GPU only. Never install on CPU machines: its meta package breaks megatron imports.

@@ -12,7 +12,8 @@
   (a chat, a `Sample`), `largest_tensor.py` (the memory bound of the loss kernels), `training_runs.py`
   (short runs of the training entry point), `entry_points.py` (the tools' modules, a child process's
   environment), `chat_server.py` (the regeneration oracle and a chat-completions server on the tiny target), `repo_paths.py` (where the repository is),
-  `variant_drafts.py` (a tiny draft of every built-in variant and its HF Qwen3 target).
+  `variant_drafts.py` (a tiny draft of every built-in variant and its HF Qwen3 target), `gguf_files.py` (a tiny
+  random Llama target written as a GGUF).
 * Fixtures: here for every folder (`tp_pool`, `one_thread`, `tiny_target`); in a folder's `conftest.py`
   for that folder (`data/`: the tokenizers `tok`, `tok_plain`; `e2e/`: the short run `trained`).
 """
