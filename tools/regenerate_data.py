@@ -42,7 +42,7 @@ from megatron_dflash.common.errors import RunError  # noqa: E402
 from megatron_dflash.common.model_dirs import resolve_model_dir  # noqa: E402
 from megatron_dflash.data.chat import load_chat_template  # noqa: E402  (no torch)
 from megatron_dflash.data.formats import BAD_RECORD_MODES, DEFAULT_MAX_BAD_FRACTION, BadRecords, data_path_problem  # noqa: E402,E501  (no torch)
-from megatron_dflash.decoding.regenerate import TRUNCATION_POLICIES, Settings, regenerate  # noqa: E402  (no torch)
+from megatron_dflash.decoding.regenerate import DEFAULT_PROGRESS_INTERVAL, TRUNCATION_POLICIES, Settings, regenerate  # noqa: E402,E501  (no torch)
 
 PROG = "regenerate_data.py"
 
@@ -73,6 +73,9 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"),
                    help="weights' dtype (with --target).")
     p.add_argument("--shard-size", type=int, default=1000, help="records per output shard.")
+    p.add_argument("--progress-interval", type=float, default=DEFAULT_PROGRESS_INTERVAL,
+                   help="seconds between progress lines when the output is no terminal (a log file): also while one "
+                   "shard's answers take longer (default %(default)g).")
     p.add_argument("--max-new-tokens", type=int, default=2048)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy.")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -117,6 +120,8 @@ def settings_of(args) -> Settings:
             raise UsageError(f"{flag} must be at least 1, got {value}.")
     if not (args.timeout > 0 and args.backoff >= 0 and args.retries >= 0):
         raise UsageError("--timeout must be > 0, --backoff >= 0 and --retries >= 0.")
+    if not args.progress_interval > 0:
+        raise UsageError(f"--progress-interval must be > 0 seconds, got {args.progress_interval}.")
     if args.chat_template is not None and args.server is not None:
         raise UsageError("--chat-template is for --target; a server renders with its own template: start it with "
                          "that template (vLLM and SGLang: --chat-template FILE).")
@@ -217,6 +222,7 @@ def main(argv=None) -> int:
     try:
         summary = regenerate(args.input, args.output, backend_of(args, settings, rank, chat_template), settings,
                              target=target, shard_size=args.shard_size, truncated=args.on_truncated, rank=rank,
+                             progress_interval=args.progress_interval,
                              world_size=world, bad_records=BadRecords(args.bad_records, args.max_bad_fraction),
                              chat_template_sha256=template_sha)
     except (RunError, ValueError, OSError) as err:

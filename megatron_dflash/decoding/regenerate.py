@@ -44,6 +44,7 @@ import hashlib
 import json
 import os
 import sys
+import threading
 import time
 from typing import Callable, Optional, Protocol, Sequence
 
@@ -58,6 +59,7 @@ __all__ = [
     "MANIFEST", "MANIFEST_FORMAT", "TRUNCATION_POLICIES", "MAX_CHARS_PER_TOKEN", "Settings", "Request", "Answer",
     "RequestFailed", "AnswerBackend", "Summary", "read_chats", "record_id", "answer_seed", "conversation_turns",
     "answer_problem", "target_identity", "shard_path", "build_manifest", "check_manifest", "regenerate", "Progress",
+    "DEFAULT_PROGRESS_INTERVAL",
 ]
 
 MANIFEST = "_manifest.json"  # '_': not a data file of the output directory (data.formats)
@@ -350,33 +352,74 @@ def check_manifest(output: str, manifest: dict, *, rank: int = 0, wait_s: float 
 # ------------------------------------------------------------------------------ the run
 
 
-class Progress:
-    """Records and tokens per second of one rank, on `stream` (a bar on a terminal, else a line per shard)."""
+DEFAULT_PROGRESS_INTERVAL = 30.0
+"""Seconds between progress lines when the output is no terminal (a log file, a pipe)."""
 
-    def __init__(self, total: int, label: str = "", stream=None, min_interval: float = 0.5):
+
+class Progress:
+    """Records and tokens per second of one rank, on `stream`: a bar on a terminal; else a line at the end of
+    each shard and at least every `interval` seconds, also while one `generate` call or one server turn runs
+    for minutes (a background heartbeat says the run is alive and what it has done, so a log file is never
+    silent for long)."""
+
+    def __init__(self, total: int, label: str = "", stream=None, min_interval: float = 0.5,
+                 interval: float = DEFAULT_PROGRESS_INTERVAL):
+        if not interval > 0:
+            raise ValueError(f"progress interval must be > 0 seconds, got {interval!r}.")
         self.total, self.label, self.stream = total, label, stream or sys.stderr
         self.records = self.tokens = 0
         self.start = self.last = time.monotonic()
-        self.min_interval = min_interval
+        self.min_interval, self.interval = min_interval, interval
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._heartbeat = None
+        if not self.tty:
+            self._heartbeat = threading.Thread(target=self._beat, name="regenerate-progress", daemon=True)
+            self._heartbeat.start()
 
     def update(self, records: int, tokens: int, *, force: bool = False) -> None:
-        self.records += records
-        self.tokens += tokens
-        now = time.monotonic()
-        if not (force or (self.tty and now - self.last >= self.min_interval)):
-            return
+        with self._lock:
+            self.records += records
+            self.tokens += tokens
+            now = time.monotonic()
+            due = now - self.last >= (self.min_interval if self.tty else self.interval)
+            if force or due:
+                self._say(now)
+
+    def _say(self, now: float) -> None:
+        """One progress line (the caller holds the lock)."""
         self.last = now
         dt = max(now - self.start, 1e-9)
         width = 30
         filled = int(width * self.records / max(self.total, 1))
         line = (f"{self.label}[{'#' * filled}{'.' * (width - filled)}] {self.records}/{self.total} records "
                 f"{self.records / dt:.2f} records/s {self.tokens / dt:.1f} tokens/s")
-        print(("\r" + line) if self.tty else line, end="" if self.tty else "\n", file=self.stream, flush=True)
+        if not self.tty:
+            line += f" ({_elapsed(dt)})"
+        try:
+            print(("\r" + line) if self.tty else line, end="" if self.tty else "\n", file=self.stream, flush=True)
+        except (OSError, ValueError):  # a closed or failing log: progress is not worth stopping the run for
+            pass
+
+    def _beat(self) -> None:
+        while not self._closed.wait(max(0.05, self.last + self.interval - time.monotonic())):
+            with self._lock:
+                now = time.monotonic()
+                if now - self.last >= self.interval and not self._closed.is_set():
+                    self._say(now)
 
     def close(self) -> None:
+        self._closed.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join()
         if self.tty:
             print(file=self.stream, flush=True)
+
+
+def _elapsed(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d} elapsed"
 
 
 @dataclasses.dataclass
@@ -436,12 +479,14 @@ def _finish_shard(output, shard, kind, conversations, settings, truncated, bad_r
 def regenerate(input_path: str, output: str, backend: Callable[[], AnswerBackend], settings: Settings, *,
                target: str, shard_size: int = 1000, truncated: str = "skip-record", rank: int = 0,
                world_size: int = 1, progress_stream=None, bad_records: Optional[BadRecords] = None,
-               chat_template_sha256: Optional[str] = None) -> Summary:
+               chat_template_sha256: Optional[str] = None,
+               progress_interval: float = DEFAULT_PROGRESS_INTERVAL) -> Summary:
     """Regenerate the answers of `input_path` (a data file or directory, `data.formats`) into `output` (this
     rank's shards, under this rank's lock of `output`); `backend` is called once, only when a shard remains
     to do. `target` names the model in the manifest (a directory by its resolved path); `truncated` is one of
     `TRUNCATION_POLICIES`; `bad_records` says what becomes of records that are no chat, that the back end's
-    `check_record` refuses or whose answer is bad (default: fatal)."""
+    `check_record` refuses or whose answer is bad (default: fatal); `progress_interval`: the seconds between
+    progress lines when `progress_stream` is no terminal."""
     if shard_size < 1:
         raise ValueError(f"shard size must be at least 1, got {shard_size}.")
     if truncated not in TRUNCATION_POLICIES:
@@ -456,13 +501,13 @@ def regenerate(input_path: str, output: str, backend: Callable[[], AnswerBackend
         check_manifest(output, build_manifest(input_path, len(chats), target, settings, shard_size, truncated,
                                               bad_records, chat_template_sha256), rank=rank)
         return _run_shards(chats, output, shard_kind(input_path), backend, settings, shard_size, truncated,
-                           bad_records, rank, world_size, progress_stream, log)
+                           bad_records, rank, world_size, progress_stream, log, progress_interval)
     finally:
         lock.release()
 
 
 def _run_shards(chats, output, kind, backend, settings, shard_size, truncated, bad_records, rank, world_size,
-                progress_stream, log) -> Summary:
+                progress_stream, log, progress_interval: float) -> Summary:
     shards = range(rank, (len(chats) + shard_size - 1) // shard_size, world_size)
     summary = Summary()
     todo = [k for k in shards if not os.path.exists(shard_path(output, k, kind))]
@@ -471,7 +516,18 @@ def _run_shards(chats, output, kind, backend, settings, shard_size, truncated, b
         return summary
     answers = backend()
     label = f"rank {rank}: " if world_size > 1 else ""
-    progress = Progress(sum(len(chats[k * shard_size:(k + 1) * shard_size]) for k in todo), label, progress_stream)
+    progress = Progress(sum(len(chats[k * shard_size:(k + 1) * shard_size]) for k in todo), label, progress_stream,
+                        interval=progress_interval)
+    try:
+        _answer_shards(todo, chats, output, kind, answers, settings, shard_size, truncated, bad_records, summary,
+                       progress, log)
+    finally:
+        progress.close()
+    return summary
+
+
+def _answer_shards(todo, chats, output, kind, answers, settings, shard_size, truncated, bad_records, summary,
+                   progress, log) -> None:
     for k in todo:
         remove_stale_siblings(shard_path(output, k, kind))  # a staged copy a killed run left
         part = chats[k * shard_size:(k + 1) * shard_size]
@@ -486,5 +542,3 @@ def _run_shards(chats, output, kind, backend, settings, shard_size, truncated, b
                             f"--max-bad-fraction {bad_records.max_fraction:g}); the first: record "
                             f"{summary.skipped[0][0]}: {summary.skipped[0][1]}")
         progress.update(len(part), 0, force=True)
-    progress.close()
-    return summary

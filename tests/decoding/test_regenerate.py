@@ -281,6 +281,39 @@ class EchoAnswers:
         return [Answer(q.messages[-1]["content"], "stop", 1) for q in requests]
 
 
+class SlowEchoAnswers(EchoAnswers):
+    """`EchoAnswers` whose every turn of a shard takes `seconds` (a long `generate` call, a slow server)."""
+
+    seconds = 0.35
+
+    def answer(self, requests):
+        import time
+
+        time.sleep(self.seconds)
+        return super().answer(requests)
+
+
+def test_a_log_file_gets_progress_lines_at_a_steady_interval(tmp_path):
+    """Not a terminal: a line at least every --progress-interval seconds, also inside one shard whose turns take
+    longer than that (nothing printed within a shard before), and a line at each shard's end."""
+    path = tmp_path / "chats.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in chat_records()))
+    said = io.StringIO()
+    regenerate(str(path), str(tmp_path / "out"), SlowEchoAnswers, Settings(), target="echo", shard_size=100,
+               progress_stream=said, progress_interval=0.1)
+    lines = [line for line in said.getvalue().splitlines() if "records/s" in line]
+    turns = max(len(conversation_turns(r["messages"])) for r in chat_records())
+    assert len(lines) >= 2 * turns, said.getvalue()  # one shard: heartbeats inside it, then its end
+    total = re.search(r" 0/(\d+) records ", lines[0]).group(1)
+    assert "elapsed" in lines[0] and f" {total}/{total} records " in lines[-1]
+    quiet = io.StringIO()
+    regenerate(str(path), str(tmp_path / "out2"), SlowEchoAnswers, Settings(), target="echo", shard_size=100,
+               progress_stream=quiet, progress_interval=60)
+    assert len([line for line in quiet.getvalue().splitlines() if "records/s" in line]) == 1  # the shard's end
+    with pytest.raises(ValueError, match="progress interval must be > 0"):
+        Progress(1, "", io.StringIO(), interval=0)
+
+
 def test_bad_and_text_records_fail_or_are_skipped_named(tmp_path):
     lines = [json.dumps(r) for r in chat_records()]
     lines.insert(3, json.dumps({"text": "no turns here"}))
