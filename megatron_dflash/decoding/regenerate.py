@@ -134,6 +134,10 @@ def _regenerable(record: NormalizedRecord, where: str) -> None:
     check_messages(record.messages, where, CHAT_ROLES)
     if all(m["role"] == ASSISTANT for m in record.messages):
         raise DataError(f"{where}: no turn to answer (every message is the assistant's).")
+    for name, value in record.fields.items():  # written back with the answers: a shard must be able to hold them
+        problem = unicode_problem(json.dumps(value, ensure_ascii=False))
+        if problem is not None:
+            raise DataError(f"{where}: field {name!r} {problem}; the regenerated record could not be written.")
 
 
 def read_chats(path: str, bad_records: Optional[BadRecords] = None, log=print) -> list:

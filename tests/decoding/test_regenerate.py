@@ -497,3 +497,19 @@ def test_records_the_template_refuses_or_with_nothing_to_answer_are_bad_records(
     assert f"[data] skipped: {path}:3: no turn to answer (every message is the assistant's)." in said.getvalue()
     assert f"[data] skipped: {path}:2: the chat template refuses its prompt (the turns without the answers) " \
         "(TemplateError: roles must alternate)." in said.getvalue()
+
+
+def test_a_lone_surrogate_in_a_records_other_fields_is_a_bad_record_named_before_any_answer(tmp_path):
+    """The record's other fields are written back with its answers: one no shard can hold (a lone surrogate in
+    its id) is named as a bad record up front, failing or skipped, instead of failing the shard's write."""
+    lines = [json.dumps(r) for r in chat_records()]
+    lines[2] = json.dumps({**chat_records()[2], "id": "\ud800"})  # JSON escapes make the lone surrogate
+    path = tmp_path / "ids.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(DataError, match=rf"^{path}:3: field 'id' is not valid Unicode \(a lone surrogate"):
+        regenerate(str(path), str(tmp_path / "a"), EchoAnswers, Settings(), target="echo")
+    said = io.StringIO()
+    summary = regenerate(str(path), str(tmp_path / "b"), EchoAnswers, Settings(), target="echo",
+                         bad_records=BadRecords("skip", 0.2), progress_stream=said)
+    assert summary.records_written == len(chat_records()) - 1
+    assert f"[data] skipped: {path}:3: field 'id' is not valid Unicode" in said.getvalue()
