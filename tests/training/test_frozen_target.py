@@ -70,14 +70,14 @@ def test_the_target_runs_on_real_tokens_only_and_trains_as_over_the_padding(back
     with monkeypatch.context() as m:
         trimmed = _record(m, backend)
         short = _steps(training_argv(tiny_target, tmp_path / "trimmed", *args))
+    assert trimmed["widths"] and max(trimmed["widths"]) < 128, trimmed["widths"]
+    assert all(w % 16 == 0 for w in trimmed["widths"]), trimmed["widths"]
     with monkeypatch.context() as m:
         m.setattr(frozen_target, "real_length", lambda document_ids, multiple=1: document_ids.shape[1])
         padded = _record(m, backend)
         full = _steps(training_argv(tiny_target, tmp_path / "padded", *args))
 
     assert set(trimmed["seq"]) == {128} and set(padded["widths"]) == {128}
-    assert trimmed["widths"] and max(trimmed["widths"]) < 128, trimmed["widths"]
-    assert all(w % 16 == 0 for w in trimmed["widths"]), trimmed["widths"]
     assert len(trimmed["plans"]) == len(padded["plans"])
     for a, b in zip(trimmed["plans"], padded["plans"]):
         assert a.keys() == b.keys() and all(
