@@ -58,15 +58,17 @@ def _steps(argv) -> list:
     return steps
 
 
-@pytest.mark.parametrize("backend", ["hf", "megatron"])
-def test_the_target_runs_on_real_tokens_only_and_trains_as_over_the_padding(backend, tiny_target, tmp_path,
+@pytest.mark.parametrize("backend, variant", [("hf", "dflash"), ("megatron", "dflash"), ("hf", "jetspec"),
+                                              ("hf", "dspark")])
+def test_the_target_runs_on_real_tokens_only_and_trains_as_over_the_padding(backend, variant, tiny_target, tmp_path,
                                                                              monkeypatch):
     """At rows far shorter than --seq-length the target's forward sees only the columns up to the longest real
     row (a multiple of 16), and the run's batch plans, losses, gradients and weights equal those of the run whose
-    target also computes the padding (every column)."""
+    target also computes the padding (every column); also for the losses that read the target's final hidden
+    state (JetSpec, DSpark)."""
     from megatron_dflash.training import frozen_target
 
-    args = [*SHORT_CHATS, "--target-backend", backend]
+    args = [*SHORT_CHATS, "--target-backend", backend, "--dflash-variant", variant]
     with monkeypatch.context() as m:
         trimmed = _record(m, backend)
         short = _steps(training_argv(tiny_target, tmp_path / "trimmed", *args))
