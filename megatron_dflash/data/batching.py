@@ -39,6 +39,8 @@ __all__ = [
     "pack_samples",
     "collate",
     "Collator",
+    "real_length",
+    "trim_batch",
     "MicroBatchIterator",
     "content_sample_ids",
     "from_megatron_gpt_batch",
@@ -177,6 +179,24 @@ class Collator:
 
     def __call__(self, samples: Sequence) -> dict:
         return collate(samples, self.pad_id, self.seq_length, pack=self.pack_sequences)
+
+
+def real_length(document_ids: torch.Tensor, multiple: int = 1) -> int:
+    """The columns a batch's real tokens reach: one past the last non-padding position of its longest row
+    (``document_ids >= 0``), rounded up to a multiple of ``multiple`` and at most ``S`` (at least 1).
+
+    Padding is always a row's tail (`collate`), so ``[:, :real_length]`` holds every real token."""
+    B, S = document_ids.shape
+    real = (document_ids >= 0).any(dim=0).nonzero()
+    n = int(real[-1]) + 1 if real.numel() else 1
+    return min(S, -(-n // multiple) * multiple)
+
+
+def trim_batch(batch: Mapping, length: int) -> dict:
+    """``batch`` with its ``[B, S]`` tensors cut to their first ``length`` columns (others as they are)."""
+    S = batch["tokens"].shape[1]
+    return {k: (v[:, :length] if isinstance(v, torch.Tensor) and v.dim() == 2 and v.shape[1] == S else v)
+            for k, v in batch.items()}
 
 
 # --------------------------------------------------------------------------------------------------

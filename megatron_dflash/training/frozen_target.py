@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..common.parallel import ProcessGroups
+from ..data.batching import real_length, trim_batch
 from ..target.families import resolve_target_family, target_architecture
 from ..target.masks import causal_mask, document_mask, hf_document_mask
 from ..target.megatron.model import MegatronTarget
@@ -18,7 +19,11 @@ from ..target.megatron.pipeline import copy_frozen_target_heads, resolve_draft_s
 from ..target.taps import HFTarget, concat_taps
 from .job import Job
 
-__all__ = ["FrozenTarget", "load_hf_model", "needs_final_hidden"]
+__all__ = ["FrozenTarget", "load_hf_model", "needs_final_hidden", "TRIM_MULTIPLE"]
+
+# The target runs on the columns up to its batch's longest real row, rounded up to a multiple of this (times the
+# TP size under sequence parallelism, whose shards split the sequence): few distinct shapes, tensor-core friendly.
+TRIM_MULTIPLE = 16
 
 
 def needs_final_hidden(job: Job) -> bool:
@@ -53,6 +58,8 @@ class FrozenTarget:
             if device.type == "cuda":
                 self.module.cuda()
         self.dtype = dtype
+        sp = self.backend == "megatron" and job.args.sequence_parallel
+        self.trim_multiple = TRIM_MULTIPLE * (job.tp if sp else 1)
         if job.pp > 1:
             self.placement = resolve_draft_stage(job.args.dflash_pipeline_stage, job.pp)
             self.embedding, self.head = copy_frozen_target_heads(self.module, self.placement,  # every rank
@@ -68,6 +75,21 @@ class FrozenTarget:
 
     @torch.no_grad()
     def __call__(self, batch: dict):
+        """``(taps [B, S, T*H], final_hidden [B, S, H] or None)`` of ``batch`` (None off the draft's stage).
+
+        The target runs on real tokens only: on the batch cut after its longest real row (`trim_batch`), the
+        states then padded back to ``S`` with zeros, as `training.target_cache.CachedTarget` rebuilds rows. A
+        causal target's states at a real position do not depend on the padding after it, and no context
+        position of the draft reads the padding's (docs/design.md §8 Data path, "Real tokens only")."""
+        S = batch["tokens"].shape[1]
+        length = real_length(batch["document_ids"], self.trim_multiple)
+        out = self._run(trim_batch(batch, length) if length < S else batch)
+        if out is None or length == S:
+            return out
+        pad = lambda t: None if t is None else torch.nn.functional.pad(t, (0, 0, 0, S - length))  # noqa: E731
+        return pad(out[0]), pad(out[1])
+
+    def _run(self, batch: dict):
         tokens = batch["tokens"]
         positions = batch["position_ids"]
         B, S = tokens.shape

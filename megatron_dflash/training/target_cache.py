@@ -147,7 +147,7 @@ def _shard_states(get_target: Callable, ds, indices: range, collate, micro: int,
                   staging: Optional[str]) -> dict:
     """The states of the samples ``indices`` of `ds`, by sample id in index order: the staged ones read from
     `staging` (hybrid mode), the others computed by ``get_target()`` (asked only then) in micro-batches of
-    consecutive samples."""
+    samples of similar lengths."""
     samples = {i: ds[i] for i in indices}  # read once: a dataset tokenizes its sample on every access
     states = {}
     if staging is not None:
@@ -155,7 +155,9 @@ def _shard_states(get_target: Callable, ds, indices: range, collate, micro: int,
             found = read_staged(staging, sample.sample_id, manifest.final_hidden)
             if found is not None:
                 states[i] = found
-    todo = [i for i in indices if i not in states]
+    # shortest first: a micro-batch holds samples of similar lengths, so the target, which runs up to its longest
+    # real row (`FrozenTarget`), computes little padding; the states are returned in index order all the same
+    todo = sorted((i for i in indices if i not in states), key=lambda i: len(samples[i].input_ids))
     for a in range(0, len(todo), micro):
         target = get_target()
         batch = collate([samples[i] for i in todo[a:a + micro]])

@@ -19,6 +19,8 @@ from megatron_dflash.data.batching import (
     content_sample_ids,
     from_megatron_gpt_batch,
     pack_samples,
+    real_length,
+    trim_batch,
 )
 from megatron_dflash.data.datasets import SyntheticChatDataset
 from megatron_dflash.data.samples import stable_sample_id
@@ -131,6 +133,24 @@ def _step_samples(ds, step, dp_size, **kw):
         per_rank.append([x for _ in range(it.num_micro_batches) for x in next(it)])
     return per_rank
 
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_the_cut_after_the_longest_real_row_keeps_every_real_token(pack):
+    """`real_length` reaches one past the longest row's last real token (rounded up, at most S), and `trim_batch`
+    keeps every real token, its mask, positions and documents: only padding columns are cut."""
+    samples = [make_sample(list(range(1, n + 1)), sid=i) for i, n in enumerate([5, 19, 3, 11])]
+    batch = collate(samples, pad_id=0, seq_length=64, pack=pack)
+    longest = int((batch["document_ids"] >= 0).sum(dim=1).max())
+    assert real_length(batch["document_ids"]) == longest
+    assert real_length(batch["document_ids"], 16) == -(-longest // 16) * 16
+    assert real_length(batch["document_ids"], 48) == 48 and real_length(batch["document_ids"], 128) == 64
+    cut = trim_batch(batch, real_length(batch["document_ids"], 16))
+    for key in ("tokens", "loss_mask", "position_ids", "document_ids"):
+        width = cut[key].shape[1]
+        assert torch.equal(cut[key], batch[key][:, :width]), key
+        assert (batch["document_ids"][:, width:] < 0).all()
+    assert torch.equal(cut["sample_ids"], batch["sample_ids"])
 
 @pytest.mark.parametrize("n", [24, 20])
 def test_sampler_covers_every_sample_once_per_epoch(n):

@@ -355,3 +355,28 @@ def test_a_corrupt_staged_sample_is_named_in_one_line(tiny_target, tmp_path, cap
         assert status == 1 and len(err.strip().splitlines()) == 1, err
         assert err.startswith(f"pretrain_dflash.py: error: {victim}: a staged sample of the target-state cache is "
                               "corrupt (") and why in err and "delete it and rerun" in err, err
+
+
+def test_the_cache_writer_runs_the_target_on_real_tokens_only(tiny_target, tmp_path, monkeypatch):
+    """At rows far shorter than --seq-length the write pass runs the target on each micro-batch's real columns only
+    (its samples of similar lengths, the longest rounded up to 16), and the cache it writes still trains bitwise as
+    the online target."""
+    from megatron_dflash.target.taps import HFTarget
+
+    args = [*RUN, "--seq-length", "128"]
+    online = recorded_run(training_argv(tiny_target, tmp_path / "online", *args))
+    widths, forward = [], HFTarget.forward
+
+    def spy(self, input_ids, *a, **k):
+        widths.append(int(input_ids.shape[1]))
+        return forward(self, input_ids, *a, **k)
+
+    monkeypatch.setattr(HFTarget, "forward", spy)
+    cached = recorded_run(training_argv(tiny_target, tmp_path / "cached", *args,
+                                        *cache_args(tmp_path / "cache", "write")))
+    assert widths and max(widths) < 128 and all(w % 16 == 0 for w in widths), widths
+    for step, (a, b) in enumerate(zip(online, cached, strict=True)):
+        assert a["loss"] == b["loss"], step
+        for name in a["grads"]:
+            assert torch.equal(a["grads"][name], b["grads"][name]), (step, "grad", name)
+            assert torch.equal(a["weights"][name], b["weights"][name]), (step, "weight", name)
