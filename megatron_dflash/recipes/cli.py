@@ -43,7 +43,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     start = time.monotonic()
     try:
         inputs = Inputs(gguf=SMOLLM2_GGUF.path(), sharegpt=SHAREGPT.path(), mt_bench=MT_BENCH.path(), name=TARGET_NAME)
-        run_job(inputs, BUDGETS[args.recipe_budget], run_dir)
+        run_job(inputs, BUDGETS[args.recipe_budget], run_dir, log=lambda line: print(line, flush=True))
     except RunError as err:
         report_failure("pretrain_dflash.py", err)
         return 1

@@ -66,6 +66,7 @@ def run_entry_point(script: str, argv: Sequence[str], log: Callable[[str], None]
     passed through: each starts its own torch.distributed group, which one process holds only once."""
     command = [sys.executable, os.path.join(REPO_ROOT, script), *argv]
     log(f"[recipe] $ {' '.join(command[1:])}")
+    sys.stdout.flush()  # this process's lines before the child's, in a log file too
     status = subprocess.call(command, cwd=REPO_ROOT)
     if status != 0:
         raise StageFailed(f"{script} exited with status {status}; its lines above say why. Run the same "
