@@ -218,7 +218,10 @@ def run_job(inputs: Inputs, budget: Budget, run_dir: str, log: Callable[[str], N
     log(f"[recipe] {budget.name} budget: decode acceptance length {s['decode_acceptance_length']}, "
         f"tokens per target forward {s['tokens_per_target_forward']}, greedy output identical to the target's "
         f"{s['greedy_outputs_identical_fraction']}, serving {s['serving']}")
-    log(f"[recipe] written: {os.path.join(run_dir, 'summary.json')}")
+    for report in records["serving"]["reports"]:
+        if report.get("command"):
+            log(f"[recipe] serve with {report['runtime']} ({report['verdict']}): {report['command']}")
+    log(f"[recipe] written: {os.path.join(run_dir, 'summary.json')} (stages {s['stage_seconds']:.0f}s in all)")
     return summary
 
 
@@ -229,6 +232,7 @@ def headline(records: dict, budget: Budget) -> dict:
             "tokens_per_target_forward": ev.get("tokens_per_target_forward"),
             "greedy_outputs_identical_fraction": ev.get("greedy_outputs_identical_fraction"),
             "speedup": ev.get("speedup"), "serving": records["serving"]["runtimes"],
+            "stage_seconds": round(sum(r.get("seconds", 0.0) for r in records.values()), 1),
             "categories": records["evaluate"]["categories"],
             "stages": {name: {k: v for k, v in r.items() if k not in ("categories", "reports")}
                        for name, r in records.items()}}
