@@ -375,6 +375,10 @@ def test_readme_commands_parse_and_match_ci():
             parsers[f"convert {words[2]}"].parse_args(words[3:])
         elif words[:2] == ["python", "tools/evaluate_acceptance.py"]:
             parsers["evaluate_acceptance.py"].parse_args(words[2:])
+        elif "pretrain_dflash.py" in words and "--recipe" in words:  # a ready-made job: its own command line
+            from megatron_dflash.recipes.cli import build_parser as recipe_parser
+
+            recipe_parser().parse_args(words[words.index("pretrain_dflash.py") + 1:])
         elif words[:2] == ["python", "pretrain_dflash.py"] or "pretrain_dflash.py" in words:
             parsers["pretrain_dflash.py"].parse_args(words[words.index("pretrain_dflash.py") + 1:])
         else:
@@ -439,7 +443,11 @@ def test_readme_commands_are_valid_command_lines(monkeypatch, tmp_path):
         for i, word in enumerate(argv[:-1]):
             if word in MODEL_FLAGS and looks_like_hub_id(argv[i + 1]):
                 assert os.path.isdir(resolve_model_dir(word, argv[i + 1], must_contain=None)), (script, word)
-        if script in ("pretrain_dflash.py", "tools/cache_target_states.py", "tools/count_draft_vocab.py"):
+        if script == "pretrain_dflash.py" and "--recipe" in argv:  # a ready-made job: its own command line
+            from megatron_dflash.recipes.cli import build_parser as recipe_parser
+
+            recipe_parser().parse_args(argv)
+        elif script in ("pretrain_dflash.py", "tools/cache_target_states.py", "tools/count_draft_vocab.py"):
             if script == "tools/count_draft_vocab.py":  # pretrain_dflash.py's arguments plus its --output
                 argv = tool_module("count_draft_vocab")._split_output(argv)[1]
             args = arguments.parse_args(argv)
