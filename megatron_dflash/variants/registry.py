@@ -34,8 +34,6 @@ variants registered last first, so a new variant may claim files a built-in one 
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
@@ -92,7 +90,6 @@ __all__ = [
     "variant_for_hf_config",
     "variant_for_draft_family",
     "QWEN3_DRAFT_FAMILY",
-    "read_hf_config",
     "config_from_hf_dict",
 ]
 
@@ -380,21 +377,6 @@ def config_from_hf_dict(data: Mapping[str, Any], source: str = "config") -> tupl
     except (TypeError, KeyError, ValueError, AttributeError) as err:
         raise ValueError(f"{source} is not a valid {variant.architecture} config: {err}") from err
     return variant, config
-
-
-def read_hf_config(path: str) -> tuple[Variant, DFlashConfig]:
-    """`(variant, config)` of a config.json file (a HF draft's, or a megatron checkpoint's
-    `dflash_config.json`)."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path} does not exist: not a HF draft directory.")
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path} is not valid JSON: {err}") from err
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} must hold a JSON object.")
-    return config_from_hf_dict(data, path)
 
 
 # ================================================================================== loss adapters

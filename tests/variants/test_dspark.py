@@ -32,7 +32,8 @@ from megatron_dflash.variants.dspark import (
     dspark_prev_tokens,
     dspark_walk,
 )
-from megatron_dflash.variants.registry import get_variant, read_hf_config, variant_for_draft_family
+from megatron_dflash.checkpoint.architectures import read_hf_draft_config
+from megatron_dflash.variants.registry import get_variant, variant_for_draft_family
 
 from builders import random_body_inputs, tiny_draft_kwargs
 from nemo_reference import ANCHORS, SEQ, nemo_mask, randomize
@@ -224,7 +225,7 @@ def test_export_layout_is_the_served_one(tmp_path):
     assert heads == {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "markov_head.joint_proj.weight",
                      "markov_head.joint_proj.bias", "confidence_head.proj.weight", "confidence_head.proj.bias"}
     assert not any(n.startswith("model.") or "embed_tokens" in n or n.startswith("lm_head") for n in names)
-    variant, config = read_hf_config(str(tmp_path / "d" / "config.json"))
+    variant, config = read_hf_draft_config(str(tmp_path / "d"))
     assert variant.name == "dspark" and dataclasses.replace(config, extra_hf_fields={}) == body.config
 
 
