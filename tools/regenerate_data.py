@@ -94,10 +94,11 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--max-bad-fraction", type=float, default=DEFAULT_MAX_BAD_FRACTION,
                    help="with --bad-records skip: refuse the input when more than this fraction of it is bad.")
     p.add_argument("--on-truncated", choices=TRUNCATION_POLICIES, default="skip-record",
-                   help="a record with an answer cut at --max-new-tokens: left out (skip-record; a cut answer trained "
-                   "on teaches the draft that the target stops there); ended with the cut answer, its later turns "
-                   "dropped (drop-rest); or its later turns asked all the same (continue). The last two write "
-                   "finish_reason 'length'.")
+                   help="a record with an answer cut at --max-new-tokens: left out (skip-record); ended with the cut answer, "
+                   "its later turns dropped (drop-rest: training ends the chat where the answer's text ends, "
+                   "without the end of turn the chat template would add, a stop the target never made); or its "
+                   "later turns asked all the same (continue: the cut answer, closed by the template, in their "
+                   "prompts and trained so). The last two write finish_reason 'length'.")
     p.add_argument("--drop-truncated", action="store_const", const="skip-record", dest="on_truncated",
                    help=argparse.SUPPRESS)  # the earlier spelling of --on-truncated skip-record
     return p

@@ -230,8 +230,36 @@ def _reasoning_end(tokenizer, messages: list, i: int, full: list[int], span: tup
     return min(max(lcp, span[0]), span[1])
 
 
+def _common_suffix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[-1 - n] == b[-1 - n]:
+        n += 1
+    return n
+
+
+CONTENT_PROBES = ("", "A", "B")
+"""Contents rendered in place of the last message's to find what the template renders after it (`open_end`)."""
+
+
+def open_end(tokenizer, messages: list, ids: list[int], mask: list[int], kwargs: Mapping) -> tuple[list, list]:
+    """``ids``/``mask`` of a chat whose last message is an answer the target never finished (cut at the
+    regeneration's ``max_new_tokens``, or cut to fit the sequence) without what the template renders after its
+    content (its end of turn and whatever follows the conversation), which would teach the draft a stop the
+    target never made.
+
+    What follows the content is the shortest common suffix of ``ids`` and the chat rendered with each of
+    `CONTENT_PROBES` as the last message's content: every rendering ends with it, and a content differs from
+    at least one probe at its own last token, whatever the tokenizer (a word-level one maps both letters to
+    one unknown token; the empty content meets the header)."""
+    content = messages[-1].get("content") or ""
+    closing = min(_common_suffix(ids, _render_ids(tokenizer, messages[:-1] + [dict(messages[-1], content=probe)],
+                                                  add_generation_prompt=False, kwargs=kwargs))
+                  for probe in CONTENT_PROBES if probe != content)
+    return ids[: len(ids) - closing], mask[: len(mask) - closing]
+
+
 def tokenize_chat(tokenizer, messages: list, *, assistant_mask: Optional[str] = None,
-                  options: Optional[ChatOptions] = None) -> tuple[list[int], list[int]]:
+                  options: Optional[ChatOptions] = None, cut_answer: bool = False) -> tuple[list[int], list[int]]:
     """Token ids of a chat and its loss mask (1 on the assistant tokens the loss covers).
 
     Args:
@@ -241,6 +269,8 @@ def tokenize_chat(tokenizer, messages: list, *, assistant_mask: Optional[str] = 
             (``return_assistant_tokens_mask``); ``"prefix"`` computes the spans by tokenising prefixes of
             the conversation; ``"auto"`` picks ``"template"`` when the template has markers and the
             tokenizer is a fast one, ``"prefix"`` otherwise. Overrides ``options.assistant_mask``.
+        cut_answer: the last message is an assistant's answer that did not end (`open_end`): the tokens the
+            template renders after its content are left out, so the chat ends open, as the target left it.
         options: `ChatOptions`: the template kwargs, what becomes of thinking (``reasoning``: dropped before
             rendering, or with ``"mask"`` rendered but out of the loss) and which turns the loss covers.
     """
@@ -278,6 +308,10 @@ def tokenize_chat(tokenizer, messages: list, *, assistant_mask: Optional[str] = 
         if options.reasoning == "mask":
             start = _reasoning_end(tokenizer, messages, i, ids, (start, end), kwargs)
         mask[start:end] = [1] * (end - start)
+    if cut_answer:
+        if not messages or messages[-1].get("role") != "assistant":
+            raise ValueError("cut_answer: the chat does not end with an assistant message")
+        return open_end(tokenizer, messages, ids, mask, kwargs)
     return ids, mask
 
 

@@ -219,6 +219,21 @@ def _check_text(text: str, where: str) -> None:
         raise DataError(f"{where}: the text {problem}.")
 
 
+def ends_in_cut_answer(record: NormalizedRecord, kept: list) -> bool:
+    """Whether ``kept`` (the beginning of ``record``'s chat that fits, `_cut_chat`) ends in an assistant answer
+    the target did not end: cut here to fit, or the record's last answer, cut at the regeneration's
+    ``max_new_tokens`` (``finish_reason`` "length", `decoding.regenerate`). Such a chat is trained without the
+    end of turn the template would close it with (`chat.open_end`). A record regenerated with ``--on-truncated
+    continue`` whose cut answer is an earlier one keeps that answer's end of turn: the target's next turn was
+    asked after it."""
+    if not kept or kept[-1].get("role") != "assistant":
+        return False
+    last = len(kept) - 1
+    if kept[last]["content"] != record.messages[last]["content"]:
+        return True
+    return len(kept) == len(record.messages) and record.fields.get("finish_reason") == "length"
+
+
 class ChatDataset(_RecordDataset):
     """Chats and text, the format detected per record (`data.formats`): OpenAI ``messages``, ShareGPT
     ``conversations`` or plain ``text``, in JSONL, JSON-array, Parquet or ``save_to_disk`` files.
@@ -259,7 +274,11 @@ class ChatDataset(_RecordDataset):
             return self._text_sample(index, raw, record.text, where)
         messages = record.messages
         kept = _cut_chat(messages, record_budget(self.seq_length))
-        ids, mask = tokenize_chat(self.tokenizer, kept, options=self.options)
+        try:
+            ids, mask = tokenize_chat(self.tokenizer, kept, options=self.options,
+                                      cut_answer=ends_in_cut_answer(record, kept))
+        except ValueError as err:
+            raise DataError(f"{where}: {one_line_error(err)}.") from None
         if not ids:
             raise DataError(f"{where}: the chat renders to no tokens.")
         if kept is not messages:

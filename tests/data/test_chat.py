@@ -217,3 +217,25 @@ def test_chat_options_refuse_unknown_values():
     for bad in ({"reasoning": "keep"}, {"loss_turns": "first"}, {"template_kwargs": []}):
         with pytest.raises(ValueError):
             ChatOptions(**bad)
+
+
+def test_a_cut_answer_ends_open(tok, tok_plain, qwen3_tok):
+    """``cut_answer``: the chat's tokens and loss mask up to the last token of the answer's content, without the
+    end of turn the template closes it with (oracles: the token strings; the turn-by-turn rendering)."""
+    for t in (tok, tok_plain):
+        ids, mask = tokenize_chat(t, MULTI_TURN)
+        cut_ids, cut_mask = tokenize_chat(t, MULTI_TURN, cut_answer=True)
+        assert t.convert_ids_to_tokens(ids)[-1] == "<|end|>"
+        assert t.convert_ids_to_tokens(cut_ids)[-3:] == ["c", "a", "t"] and cut_mask[-3:] == [1, 1, 1]
+        assert (cut_ids, cut_mask) == (ids[:-1], mask[:-1])
+    closing = len(qwen3_tok("<|im_end|>\n", add_special_tokens=False)["input_ids"])
+    for chat in (PLAIN_CHAT, THINKING_CHAT):
+        ids, mask = _turn_by_turn(qwen3_tok, chat, reasoning="train", loss_turns="all")
+        assert tokenize_chat(qwen3_tok, chat, cut_answer=True) == (ids[:-closing], mask[:-closing])
+    # an answer whose last token is the header's (a newline) or that is empty: only the end of turn goes
+    for answer in ("c a t\n", ""):
+        chat = MULTI_TURN[:3] + [{"role": "assistant", "content": answer}]
+        ids, mask = _turn_by_turn(qwen3_tok, chat, reasoning="train", loss_turns="all")
+        assert tokenize_chat(qwen3_tok, chat, cut_answer=True) == (ids[:-closing], mask[:-closing]), repr(answer)
+    with pytest.raises(ValueError, match="does not end with an assistant message"):
+        tokenize_chat(tok, MULTI_TURN[:3], cut_answer=True)

@@ -394,3 +394,24 @@ def test_synthetic_chat_dataset(tok):
     ids = {ds[i].sample_id for i in range(40)}
     assert len(ids) == 40 and not ids & {held_out[i].sample_id for i in range(40)}
     assert [ds[i].input_ids.tolist() for i in range(40)] != [held_out[i].input_ids.tolist() for i in range(40)]
+
+
+def test_an_answer_cut_at_max_new_tokens_is_trained_open(tmp_path, tok, tok_bpe):
+    """A regenerated record whose last answer was cut (``finish_reason`` "length") ends where the answer's
+    content ends: the end of turn the template adds is a stop the target never made. A finished one ("stop",
+    or no finish reason) keeps it; so does a record whose cut answer has a later turn (its end of turn was in
+    the prompt the target answered next)."""
+    records = [{"messages": MULTI_TURN, "finish_reason": "length"}, {"messages": MULTI_TURN, "finish_reason": "stop"},
+               {"messages": MULTI_TURN}, {"messages": MULTI_TURN + [MULTI_TURN[0]], "finish_reason": "length"}]
+    path = _write_jsonl(tmp_path / "regenerated.jsonl", records)
+    for tokenizer in (tok, tok_bpe):
+        end = tokenizer.convert_tokens_to_ids("<|end|>" if tokenizer is tok else "<|im_end|>")
+        ds = ChatDataset(path, tokenizer, seq_length=96)
+        for i, record in enumerate(records):
+            ids, mask = tokenize_chat(tokenizer, record["messages"])
+            if i == 0:  # everything from the last end of turn on goes
+                last_end = len(ids) - 1 - ids[::-1].index(end)
+                ids, mask = ids[:last_end], mask[:last_end]
+                assert tokenizer.decode(ids).endswith("c a t")
+            assert ds[i].input_ids.tolist() == ids, (tokenizer, i)
+            assert ds[i].loss_mask.tolist() == [bool(m) for m in mask]
