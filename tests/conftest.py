@@ -13,7 +13,7 @@
   (short runs of the training entry point), `entry_points.py` (the tools' modules, a child process's
   environment), `chat_server.py` (the regeneration oracle and a chat-completions server on the tiny target), `repo_paths.py` (where the repository is),
   `variant_drafts.py` (a tiny draft of every built-in variant and its HF Qwen3 target), `gguf_files.py` (a tiny
-  random Llama target written as a GGUF).
+  random Llama target written as a GGUF), `smollm2_tiny.py` (the SmolLM2 job's inputs and budget at test size).
 * Fixtures: here for every folder (`tp_pool`, `one_thread`, `tiny_target`); in a folder's `conftest.py`
   for that folder (`data/`: the tokenizers `tok`, `tok_plain`; `e2e/`: the short run `trained`).
 """

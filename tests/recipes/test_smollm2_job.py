@@ -9,37 +9,13 @@ import pytest
 
 pytest.importorskip("gguf", reason="the GGUF conversion needs the gguf package (pip install gguf)")
 
-from gguf_files import tiny_llama_gguf  # noqa: E402
-from megatron_dflash.recipes.budgets import Budget  # noqa: E402
-from megatron_dflash.recipes.smollm2_job import Inputs, run_job  # noqa: E402
-
-CATEGORIES = ["writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"]
-ASKS = ["What is the capital of France?", "Write a short poem about the sea and the wind.",
-        "How do I sort a list in Python?", "Explain why the sky is blue in two sentences.",
-        "What is the quick brown fox?", "How is the wind of the sea?", "Write the capital of the sky.",
-        "Explain how you sort the list.", "What is your poem about the dog?", "How do you write Python?"]
-
-TINY = Budget("tiny", prompts=8, max_new_tokens=12, on_truncated="drop-rest", draft_layers=1, block_size=4,
-              anchors=4, seq_length=96, train_iters=4, micro_batch=2, global_batch=4, questions_per_category=1,
-              eval_max_new_tokens=8, prompt_min_tokens=2, prompt_max_tokens=64, shard_size=4)
-
-
-def _inputs(root) -> Inputs:
-    tiny_llama_gguf(str(root / "tiny.gguf"))
-    chats = [{"id": f"c{i}", "conversations": [{"from": "human", "value": text}, {"from": "gpt", "value": "ok"}]}
-             for i, text in enumerate(ASKS)]
-    (root / "sharegpt.json").write_text(json.dumps(chats))
-    with open(root / "question.jsonl", "w") as f:
-        for i, category in enumerate(CATEGORIES * 2):
-            f.write(json.dumps({"question_id": 81 + i, "category": category,
-                                "turns": [ASKS[i % len(ASKS)], "Explain why in two sentences."]}) + "\n")
-    return Inputs(gguf=str(root / "tiny.gguf"), sharegpt=str(root / "sharegpt.json"),
-                  mt_bench=str(root / "question.jsonl"), name="tiny", cache_dir=str(root / "cache"))
+from megatron_dflash.recipes.smollm2_job import run_job  # noqa: E402
+from smollm2_tiny import CATEGORIES, TINY_BUDGET as TINY, tiny_inputs  # noqa: E402
 
 
 def test_the_short_pipeline_runs_every_stage_resumes_and_reports_per_category(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the stages' own processes
-    inputs, run_dir = _inputs(tmp_path), str(tmp_path / "run")
+    inputs, run_dir = tiny_inputs(tmp_path), str(tmp_path / "run")
     lines = []
     summary = run_job(inputs, TINY, run_dir, log=lines.append)
 
