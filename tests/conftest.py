@@ -4,7 +4,7 @@
   module never imports another one (tests/test_test_layout.py checks it).
 * `tests/helpers/`: what several test modules use, each module named for what it holds:
   `tp_harness.py` (the gloo rank pool), `tp_checks.py` (TP-vs-TP=1 comparisons and bad-rank inputs),
-  `builders.py` (tiny draft sizes and body inputs), `tiny_targets.py` (tiny HF targets for the target
+  `builders.py` (tiny draft sizes, the smollm2-135m recipe's draft size, body inputs), `tiny_targets.py` (tiny HF targets for the target
   tests), `tiny_decoding.py` (targets, drafts, prompts and statistics checks for decoding),
   `reference_sampling.py` (the exact sampling distribution), `reference_decode.py` / `reference_engine.py`
   (oracles of the old decode path and of the training engine), `nemo_reference.py` (NeMo AutoModel's

@@ -4,7 +4,9 @@ Writers and readers: NeMo AutoModel 0.7.0 (`nemo_automodel`), the z-lab referenc
 SpecForge 0.2.0 (`specforge`). Each disagrees with the others on where `block_size`, the in-block
 direction and the architecture name live (`draft/config.py` lists them). With a package installed, a
 drafter is built and saved by it and compared with ours on the same inputs (fp32, 1e-5); without
-it, `fixtures/interop/*.json` (config.json files in that writer's layout) check the layout alone.
+it, `fixtures/interop/*.json` (config.json files in that writer's layout) check the layout alone. Our
+plain DFlash export is read by each reader at the tiny shape and at the smollm2-135m recipe's draft shape
+(`builders.smollm2_draft_kwargs`: 9 heads / 3 KV heads of 64, hidden 576, block 4).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from megatron_dflash.variants.domino import DominoConfig
 from megatron_dflash.variants.jetspec import JetSpecConfig
 from megatron_dflash.variants.registry import variant_for_hf_config
 
-from builders import random_body_inputs, tiny_draft_kwargs
+from builders import random_body_inputs, smollm2_draft_kwargs, tiny_draft_kwargs
 from nemo_reference import ANCHORS, SEQ, nemo, randomize, training_forward
 from repo_paths import TESTS_DIR
 
@@ -188,22 +190,58 @@ def test_nemo_domino_drafter_loads(tmp_path):
 # ------------------------------------------------------------------------------ our export, their readers
 
 
-def our_dflash_body(**overrides) -> DFlashBody:
+# The plain DFlash shapes our export is read at: the tiny one and the smollm2-135m recipe's draft.
+SHAPES = {"tiny": tiny_draft_kwargs, "smollm2-135m": smollm2_draft_kwargs}
+
+
+def our_dflash_body(kwargs: dict) -> DFlashBody:
     torch.manual_seed(0)
-    body = DFlashBody(DFlashConfig(**tiny_draft_kwargs(**overrides))).eval()
+    body = DFlashBody(DFlashConfig(**kwargs)).eval()
     randomize(body, 4)
     return body
 
 
-def test_our_export_loads_in_specforge(tmp_path):
+def assert_every_tensor_loaded(info: dict) -> None:
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_our_export_loads_in_nemo(tmp_path, shape):
+    """NeMo AutoModel's `Qwen3DFlashDraftModel` loads our plain DFlash export by class, every tensor, and
+    computes what ours does as its trainer calls it (`[context | blocks]`, bidirectional in-block mask)."""
+    draft = nemo("draft_qwen3")
+    body = our_dflash_body(SHAPES[shape]())
+    save_hf_checkpoint(body, str(tmp_path / "ours"))
+    ref, info = draft.Qwen3DFlashDraftModel.from_pretrained(str(tmp_path / "ours"), dtype=torch.float32,
+                                                            output_loading_info=True)
+    assert_every_tensor_loaded(info)
+    ref = ref.eval()
+    ref.config._attn_implementation = "eager"
+    c = body.config
+    assert (ref.block_size, ref.mask_token_id, ref.target_layer_ids) == (c.block_size, c.mask_token_id,
+                                                                         c.target_layer_ids)
+    attention = ref.layers[0].self_attn
+    assert (attention.head_dim, attention.num_key_value_groups) == (c.head_dim,
+                                                                    c.num_attention_heads // c.num_key_value_heads)
+    taps, blocks, plan = inputs(c)
+    with torch.no_grad():
+        expected = training_forward(ref, taps, blocks, plan, causal=False)
+        assert (body(taps, blocks, plan) - expected).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_our_export_loads_in_specforge(tmp_path, shape):
     """SpecForge reads `block_size` only at the top level; we write it there too."""
     if importlib.util.find_spec("specforge") is None:
         pytest.skip("SpecForge (`specforge==0.2.0`) is not installed")
     from specforge.modeling.draft.dflash import DFlashDraftModel
 
-    body = our_dflash_body()
+    body = our_dflash_body(SHAPES[shape]())
     save_hf_checkpoint(body, str(tmp_path / "ours"))
-    ref = DFlashDraftModel.from_pretrained(str(tmp_path / "ours"), dtype=torch.float32).eval()
+    ref, info = DFlashDraftModel.from_pretrained(str(tmp_path / "ours"), dtype=torch.float32,
+                                                 output_loading_info=True)
+    assert_every_tensor_loaded(info)
+    ref = ref.eval()
     assert ref.block_size == body.config.block_size
     taps, blocks, plan = inputs(body.config)
     with torch.no_grad():
@@ -225,7 +263,7 @@ def test_our_domino_export_loads_in_specforge(tmp_path):
     randomize(body, 9)
     save_hf_checkpoint(body, str(tmp_path / "ours"))
     ref, info = DominoDraftModel.from_pretrained(str(tmp_path / "ours"), dtype=torch.float32, output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert_every_tensor_loaded(info)
     assert (ref.shift_label, ref.pure_draft_prefix_len, ref.block_size) == (True, 1, config.block_size)
     reference = ref.state_dict()
     for name, tensor in body.state_dict().items():
