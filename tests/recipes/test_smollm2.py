@@ -1,13 +1,20 @@
 """The real target and data when their packages are installed (`recipes/smollm2.py`'s `INSTALL_LINE`): the
-converted SmolLM2-135M-Instruct gives transformers' own GGUF reading's tensors and logits; the ShareGPT slice and
-the MT-Bench questions are found. Skipped, with the package to install, where they are not."""
+converted SmolLM2-135M-Instruct gives transformers' own GGUF reading's tensors and logits; the draft the job
+trains on it has its attention shape; the ShareGPT slice and the MT-Bench questions are found. Skipped, with the
+package to install, where they are not."""
 
 import importlib.util
+import json
+import os
 
 import pytest
 import torch
 
+from builders import smollm2_draft_kwargs
+from megatron_dflash.draft.config import DFlashConfig
 from megatron_dflash.recipes import smollm2
+from megatron_dflash.recipes.budgets import BUDGETS
+from megatron_dflash.recipes.smollm2_job import Inputs, stages, tap_layers, train_args
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -51,6 +58,53 @@ def test_the_converted_smollm2_is_transformers_own_reading_of_the_gguf(target_di
         assert AutoConfig.from_pretrained(folder, gguf_file=name).vocab_size == c.vocab_size
         with torch.no_grad():
             assert torch.equal(ours(ids).logits, gguf_model(ids).logits)
+
+
+def _recipe_draft_config(target_dir: str, budget, root) -> DFlashConfig:
+    """The draft config `pretrain_dflash.py` derives from the job's own flags (`smollm2_job.train_args`, on its
+    target stage's record), through `training.job.prepare_job` as the training stage's process does."""
+    from megatron_dflash.training.arguments import parse_args
+    from megatron_dflash.training.job import prepare_job
+
+    inputs = Inputs(gguf=smollm2.SMOLLM2_GGUF.path(), sharegpt="unused", mt_bench="unused",
+                    name=os.path.basename(target_dir), cache_dir=os.path.dirname(target_dir))
+    target_stage = next(stage for stage in stages(inputs, budget, str(root / "run"), log=lambda _: None)
+                        if stage.name == "target")
+    records = {"target": target_stage.run({})}
+    assert records["target"]["target"] == target_dir  # converted once: the stage finds it
+    (root / "chats").mkdir()
+    chat = {"messages": [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."}]}
+    (root / "chats" / "chats.jsonl").write_text(json.dumps(chat) + "\n")
+    records["regenerate"] = {"chats": str(root / "chats")}
+    args = parse_args(train_args(budget, str(root / "run"), records))
+    return prepare_job(args, world_size=1, env={}, cuda=False, log=lambda *a: None).draft_config
+
+
+@pytest.mark.parametrize("name", sorted(BUDGETS))
+def test_the_recipe_draft_has_the_target_attention_shape(target_dir, tmp_path, name):
+    """Each budget's draft: the target's attention and MLP shape, norm and RoPE, the budget's depth and block, 3
+    taps spread over the target's layers; the short budget's is the shape the interop tests read our export at
+    (`builders.smollm2_draft_kwargs`, tests/e2e/test_interop.py)."""
+    budget = BUDGETS[name]
+    config = _recipe_draft_config(target_dir, budget, tmp_path)
+    with open(os.path.join(target_dir, "config.json"), encoding="utf-8") as f:
+        target = json.load(f)
+    assert type(config) is DFlashConfig  # plain DFlash
+    for field in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                  "vocab_size"):
+        assert getattr(config, field) == target[field], field
+    assert config.head_dim * config.num_attention_heads == target["hidden_size"]
+    assert config.rms_norm_eps == target["rms_norm_eps"]
+    assert config.rope_theta == (target.get("rope_parameters") or target)["rope_theta"]
+    assert config.num_target_layers == target["num_hidden_layers"]
+    assert (config.num_hidden_layers, config.block_size) == (budget.draft_layers, budget.block_size)
+    assert config.target_layer_ids == tap_layers(target["num_hidden_layers"], budget.taps)
+    assert len(config.target_layer_ids) == budget.taps == 3
+    if name == "short":
+        assert (config.num_hidden_layers, config.block_size) == (1, 4)
+        pinned = smollm2_draft_kwargs()
+        for field, value in pinned.items():
+            assert getattr(config, field) == (pytest.approx(value) if isinstance(value, float) else value), field
 
 
 def test_the_prompt_and_question_files_are_found():
