@@ -239,40 +239,18 @@ def check_paths(args: argparse.Namespace) -> None:
 # ================================================================================== progress
 
 
-class _SimpleProgress:
-    """A stand-in for tqdm: one updating line on stderr, drawn on a terminal only."""
+def progress(total: int, phase: str, unit: str = "prompts"):
+    """Progress of one phase on stderr (`decoding.regenerate.Progress`, as the regeneration tool prints it): a
+    bar on a terminal; in a log a line at least every 30 seconds while the phase runs, and its last (`advance`).
+    The report (stdout, --output) does not change."""
+    from megatron_dflash.decoding.regenerate import Progress
 
-    def __init__(self, total: int, desc: str):
-        self.total, self.desc, self.n = total, desc, 0
-        self.enabled = sys.stderr.isatty()
-        self._draw()
-
-    def _draw(self) -> None:
-        if not self.enabled:
-            return
-        width = 30
-        done = int(width * self.n / self.total) if self.total else width
-        sys.stderr.write(f"\r{self.desc}: [{'#' * done}{'.' * (width - done)}] {self.n}/{self.total}")
-        sys.stderr.flush()
-
-    def update(self, n: int = 1) -> None:
-        self.n += n
-        self._draw()
-
-    def close(self) -> None:
-        if self.enabled:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
+    return Progress(total, f"{phase}: ", sys.stderr, unit=unit)
 
 
-def progress(total: int, desc: str):
-    try:
-        from tqdm import tqdm
-
-        # disable=None: no bar when stderr is not a terminal (logs get the report only)
-        return tqdm(total=total, desc=desc, file=sys.stderr, disable=None)
-    except ImportError:
-        return _SimpleProgress(total, desc)
+def advance(bar, done: int, tokens: int) -> None:
+    """`done` more prompts (turns) decoded, `tokens` generated; the phase's last update is always printed."""
+    bar.update(done, tokens, force=bar.records + done >= bar.total)
 
 
 # ================================================================================== loading
@@ -643,16 +621,18 @@ def _speculative_rows(run: _Run) -> tuple[list, float, dict]:
     """Every prompt through `spec_generate`: its report row, the decoding time and the batched forward counts."""
     per_prompt, spec_time, totals = [], 0.0, _new_totals()
     bar = progress(len(run.prompts), "spec_generate")
-    for start, batch in batches(run.prompts, run.args.batch_size):
-        out, seconds = _spec_batch(run, batch, totals)
-        spec_time += seconds
-        rows = _batch_rows(run, start, batch, out, seconds)
-        for row in rows:
-            if run.categories[row["index"]] is not None:
-                row["category"] = run.categories[row["index"]]
-        per_prompt.extend(rows)
-        bar.update(len(batch))
-    bar.close()
+    try:
+        for start, batch in batches(run.prompts, run.args.batch_size):
+            out, seconds = _spec_batch(run, batch, totals)
+            spec_time += seconds
+            rows = _batch_rows(run, start, batch, out, seconds)
+            for row in rows:
+                if run.categories[row["index"]] is not None:
+                    row["category"] = run.categories[row["index"]]
+            per_prompt.extend(rows)
+            advance(bar, len(batch), sum(row["generated_tokens"] for row in rows))
+    finally:
+        bar.close()
     return per_prompt, spec_time, totals
 
 
@@ -665,7 +645,8 @@ def _benchmark_rows(run: _Run) -> tuple[list, float, dict]:
     from megatron_dflash.decoding.benchmark_turns import run_benchmark_turns
 
     a, clock, totals = run.args, [0.0], _new_totals()
-    bar = progress(sum(len(item.turns) for item in run.items) * a.num_samples, "spec_generate")
+    # Counted in turns: a question has one per turn and sample.
+    bar = progress(sum(len(item.turns) for item in run.items) * a.num_samples, "spec_generate", "turns")
 
     def decode(prompts: list) -> list:
         ids = [run.turn_ids(p) for p in prompts]
@@ -678,17 +659,20 @@ def _benchmark_rows(run: _Run) -> tuple[list, float, dict]:
             run.generator.manual_seed(prompts[batch[0]].seed)
             out, seconds = _spec_batch(run, [ids[k] for k in batch], totals)
             clock[0] += seconds
-            for k, row in zip(batch, _batch_rows(run, 0, [ids[k] for k in batch], out, seconds)):
+            rows = _batch_rows(run, 0, [ids[k] for k in batch], out, seconds)
+            for k, row in zip(batch, rows):
                 p = prompts[k]
                 row.update({"set": p.item.set, "category": p.item.category, "question_id": p.item.question_id,
                             "turn": p.turn + 1, "sample": p.sample, "seed": p.seed})
                 answer = run.decode.decode(row["generated_ids"], skip_special_tokens=True)
                 results.append((answer, (row, ids[k])))
-            bar.update(len(batch))
+            advance(bar, len(batch), sum(row["generated_tokens"] for row in rows))
         return results
 
-    done = run_benchmark_turns(run.items, decode, num_samples=a.num_samples, seed=a.seed)
-    bar.close()
+    try:
+        done = run_benchmark_turns(run.items, decode, num_samples=a.num_samples, seed=a.seed)
+    finally:
+        bar.close()
     per_prompt = []
     for index, (_, (row, ids)) in enumerate(done):
         row["index"] = index
@@ -722,19 +706,21 @@ def _baseline(run: _Run, per_prompt: list) -> dict:
     """The autoregressive baseline over the same prompts: its time, tokens and how many outputs match."""
     ar_time, ar_tokens, matches = 0.0, 0, 0
     bar = progress(len(run.prompts), "autoregressive")
-    for start, batch in batches(run.prompts, run.args.batch_size):
-        _sync(run.device)
-        began = time.perf_counter()
-        generated = run.baseline(run.target, batch, run.args.max_new_tokens, run.stop_tokens, run.device)
-        _sync(run.device)
-        seconds = time.perf_counter() - began
-        ar_time += seconds
-        for row, (ids, share) in enumerate(zip(generated, _time_shares(seconds, [len(g) for g in generated]))):
-            ar_tokens += len(ids)
-            matches += ids == per_prompt[start + row]["generated_ids"]
-            per_prompt[start + row].update({"autoregressive_tokens": len(ids), "autoregressive_seconds": share})
-        bar.update(len(batch))
-    bar.close()
+    try:
+        for start, batch in batches(run.prompts, run.args.batch_size):
+            _sync(run.device)
+            began = time.perf_counter()
+            generated = run.baseline(run.target, batch, run.args.max_new_tokens, run.stop_tokens, run.device)
+            _sync(run.device)
+            seconds = time.perf_counter() - began
+            ar_time += seconds
+            for row, (ids, share) in enumerate(zip(generated, _time_shares(seconds, [len(g) for g in generated]))):
+                ar_tokens += len(ids)
+                matches += ids == per_prompt[start + row]["generated_ids"]
+                per_prompt[start + row].update({"autoregressive_tokens": len(ids), "autoregressive_seconds": share})
+            advance(bar, len(batch), sum(len(g) for g in generated))
+    finally:
+        bar.close()
     greedy_match = matches / len(run.prompts) if run.args.temperature == 0 else None
     return {"seconds": ar_time, "tokens": ar_tokens, "greedy_match": greedy_match}
 

@@ -364,13 +364,13 @@ class Progress:
     """Records and tokens per second of one rank, on `stream`: a bar on a terminal; else a line at the end of
     each shard and at least every `interval` seconds, also while one `generate` call or one server turn runs
     for minutes (a background heartbeat says the run is alive and what it has done, so a log file is never
-    silent for long)."""
+    silent for long). `unit`: what is counted ("records"; e.g. "prompts" for an evaluation)."""
 
     def __init__(self, total: int, label: str = "", stream=None, min_interval: float = 0.5,
-                 interval: float = DEFAULT_PROGRESS_INTERVAL):
+                 interval: float = DEFAULT_PROGRESS_INTERVAL, unit: str = "records"):
         if not interval > 0:
             raise ValueError(f"progress interval must be > 0 seconds, got {interval!r}.")
-        self.total, self.label, self.stream = total, label, stream or sys.stderr
+        self.total, self.label, self.stream, self.unit = total, label, stream or sys.stderr, unit
         self.records = self.tokens = 0
         self.start = self.last = time.monotonic()
         self.min_interval, self.interval = min_interval, interval
@@ -397,8 +397,8 @@ class Progress:
         dt = max(now - self.start, 1e-9)
         width = 30
         filled = int(width * self.records / max(self.total, 1))
-        line = (f"{self.label}[{'#' * filled}{'.' * (width - filled)}] {self.records}/{self.total} records "
-                f"{self.records / dt:.2f} records/s {self.tokens / dt:.1f} tokens/s")
+        line = (f"{self.label}[{'#' * filled}{'.' * (width - filled)}] {self.records}/{self.total} {self.unit} "
+                f"{self.records / dt:.2f} {self.unit}/s {self.tokens / dt:.1f} tokens/s")
         if not self.tty:
             line += f" ({_elapsed(dt)})"
         try:

@@ -436,8 +436,14 @@ def test_cli_end_to_end(tmp_path, capsys, dflash2):
         "--dtype", "float32", "--output", str(report_path),
     ])
     assert code == 0
-    printed = capsys.readouterr().out
+    said = capsys.readouterr()
+    printed = said.out
     assert "decode acceptance length (speculative decoding)" in printed and "speedup" in printed
+    # Progress on stderr, a line at each phase's end (not a terminal), none on stdout.
+    lines = [line for line in said.err.splitlines() if "prompts/s" in line]
+    assert [line.split(": [")[0] for line in lines] == ["spec_generate", "autoregressive"], said.err
+    assert all(" 3/3 prompts " in line and "tokens/s" in line and "elapsed" in line for line in lines), lines
+    assert "prompts/s" not in printed
     report = json.loads(report_path.read_text())
     assert report["settings"]["draft_architecture"] == ("DFlash2Body" if dflash2 else "DFlashBody")
     assert len(report["prompts"]) == 3

@@ -170,6 +170,13 @@ def test_progress_says_records_and_tokens_per_second():
     progress.update(4, 30, force=True)
     line = stream.getvalue()
     assert line.startswith("rank 1: [") and " 4/8 records " in line and "records/s" in line and "tokens/s" in line
+    progress.close()
+    stream = io.StringIO()
+    progress = Progress(3, "spec_generate: ", stream, unit="prompts")  # what another tool counts
+    progress.update(3, 12, force=True)
+    progress.close()
+    line = stream.getvalue()
+    assert " 3/3 prompts " in line and "prompts/s" in line and "records" not in line
 
 
 # ------------------------------------------------------------------------------ every input kind and style

@@ -335,7 +335,8 @@ def _parallel_sizes() -> dict:
 def check_parallel_sizes(spec: HFTargetSpec, tp: int, ep: int = 1, etp: Optional[int] = None) -> None:
     """Refuse TP / EP / expert-TP sizes that do not split ``spec``'s heads, latent ranks, MLP columns and experts
     into whole parts (``etp`` None: the tensor-parallel size, megatron's default)."""
-    etp = tp if etp is None else etp
+    etp_defaulted = etp is None
+    etp = tp if etp_defaulted else etp
     checks = [("tensor_model_parallel_size", tp, "num_key_value_heads", spec.num_key_value_heads),
               ("tensor_model_parallel_size", tp, "num_attention_heads", spec.num_attention_heads)]
     if spec.mla:
@@ -358,10 +359,26 @@ def check_parallel_sizes(spec: HFTargetSpec, tp: int, ep: int = 1, etp: Optional
         )
     for size_name, size, name, value in checks:
         if value % size:
+            values = [v for n, _, _, v in checks if n == size_name]
+            if size_name == "tensor_model_parallel_size" and spec.num_experts and etp_defaulted:
+                values.append(spec.moe_intermediate_size)  # expert TP follows TP: it must split the experts too
+            fits = _common_divisors(values)
             raise ValueError(
-                f"megatron target: {size_name}={size} must divide {name}={value} "
-                f"(this converter splits whole query groups, experts and MLP columns across ranks)."
+                f"megatron target: {size_name}={size} must divide {name}={value} (this converter splits whole "
+                f"query groups, experts and MLP columns across ranks); use {size_name} {_one_of(fits)}."
             )
+
+
+def _common_divisors(values: list) -> list:
+    """The sizes that divide every one of ``values`` (the divisors of their greatest common divisor)."""
+    g = math.gcd(*values)
+    return [d for d in range(1, g + 1) if g % d == 0]
+
+
+def _one_of(sizes: list) -> str:
+    """``[1]`` -> '1', ``[1, 3]`` -> '1 or 3', ``[1, 2, 4]`` -> '1, 2 or 4'."""
+    words = [str(s) for s in sizes]
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
 
 
 def _moe_config(spec: HFTargetSpec) -> dict:

@@ -1,16 +1,20 @@
-"""The megatron target at TP=2 and PP=2 against transformers, and its CPU shim.
+"""The megatron target at TP=2, PP=2 and TP=3 against transformers, and its CPU shim.
 
 Reference: transformers' own forward of tiny random Qwen3 / Llama models in fp32 (`tiny_targets`); the
 converted megatron ``GPTModel`` must reproduce its logits and taps (``output_hidden_states[i + 1]``):
 
 * one call on a pool of 2 gloo ranks at TP=2 (vocab-parallel logits gathered, padded columns -inf, custom
   position ids, a padding mask, the vocab-parallel embedding) and one at PP=2 x TP=1 (activations sent
-  from stage 0 to stage 1 by hand; each stage captures the taps of the layers it owns under their global ids).
+  from stage 0 to stage 1 by hand; each stage captures the taps of the layers it owns under their global ids);
+* a tied Llama with SmolLM2-135M's 9 heads / 3 KV heads on 3 ranks at TP=3 (logits and taps to fp32 rounding),
+  and refused at TP=2 on each of 2 ranks with the sizes that would work, before any collective (no hang).
 
 The HF references are computed here, in the test process; the ranks only import megatron.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -204,3 +208,107 @@ def test_megatron_target_tp2_and_pp2_match_transformers(tiny, tp_pool):
     assert stage1["padding_is_-inf"], stage1
     print("TP=2:", {n: {k: v for k, v in r.items() if isinstance(v, float)} for n, r in reports[0].items()})
     print("PP=2:", stage0["taps"], stage1["taps"], stage1["logits"])
+
+
+# --------------------------------------------------------------------------------------------------
+# A target with 3 KV heads (SmolLM2's 9 / 3 heads): TP=3 matches transformers, TP=2 is refused
+# --------------------------------------------------------------------------------------------------
+
+_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast",
+                "broadcast_object_list", "barrier", "reduce_scatter_tensor", "all_to_all_single", "send", "recv")
+
+
+def _save_three_kv_heads(root: str):
+    """A tiny random tied Llama with SmolLM2-135M's head layout (9 heads, 3 KV heads), norm weights perturbed."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=36, intermediate_size=48, num_hidden_layers=LAYERS,
+                         num_attention_heads=9, num_key_value_heads=3, head_dim=8, max_position_embeddings=256,
+                         rms_norm_eps=1e-5, tie_word_embeddings=True, rope_theta=10000.0)
+    torch.manual_seed(11)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname:
+                p.add_(0.3 * torch.randn_like(p))
+    path = f"{root}/llama_3kv"
+    model.save_pretrained(path)
+    return model, path
+
+
+@contextlib.contextmanager
+def _counted_collectives():
+    """The names of the torch.distributed collectives this rank enters inside the block, in order."""
+    import torch.distributed as dist
+
+    entered, saved = [], {name: getattr(dist, name) for name in _COLLECTIVES}
+
+    def counting(name):
+        def call(*args, **kwargs):
+            entered.append(name)
+            return saved[name](*args, **kwargs)
+        return call
+
+    for name in _COLLECTIVES:
+        setattr(dist, name, counting(name))
+    try:
+        yield entered
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
+def _on_ranks_tp3(rank: int, world_size: int, case: dict) -> dict:
+    from megatron_dflash.target.megatron.model import MegatronTarget
+
+    with megatron_target_on_cpu():
+        target = MegatronTarget.from_pretrained(case["path"], TAPS, use_cpu_initialization=True)
+        with _counted_collectives() as entered:  # the count sees megatron's own collectives
+            out = target(case["ids"], attention_mask=case["keep"], position_ids=case["positions"], return_logits=True)
+        valid = case["keep"].bool()
+        logits = _gather_vocab(out.logits)
+        return {
+            "local_vocab": out.logits.shape[-1],
+            "padding_is_-inf": bool(torch.isneginf(logits[..., VOCAB:]).all()),
+            "logits": _maxdiff(logits[..., :VOCAB][valid], case["logits"][valid]),
+            "final_hidden": _maxdiff(out.final_hidden[valid], case["hidden"][-1][valid]),
+            "taps": max(_maxdiff(out.taps[i][valid], case["hidden"][i + 1][valid]) for i in TAPS),
+            "tap_ids": sorted(out.taps),
+            "forward_collectives": len(entered),
+        }
+
+
+def _on_ranks_refused(rank: int, world_size: int, path: str) -> dict:
+    """Build the target at TP = world size; the collectives this rank entered before the error; the group after."""
+    import torch.distributed as dist
+
+    from megatron_dflash.target.megatron.model import MegatronTarget
+
+    error = "no error"
+    with _counted_collectives() as entered:
+        try:
+            with megatron_target_on_cpu():
+                MegatronTarget.from_pretrained(path, TAPS, use_cpu_initialization=True)
+        except ValueError as err:
+            error = str(err)
+    together = torch.ones(1)
+    dist.all_reduce(together)  # every rank is still here, the group in step
+    return {"error": error, "collectives": entered, "together": float(together)}
+
+
+def test_three_kv_heads_run_at_tp3_as_in_transformers_and_tp2_is_refused_on_every_rank(tmp_path, tp_pool):
+    model, path = _save_three_kv_heads(str(tmp_path))
+    ids, positions, keep = tiny_inputs()
+    ref = hf_reference(model, input_ids=ids, attention_mask=keep, position_ids=positions)
+    case = {"path": path, "ids": ids, "keep": keep, "positions": positions, "logits": ref["logits"],
+            "hidden": ref["hidden"]}
+    for rank, r in enumerate(tp_pool(3).run(_on_ranks_tp3, case, tp=3)):
+        assert r["local_vocab"] == 128 and r["padding_is_-inf"] and r["tap_ids"] == TAPS, (rank, r)
+        assert r["forward_collectives"] > 0, (rank, r)
+        for key in ("logits", "final_hidden", "taps"):
+            assert r[key] < ATOL, f"rank {rank}: {key} differs by {r[key]:.2e}; {r}"
+    refused = ("megatron target: tensor_model_parallel_size=2 must divide num_key_value_heads=3 (this converter "
+               "splits whole query groups, experts and MLP columns across ranks); use tensor_model_parallel_size "
+               "1 or 3.")
+    for rank, r in enumerate(tp_pool(2).run(_on_ranks_refused, path, tp=2, timeout=60)):
+        assert r == {"error": refused, "collectives": [], "together": 2.0}, (rank, r)
