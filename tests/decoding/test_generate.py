@@ -117,7 +117,7 @@ def test_kv_cache_rows_growth_and_misuse():
         assert all(not k[:, 5:].any() for k in cache.keys)
         cache.select_rows(torch.tensor([2, 0]))
         assert cache.batch_size == 2 and torch.equal(cache.keys[1][:, :5], written[1][[2, 0]])
-        # the kept rows decode exactly as when decoded alone
+        # the kept rows decode as when decoded alone
         alone = DraftKVCache(body, 1, capacity=8)
         one = DFlashBatchPlan.for_decoding(torch.tensor([5]), torch.arange(5)[None], block_size=W)
         body(taps[2:], blocks[2:], one, kv_cache=alone)
@@ -125,7 +125,8 @@ def test_kv_cache_rows_growth_and_misuse():
         kept = body(taps[[2, 0], :0], blocks[[2, 0]], empty, kv_cache=cache)
         none_new = DFlashBatchPlan.for_decoding(torch.tensor([5]), torch.zeros(1, 0, dtype=torch.int64), block_size=W)
         again = body(taps[2:, :0], blocks[2:], none_new, kv_cache=alone)
-        assert torch.equal(kept[:1], again)
+        # to fp32 rounding: a batch of two and a batch of one may take different BLAS kernels
+        torch.testing.assert_close(kept[:1], again, atol=1e-5, rtol=1e-5)
 
         with pytest.raises(ValueError, match="select_rows"):
             body(taps, blocks, plan, kv_cache=cache)
