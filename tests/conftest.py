@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 import pytest
@@ -37,6 +38,13 @@ for _path in reversed([os.path.dirname(_TESTS), os.path.join(_TESTS, "helpers"),
         sys.path.insert(0, _path)
 
 from tp_harness import RankPools  # noqa: E402
+
+# A suite started in the background by a non-interactive shell (`pytest ... &`, as some CI runners do) inherits
+# SIGINT ignored, and so would every child it starts: the Ctrl-C tests (a run interrupted ends in one line with
+# status 130) would then see no interrupt at all. The suite takes Python's own handler back; children start
+# with the default disposition again.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")
