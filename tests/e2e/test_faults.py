@@ -374,10 +374,8 @@ def test_global_batch_without_supervised_slot_does_not_step(tiny_target, tmp_pat
     def on_step(iteration, values, body):
         snapshots.append({k: v.detach().clone() for k, v in body.state_dict().items() if torch.is_tensor(v)})
 
-    from megatron_dflash.training.loop import run
-
-    result = run(_chat_args(tiny_target, tmp_path, tmp_path / "mixed.jsonl", "--train-iters", "8",
-                            "--micro-batch-size", "1", "--lr-decay-style", "linear"), hooks={"on_step": on_step})
+    result = run_training(_chat_args(tiny_target, tmp_path, tmp_path / "mixed.jsonl", "--train-iters", "8",
+                                     "--micro-batch-size", "1", "--lr-decay-style", "linear"), hooks={"on_step": on_step})
     skipped = [i for i, loss in enumerate(result.losses) if loss != loss]  # nan: no supervised slot
     assert 0 < len(skipped) < 8 and result.skipped_steps == len(skipped) == result.empty_micro_batches
     stepped = [i for i in range(8) if i not in skipped]

@@ -20,13 +20,19 @@ MULTI_RANK_TIMEOUT_S = 300.0  # generous (a shared, loaded machine), but a hang 
 SHORT = ["--train-iters", "2", "--micro-batch-size", "4", "--global-batch-size", "4", "--dflash-eval-prompts", "0"]
 
 
+def with_run_dir(argv) -> list:
+    """`argv` with the run directory next to its export when it names none: a test's run never writes into the
+    checkout's runs/."""
+    argv = list(argv)
+    if "--run-dir" not in argv and "--dflash-export" in argv:
+        argv += ["--run-dir", os.path.dirname(argv[argv.index("--dflash-export") + 1])]
+    return argv
+
+
 def run_training(argv, hooks=None, world_size=None):
     from megatron_dflash.training.loop import run
 
-    argv = list(argv)
-    if "--run-dir" not in argv and "--dflash-export" in argv:  # the run directory next to the export
-        argv += ["--run-dir", os.path.dirname(argv[argv.index("--dflash-export") + 1])]
-    return run(argv, hooks=hooks, world_size=world_size)
+    return run(with_run_dir(argv), hooks=hooks, world_size=world_size)
 
 
 def training_argv(target, out, *extra):
@@ -40,7 +46,7 @@ def run_main(argv, capsys, monkeypatch, debug=False):
 
     monkeypatch.setenv(DEBUG_ENV, "1" if debug else "0")
     capsys.readouterr()
-    status = main(argv)
+    status = main(with_run_dir(argv))
     return status, capsys.readouterr().err
 
 
