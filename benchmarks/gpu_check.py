@@ -125,7 +125,8 @@ def check_train_step(extra_argv: tuple = (), *, cache_dir: Optional[str] = None,
         optim.build_engine = recording
         try:
             argv = ["--train-iters", "2", "--dflash-eval-prompts", "0", "--no-progress-bar",
-                    "--dflash-export", os.path.join(tmp, "hf"), *(["--bf16"] if bf16 else []), *extra_argv]
+                    "--dflash-export", os.path.join(tmp, "hf"), "--run-dir", os.path.join(tmp, "run"),
+                    *(["--bf16"] if bf16 else []), *extra_argv]
             t0 = time.perf_counter()
             result = run(argv)
             wall = time.perf_counter() - t0
@@ -227,7 +228,7 @@ def check_torchrun_tp2(cache_dir: str, timeout_s: float = 300.0) -> Row:
         for tp in (1, 2):
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}",
                    str(ROOT / "pretrain_dflash.py"), *common, "--tensor-model-parallel-size", str(tp),
-                   "--dflash-export", os.path.join(tmp, f"hf-tp{tp}")]
+                   "--dflash-export", os.path.join(tmp, f"hf-tp{tp}"), "--run-dir", os.path.join(tmp, f"run-tp{tp}")]
             try:
                 done = subprocess.run(cmd, env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=timeout_s)
             except subprocess.TimeoutExpired:

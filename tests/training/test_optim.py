@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from reference_engine import reference_engine
+from training_runs import run_training
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -49,13 +50,11 @@ def _run(argv, reference: bool = False):
     """(losses, grad norms, learning rates, exported weights) of one training run in this process."""
     from safetensors.torch import load_file
 
-    from megatron_dflash.training.loop import run
-
     if reference:
         with reference_engine():
-            result = run(argv)
+            result = run_training(argv)
     else:
-        result = run(argv)
+        result = run_training(argv)
     weights = None
     if result.export_dir is not None and os.path.isfile(os.path.join(result.export_dir, "model.safetensors")):
         weights = load_file(os.path.join(result.export_dir, "model.safetensors"))

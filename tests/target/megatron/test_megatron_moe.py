@@ -29,6 +29,7 @@ from megatron_dflash.target.megatron.weights import (
 )
 from megatron_dflash.training.device_shim import causal_mask, megatron_target_on_cpu
 from repo_paths import REPO_ROOT
+from training_runs import run_training
 
 VOCAB, LAYERS, HIDDEN, SEQ, BATCH = 300, 4, 32, 12, 2
 TAPS = [0, 1, 2]
@@ -367,20 +368,16 @@ def tiny_moe_targets(tmp_path_factory) -> dict:
 
 
 def _train_moe(rank, world_size, target, out_dir, *extra):
-    from megatron_dflash.training.loop import run
-
     argv = ["--target", target, "--dflash-export", os.path.join(out_dir, "hf"), *TRAIN_ARGS,
             "--target-backend", "megatron", *extra]
     torch.set_num_threads(1)
-    result = run(argv)  # without CUDA the loop runs the megatron target under device_shim.megatron_target_on_cpu
+    result = run_training(argv)  # without CUDA the loop runs the megatron target under device_shim.megatron_target_on_cpu
     return result.losses, result.grad_norms
 
 
 @pytest.fixture(scope="module")
 def hf_target_runs(tiny_moe_targets, tmp_path_factory):
     """`hf_target_runs(family)` -> the training result of TRAIN_ARGS with the transformers target, run once."""
-    from megatron_dflash.training.loop import run
-
     results = {}
 
     def result(family: str):
@@ -389,7 +386,8 @@ def hf_target_runs(tiny_moe_targets, tmp_path_factory):
             torch.set_num_threads(1)
             try:
                 export = str(tmp_path_factory.mktemp(f"hf_{family}") / "hf")
-                results[family] = run(["--target", tiny_moe_targets[family], "--dflash-export", export, *TRAIN_ARGS])
+                results[family] = run_training(["--target", tiny_moe_targets[family], "--dflash-export", export,
+                                                 *TRAIN_ARGS])
             finally:
                 torch.set_num_threads(saved)
         return results[family]
