@@ -66,6 +66,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--worker", choices=("nemo",), help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--cache", default=None, help=argparse.SUPPRESS)
     return p
 
 
@@ -152,20 +153,18 @@ def _train(side: str, seed: int, budget, budget_arg: str, run_dir: str, records:
     else:
         command = [sys.executable, str(Path(__file__).resolve()), "--worker", "nemo", "--run-dir", run_dir,
                    "--budget", budget_arg, "--train-iters", str(budget.train_iters), "--seed", str(seed),
-                   "--out", out, "--work-dir", os.path.dirname(out)]
+                   "--out", out, "--cache", cache]
     timing = _timed(command, log)
     return {"draft": os.path.join(out, "hf"), **timing}
 
 
 def _evaluate(draft: str, target: str, budget, question_file: str, out: str, log) -> dict:
-    from megatron_dflash.recipes.smollm2_job import _categories
+    """The job's own evaluation (`smollm2_job.evaluate_args`) of `draft`; its report."""
+    from megatron_dflash.recipes.smollm2_job import evaluate_args
     from megatron_dflash.recipes.stages import run_entry_point
 
     report = os.path.join(out, "mt_bench.json")
-    limit = budget.questions_per_category * len(_categories(question_file))
-    run_entry_point("tools/evaluate_acceptance.py", [
-        "--target", target, "--draft", draft, "--benchmark", "mt-bench", "--benchmark-file", question_file,
-        "--limit", str(limit), "--max-new-tokens", str(budget.eval_max_new_tokens), "--output", report], log)
+    run_entry_point("tools/evaluate_acceptance.py", evaluate_args(budget, target, draft, question_file, report), log)
     with open(report, encoding="utf-8") as f:
         return json.load(f)
 
@@ -187,8 +186,7 @@ def _nemo_worker(args) -> None:
     from bench_step import _import_nemo
 
     budget, records = _budget(args), _records(args.run_dir)
-    cache = _ensure_cache(budget, args.run_dir, records, _work_dir(args), print)
-    job = prepare_job(parse_args(_train_argv(budget, args.run_dir, records, cache, args.seed)), world_size=1,
+    job = prepare_job(parse_args(_train_argv(budget, args.run_dir, records, args.cache, args.seed)), world_size=1,
                       log=lambda _: None)
     train_ds, valid_ds = build_datasets(job)
     reader = open_cache_reader(job, train_ds, valid_ds)
@@ -264,8 +262,7 @@ def _nemo_worker(args) -> None:
         optimizer.zero_grad(set_to_none=True)
         scheduler.step(1)
         if step % log_every == 0 or step == budget.train_iters:
-            mean = lambda xs: sum(xs) / max(1, len(xs))  # noqa: E731
-            print(f"[nemo] step {step}/{budget.train_iters} loss {mean(losses):.4f} accuracy {mean(accuracies):.4f} "
+            print(f"[nemo] step {step}/{budget.train_iters} loss {_mean(losses):.4f} accuracy {_mean(accuracies):.4f} "
                   f"grad norm {float(grad_norm):.3f} lr {optimizer.param_groups[0]['lr']:.3e} "
                   f"({time.perf_counter() - start:.0f}s)", flush=True)
     if skipped:
@@ -287,8 +284,12 @@ def _acceptance_by_row(report: dict) -> dict:
     return rows
 
 
+def _mean(values: list) -> float:
+    return sum(values) / max(1, len(values))
+
+
 def _mean_and_half_range(values: list) -> tuple:
-    return sum(values) / len(values), (max(values) - min(values)) / 2
+    return _mean(values), (max(values) - min(values)) / 2
 
 
 def format_table(results: dict, seeds: list) -> str:
@@ -318,10 +319,6 @@ def format_table(results: dict, seeds: list) -> str:
     return "\n".join(lines)
 
 
-def _work_dir(args) -> str:
-    return args.work_dir or os.path.join(args.run_dir, "bench_quality")
-
-
 def main(argv=None) -> dict:
     args = _parser().parse_args(argv)
     if args.worker == "nemo":
@@ -341,7 +338,7 @@ def main(argv=None) -> dict:
         except ImportError as err:
             raise SystemExit(f"bench_quality: NeMo AutoModel is not importable ({err}); install the set-up's "
                              "nemo_automodel, or pass --sides ours.") from None
-    work = _work_dir(args)
+    work = args.work_dir or os.path.join(args.run_dir, "bench_quality")
     os.makedirs(work, exist_ok=True)
     cache = _ensure_cache(budget, args.run_dir, records, work, print)
     seeds = list(range(1, args.seeds + 1))

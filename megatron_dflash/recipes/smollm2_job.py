@@ -173,15 +173,20 @@ def _evaluate(inputs: Inputs, budget: Budget, run_dir: str, log) -> Callable[[di
     def run(records):
         out = os.path.join(run_dir, "eval", "mt_bench.json")
         os.makedirs(os.path.dirname(out), exist_ok=True)
-        categories = _categories(inputs.mt_bench)
-        limit = budget.questions_per_category * len(categories)
-        run_entry_point("tools/evaluate_acceptance.py", [
-            "--target", records["target"]["target"], "--draft", records["train"]["draft"], "--benchmark", "mt-bench",
-            "--benchmark-file", inputs.mt_bench, "--limit", str(limit), "--max-new-tokens",
-            str(budget.eval_max_new_tokens), "--output", out], log)
+        limit = budget.questions_per_category * len(_categories(inputs.mt_bench))
+        run_entry_point("tools/evaluate_acceptance.py", evaluate_args(
+            budget, records["target"]["target"], records["train"]["draft"], inputs.mt_bench, out), log)
         report = _read_json(out)
         return {"report": out, "questions": limit, "categories": report["categories"], "summary": report["summary"]}
     return run
+
+
+def evaluate_args(budget: Budget, target: str, draft: str, question_file: str, output: str) -> list:
+    """`tools/evaluate_acceptance.py`'s flags of this job's evaluation: MT-Bench, the budget's questions per
+    category (spread over the categories), both turns, `eval_max_new_tokens` each, the report to `output`."""
+    limit = budget.questions_per_category * len(_categories(question_file))
+    return ["--target", target, "--draft", draft, "--benchmark", "mt-bench", "--benchmark-file", question_file,
+            "--limit", str(limit), "--max-new-tokens", str(budget.eval_max_new_tokens), "--output", output]
 
 
 def _categories(question_file: str) -> list:
